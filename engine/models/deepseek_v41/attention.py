@@ -1,0 +1,360 @@
+"""CSA2 attention of one layer (`model.md` §3.4–§3.7): window + sink, KV sources, indexers.
+
+Every function here is vectorised over tokens and sequences of a `StepBatch`; a step may carry
+any number of new positions per sequence, so one-shot, chunked and token-by-token runs share this
+code. The only loop is over query chunks of the indexer, to bound its score buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.kv_formats import KVCodec
+from engine.models.deepseek_v41.primitives import apply_rope, rms_norm
+from engine.models.deepseek_v41.state import BLOCK_TOKENS, PAIR_RING, ModelState, StepBatch
+
+# Upper bound on elements of one indexer score buffer [chunk, heads, J].
+_INDEX_SCORE_ELEMS = 1 << 25
+
+
+@dataclass(frozen=True)
+class KVCodecs:
+    """How the three kinds of stored rows are encoded (quantised or exact)."""
+
+    swa: KVCodec
+    global_kv: KVCodec
+    index: KVCodec
+
+
+@dataclass
+class StepContext:
+    """Per-forward shared data: the batch, the state, and the selections published so far."""
+
+    batch: StepBatch
+    state: ModelState
+    codecs: KVCodecs
+    selection: dict[int, Tensor] = field(default_factory=dict)  # ratio → [T, K] (−1 = none)
+    candidates: Tensor | None = None  # [B, T_max, J_max] bool, from the candidate source
+    record: dict[str, Any] | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
+
+
+def _global_row_address(
+    batch: StepBatch, seq: Tensor, j: Tensor, ratio: int
+) -> tuple[Tensor, Tensor]:
+    """Pool (block, row) of compressed position `j` of sequence `seq` (j ≥ 0)."""
+    rows_per_block = BLOCK_TOKENS // ratio
+    block = batch.block_tables[seq, (j * ratio) // BLOCK_TOKENS]
+    return block, j % rows_per_block
+
+
+class Compressor(nn.Module):
+    """Global-KV producer of a KV source layer (`model.md` §3.5).
+
+    Ratio 1: one latent per token. Ratio 2: per-channel softmax pooling of token pairs
+    (2i, 2i+1); the latent appears when the odd token arrives and carries RoPE position 2i.
+    The even token's fp32 (k, gate) waits in the pending ring until its partner arrives.
+    """
+
+    def __init__(self, cfg: DeepseekV41Config, ratio: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.eps = cfg.rms_norm_eps
+        self.wkv = _linear(cfg.hidden_size, cfg.head_dim, dtype)
+        if ratio == 2:
+            self.wgate = _linear(cfg.hidden_size, cfg.head_dim, dtype)
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: Tensor, ctx: StepContext, source_id: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns (latents [G, head_dim], group positions [G], token index of each group [G])."""
+        batch = ctx.batch
+        pos = batch.positions
+        if self.ratio == 1:
+            lat = self.norm(self.wkv(x))
+            return lat, pos, torch.arange(pos.numel(), device=pos.device)
+        k = x.float() @ self.wkv.weight.float().t()
+        g = x.float() @ self.wgate.weight.float().t()
+        pending = ctx.state.pending[source_id]
+        seq = batch.seq_of_token
+        slot = batch.slots[seq]
+        local = torch.arange(pos.numel(), device=pos.device) - batch.pad_index[:, 0][seq]
+        odd = torch.nonzero(pos % 2 == 1).squeeze(-1)
+        in_call = (local[odd] > 0)[:, None]
+        ring_idx = ((pos[odd] - 1) // 2) % PAIR_RING
+        carried = pending[slot[odd], ring_idx]  # [G, 2, D]
+        k_even = torch.where(in_call, k[(odd - 1).clamp(min=0)], carried[:, 0])
+        g_even = torch.where(in_call, g[(odd - 1).clamp(min=0)], carried[:, 1])
+        weights = torch.stack((g_even, g[odd])).softmax(0)
+        pooled = weights[0] * k_even + weights[1] * k[odd]
+        lat = self.norm(pooled.to(x.dtype))
+        # Keep (k, gate) of recent even tokens: a later step may need any of them as a partner
+        # (drafts past an accepted even position are recomputed from here).
+        end = torch.tensor(batch.end_positions(), device=pos.device)[seq]
+        keep = torch.nonzero((pos % 2 == 0) & (pos > end - 2 * PAIR_RING)).squeeze(-1)
+        pending[slot[keep], (pos[keep] // 2) % PAIR_RING] = torch.stack((k[keep], g[keep]), 1)
+        return lat, pos[odd] - 1, odd
+
+
+class Indexer(nn.Module):
+    """Lightning indexer parameters (`model.md` §3.6).
+
+    Key-side weights (`wk`, `k_norm`) exist on KV sources, query-side weights (`wq_b`,
+    `weights_proj`) on index sources.
+    """
+
+    def __init__(
+        self, cfg: DeepseekV41Config, has_keys: bool, has_queries: bool, dtype: torch.dtype
+    ):
+        super().__init__()
+        if has_keys:
+            self.wk = _linear(cfg.head_dim, cfg.index_head_dim, dtype)
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, dtype)
+        if has_queries:
+            self.wq_b = _linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype)
+            self.weights_proj = _linear(cfg.hidden_size, cfg.index_n_heads, dtype)
+
+
+class Attention(nn.Module):
+    """One layer's attention: projections, window store, optional source/indexer, sparse MQA."""
+
+    def __init__(
+        self, cfg: DeepseekV41Config, layer_id: int, freqs: Tensor, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.ratio = cfg.ratio(layer_id) if layer_id < cfg.num_hidden_layers else 0
+        self.source_id = cfg.kv_source_of(layer_id) if self.ratio else None
+        self.is_source = self.ratio > 0 and layer_id in cfg.kv_source_layer_ids
+        self.is_index = self.ratio > 0 and layer_id in cfg.index_source_layer_ids
+        self.is_candidate_source = self.ratio > 0 and layer_id == cfg.candidate_source_layer_id
+        self.is_candidate_consumer = self.ratio > 0 and cfg.is_candidate_consumer(layer_id)
+        d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.register_buffer("freqs", freqs, persistent=False)
+        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.wq_a = _linear(d, cfg.q_lora_rank, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+        self.wq_b = _linear(cfg.q_lora_rank, h * hd, dtype)
+        self.wkv = _linear(d, hd, dtype)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        self.wo_a = _linear(h * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.wo_b = _linear(cfg.o_groups * cfg.o_lora_rank, d, dtype)
+        if self.is_source:
+            self.compressor = Compressor(cfg, self.ratio, dtype)
+        if self.is_source or self.is_index:
+            self.indexer = Indexer(cfg, self.is_source, self.is_index, dtype)
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
+        cfg, batch = self.cfg, ctx.batch
+        num_tokens, h, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        pos = batch.positions
+        qa = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qa).view(num_tokens, h, hd), pos, self.freqs)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), pos, self.freqs)
+        window_rows = ctx.codecs.swa.encode(kv)
+        if self.is_source:
+            self._write_source(x, ctx)
+        if self.is_index:
+            self._select(x, qa, ctx)
+        o = self._sparse_mqa(q, window_rows, ctx).to(x.dtype)
+        self._write_window(window_rows, ctx)
+        o = apply_rope(o, pos, self.freqs, inverse=True)
+        groups = cfg.o_groups
+        wo_a = self.wo_a.weight.view(groups, cfg.o_lora_rank, -1)
+        u = torch.einsum("tgi,goi->tgo", o.reshape(num_tokens, groups, -1), wo_a)
+        return self.wo_b(u.flatten(1))
+
+    # ---- window -------------------------------------------------------------------------------
+
+    def _write_window(self, rows: Tensor, ctx: StepContext) -> None:
+        """Store each sequence's newest rows in its ring (only the last ring_len positions)."""
+        batch, ring = ctx.batch, ctx.state.swa[self.layer_id]
+        ring_len = ring.shape[1]
+        seq = batch.seq_of_token
+        end = torch.tensor(batch.end_positions(), device=rows.device)[seq]
+        keep = torch.nonzero(batch.positions > end - ring_len).squeeze(-1)
+        ring[batch.slots[seq[keep]], batch.positions[keep] % ring_len] = rows[keep]
+
+    def _window_keys(self, window_rows: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor]:
+        """Per-sequence key rows `[B, W−1+T_max, hd]` (fp32) and their positions.
+
+        The first W−1 rows come from the ring (positions before this step), the rest are this
+        step's rows, so query i of a sequence sees extended rows i .. i+W−1.
+        """
+        batch, ring = ctx.batch, ctx.state.swa[self.layer_id]
+        window = self.cfg.sliding_window
+        device = window_rows.device
+        start = torch.tensor(batch.start_positions, device=device)
+        back = torch.arange(-(window - 1), 0, device=device)
+        prev_pos = start[:, None] + back[None, :]
+        prev = ring[batch.slots[:, None], prev_pos.clamp(min=0) % ring.shape[1]]
+        prev = ctx.codecs.swa.decode(prev)
+        new = batch.pad(ctx.codecs.swa.decode(window_rows))
+        keys = torch.cat((prev, new), 1)
+        key_pos = start[:, None] - (window - 1) + torch.arange(keys.shape[1], device=device)
+        return keys, key_pos
+
+    # ---- attention ----------------------------------------------------------------------------
+
+    def _sparse_mqa(self, q: Tensor, window_rows: Tensor, ctx: StepContext) -> Tensor:
+        """Softmax over {window rows} ∪ {selected global rows} ∪ {sink} per head (`§3.7`)."""
+        cfg, batch = self.cfg, ctx.batch
+        window, scale = cfg.sliding_window, cfg.head_dim**-0.5
+        keys, key_pos = self._window_keys(window_rows, ctx)
+        # Banded layout: query chunk c (C rows) reads extended rows [cC, cC + C + W − 1).
+        chunk = min(window, batch.max_len)
+        num_chunks = -(-batch.max_len // chunk)
+        t_pad = num_chunks * chunk
+        span = chunk + window - 1
+        extra = (window - 1 + t_pad) - keys.shape[1]
+        keys = F.pad(keys, (0, 0, 0, extra))
+        key_pos = F.pad(key_pos, (0, extra), value=-1)
+        band_keys = keys.unfold(1, span, chunk).transpose(-1, -2)  # [B, n, span, hd]
+        band_pos = key_pos.unfold(1, span, chunk)  # [B, n, span]
+        qp = F.pad(batch.pad(q.float()), (0, 0, 0, 0, 0, t_pad - batch.max_len))
+        qp = qp.view(batch.num_seqs, num_chunks, chunk, *q.shape[1:])
+        band = torch.einsum("bnchd,bnkd->bnchk", qp, band_keys) * scale
+        rel = (
+            torch.arange(span, device=q.device)[None, :]
+            - torch.arange(chunk, device=q.device)[:, None]
+        )
+        visible = (rel >= 0) & (rel < window)  # [C, span]
+        visible = visible[None, None] & (band_pos >= 0)[:, :, None, :]
+        band = band.masked_fill(~visible[:, :, :, None, :], float("-inf"))
+        band_flat = batch.unpad(band.flatten(1, 2)[:, : batch.max_len])  # [T, H, span]
+        parts = [band_flat]
+        rows = None
+        if self.ratio:
+            sel = ctx.selection[self.ratio]
+            rows = self._gather_global(sel, ctx)  # [T, K, hd]
+            glob = torch.einsum("thd,tkd->thk", q.float(), rows) * scale
+            parts.append(glob.masked_fill((sel < 0)[:, None, :], float("-inf")))
+        sink = self.attn_sink.float()[None, :, None].expand(q.shape[0], -1, 1)
+        probs = torch.cat((*parts, sink), -1).softmax(-1)
+        p_band = probs[..., :span]
+        p_band = F.pad(batch.pad(p_band), (0, 0, 0, 0, 0, t_pad - batch.max_len))
+        p_band = p_band.view(batch.num_seqs, num_chunks, chunk, *p_band.shape[2:])
+        o = torch.einsum("bnchk,bnkd->bnchd", p_band, band_keys).flatten(1, 2)
+        o = batch.unpad(o[:, : batch.max_len])
+        if rows is not None:
+            o = o + torch.einsum("thk,tkd->thd", probs[..., span:-1], rows)
+        return o
+
+    def _gather_global(self, sel: Tensor, ctx: StepContext) -> Tensor:
+        batch = ctx.batch
+        seq = batch.seq_of_token[:, None].expand_as(sel)
+        block, row = _global_row_address(batch, seq, sel.clamp(min=0), self.ratio)
+        stored = ctx.state.global_kv[self.source_id][block.clamp(min=0), row]
+        return ctx.codecs.global_kv.decode(stored)
+
+    # ---- KV source ----------------------------------------------------------------------------
+
+    def _write_source(self, x: Tensor, ctx: StepContext) -> None:
+        lat, group_pos, token_idx = self.compressor(x, ctx, self.layer_id)
+        if lat.shape[0] == 0:
+            return
+        batch = ctx.batch
+        kv = apply_rope(lat, group_pos, self.freqs)
+        ik = self.indexer.k_norm(self.indexer.wk(lat))
+        ik = apply_rope(ik, group_pos, self.freqs[: self.cfg.qk_rope_head_dim // 2])
+        seq = batch.seq_of_token[token_idx]
+        block, row = _global_row_address(batch, seq, group_pos // self.ratio, self.ratio)
+        ctx.state.global_kv[self.layer_id][block, row] = ctx.codecs.global_kv.encode(kv)
+        ctx.state.index_keys[self.layer_id][block, row] = ctx.codecs.index.encode(ik)
+
+    # ---- indexer ------------------------------------------------------------------------------
+
+    def _select(self, x: Tensor, qa: Tensor, ctx: StepContext) -> None:
+        """Score visible compressed positions and publish this ratio's top-k selection."""
+        cfg, batch, r = self.cfg, ctx.batch, self.ratio
+        heads, dim = cfg.index_n_heads, cfg.index_head_dim
+        iq = self.indexer.wq_b(qa).view(-1, heads, dim)
+        iq = apply_rope(iq, batch.positions, self.freqs[: cfg.qk_rope_head_dim // 2])
+        iq = ctx.codecs.index.decode(ctx.codecs.index.encode(iq))
+        hw = (x.float() @ self.indexer.weights_proj.weight.float().t()) * (dim**-0.5 * heads**-0.5)
+        ends = batch.end_positions()
+        num_visible_max = max((e + 1) // r for e in ends)
+        keys = self._gather_index_keys(num_visible_max, ctx)  # [B, J, dim]
+        scores = self._index_scores(batch.pad(iq), batch.pad(hw), keys)  # [B, T_max, J]
+        pos = batch.pad(batch.positions, fill=-1)
+        num_visible = torch.div(pos + 1, r, rounding_mode="floor")  # [B, T_max]
+        j = torch.arange(num_visible_max, device=x.device)
+        visible = j[None, None, :] < num_visible[..., None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if self.is_candidate_consumer and ctx.candidates is not None:
+            scores = scores.masked_fill(~ctx.candidates[..., :num_visible_max], float("-inf"))
+        k = min(cfg.index_topk, num_visible_max)
+        top = torch.topk(scores, k, dim=-1) if k else None
+        if top is None:
+            sel = torch.full((*scores.shape[:2], 0), -1, dtype=torch.long, device=x.device)
+        else:
+            sel = torch.where(torch.isfinite(top.values), top.indices, -1)
+        ctx.selection[r] = batch.unpad(sel)
+        if self.is_candidate_source:
+            ctx.candidates = self._candidate_blocks(scores, num_visible)
+        if ctx.record is not None:
+            ctx.record[f"layers.{self.layer_id}.selection"] = batch.unpad(sel)
+
+    def _gather_index_keys(self, num_j: int, ctx: StepContext) -> Tensor:
+        batch, r = ctx.batch, self.ratio
+        j = torch.arange(num_j, device=batch.block_tables.device)
+        seq = torch.arange(batch.num_seqs, device=j.device)[:, None].expand(-1, num_j)
+        block, row = _global_row_address(batch, seq, j[None, :].expand_as(seq), r)
+        stored = ctx.state.index_keys[self.source_id][block.clamp(min=0), row]
+        return ctx.codecs.index.decode(stored)
+
+    @staticmethod
+    def _index_scores(iq: Tensor, hw: Tensor, keys: Tensor) -> Tensor:
+        """`score[b, t, j] = Σ_h hw[b,t,h] · relu(iq[b,t,h] · keys[b,j])` in fp32."""
+        b, t_max, heads, _ = iq.shape
+        num_j = keys.shape[1]
+        step = max(1, _INDEX_SCORE_ELEMS // max(1, heads * num_j * b))
+        out = []
+        for lo in range(0, t_max, step):
+            dots = torch.einsum("bthd,bjd->bthj", iq[:, lo : lo + step].float(), keys.float())
+            out.append(torch.einsum("bthj,bth->btj", dots.relu(), hw[:, lo : lo + step].float()))
+        return torch.cat(out, 1)
+
+    def _candidate_blocks(self, scores: Tensor, num_visible: Tensor) -> Tensor:
+        """Allowed-position mask [B, T_max, J] from the candidate source's scores (`§3.6`).
+
+        Block b covers positions [8b, 8b+7]; its key is the max visible score; the block holding
+        the last visible position is always kept; the top min(2048, #blocks) blocks survive.
+        """
+        cfg = self.cfg
+        size = cfg.candidate_block_size
+        num_j = scores.shape[-1]
+        num_blocks = -(-num_j // size)
+        padded = F.pad(scores, (0, num_blocks * size - num_j), value=float("-inf"))
+        block_keys = padded.view(*scores.shape[:2], num_blocks, size).amax(-1)
+        last_block = torch.div(num_visible - 1, size, rounding_mode="floor").clamp(min=0)
+        block_keys = block_keys.scatter(-1, last_block[..., None], float("inf"))
+        visible_blocks = torch.div(num_visible + size - 1, size, rounding_mode="floor")
+        blk = torch.arange(num_blocks, device=scores.device)
+        block_keys = block_keys.masked_fill(blk >= visible_blocks[..., None], float("-inf"))
+        keep = min(cfg.candidate_topk_blocks, num_blocks)
+        top = torch.topk(block_keys, keep, dim=-1)
+        chosen = torch.zeros_like(block_keys, dtype=torch.bool)
+        chosen.scatter_(-1, top.indices, top.values > float("-inf"))
+        return chosen.repeat_interleave(size, -1)[..., :num_j]

@@ -1,0 +1,84 @@
+"""`load_model`: a checkpoint folder or hub id → a ready `DeepseekV41ForCausalLM`.
+
+The Engram token map is derived from the checkpoint's own `tokenizer.json` (`model.md` §3.9) and
+cached beside it as `engram_token_map.npy`, keyed by the tokenizer file's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from engine.models.deepseek_v41.checkpoint_loader import CheckpointError, load_checkpoint
+from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.engram_hash import build_compressed_token_map
+from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM, KVNumerics
+
+TOKEN_MAP_FILE = "engram_token_map.npy"
+TOKEN_MAP_META = "engram_token_map.json"
+
+
+def engram_token_map(folder: Path, cfg: DeepseekV41Config) -> np.ndarray:
+    """The raw-id → compressed-id map of the folder's tokenizer (cached sidecar when valid)."""
+    tokenizer_file = folder / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise CheckpointError(
+            f"{folder} has no tokenizer.json; the Engram token map is built from the model's "
+            "own tokenizer"
+        )
+    digest = hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
+    cached, meta = folder / TOKEN_MAP_FILE, folder / TOKEN_MAP_META
+    if cached.is_file() and meta.is_file():
+        info = json.loads(meta.read_text())
+        if info.get("tokenizer_sha256") == digest and info.get("vocab_size") == cfg.vocab_size:
+            return np.load(cached)
+    token_map = build_compressed_token_map(Tokenizer.from_file(str(tokenizer_file)), cfg.vocab_size)
+    num_ids = int(token_map.max()) + 1
+    if num_ids != cfg.engram_compressed_vocab_size:
+        raise CheckpointError(
+            f"the tokenizer in {folder} yields {num_ids} Engram compressed ids but the config "
+            f"says engram_compressed_vocab_size = {cfg.engram_compressed_vocab_size}"
+        )
+    try:
+        np.save(cached, token_map)
+        meta.write_text(json.dumps({"tokenizer_sha256": digest, "vocab_size": cfg.vocab_size}))
+    except OSError:
+        pass  # a read-only checkpoint folder: rebuild next time (about a second)
+    return token_map
+
+
+def load_model(
+    path_or_hub_id: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    kv_numerics: KVNumerics | None = None,
+    include_dspark: bool = True,
+    progress: bool = False,
+) -> DeepseekV41ForCausalLM:
+    """Load a released-format checkpoint; FP8/MXFP4 weights are dequantised to `dtype`.
+
+    Engram tables stay FP8 (dequantised per gathered row). Raises `CheckpointError` naming every
+    missing, unexpected or mis-shaped tensor, an unreadable shard, or a mismatching tokenizer.
+    """
+    loaded = load_checkpoint(
+        path_or_hub_id, dtype=dtype, device="cpu", include_dspark=include_dspark, progress=progress
+    )
+    cfg = loaded.config
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(cfg, dtype, kv_numerics, include_dspark)
+    missing, unexpected = model.load_state_dict(loaded.tensors, strict=False, assign=True)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint tensors do not match the model: missing {sorted(missing)[:20]}, "
+            f"unexpected {sorted(unexpected)[:20]}"
+        )
+    if cfg.engram_layer_ids:
+        model.set_engram_token_map(torch.from_numpy(engram_token_map(loaded.path, cfg)))
+    model.checkpoint_path = loaded.path
+    return model.to(device).eval()
+

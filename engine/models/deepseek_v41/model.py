@@ -1,0 +1,375 @@
+"""The DeepSeek-V4.1 text network: lagged mHC blocks over CSA2 attention and MoE (`model.md` §3).
+
+Two entry points share every layer:
+
+* `forward_step(batch, state)` — incremental: any number of new positions for several
+  sequences, reading and extending their `ModelState`.
+* `logits(token_lists)` — exact mode: whole prompts from position 0 (a fresh state and one
+  `forward_step`), logits for every position.
+
+Module and parameter names equal the released checkpoint's tensor names (`layers.{L}.attn.wq_a`,
+`layers.{L}.ffn.experts.{E}.w1`, ...), so a loaded state dict maps one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.models.deepseek_v41.attention import Attention, KVCodecs, RMSNorm, StepContext
+from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.dspark import DraftOutput, DSpark
+from engine.models.deepseek_v41.engram import Engram
+from engine.models.deepseek_v41.engram_hash import (
+    EngramHashTables,
+    build_engram_hash_tables,
+    engram_hash_ids,
+)
+from engine.models.deepseek_v41.kv_formats import make_codec
+from engine.models.deepseek_v41.moe import MoE
+from engine.models.deepseek_v41.primitives import (
+    mhc_combine,
+    mhc_post,
+    mhc_triplet,
+    rope_frequencies,
+)
+from engine.models.deepseek_v41.state import (
+    BLOCK_TOKENS,
+    PAIR_RING,
+    TOKEN_RING,
+    ModelState,
+    StepBatch,
+    sequential_batch,
+)
+
+
+@dataclass(frozen=True)
+class KVNumerics:
+    """How stored K/V rows are encoded.
+
+    quantize: store window rows MXFP8, global rows FP4 and index keys/queries FP4 (the released
+        numerics, `model.md` §2.3); False keeps exact float rows (parity with references that do
+        not quantise).
+    nemo_variant: use NeMo AutoModel's scale floor / clamp variants (`model.md` §14 items 2–3).
+    """
+
+    quantize: bool = True
+    nemo_variant: bool = False
+
+    def codecs(self, cfg: DeepseekV41Config) -> KVCodecs:
+        def make(kind: str, dim: int):
+            return make_codec(kind, dim, quantize=self.quantize, nemo_variant=self.nemo_variant)
+
+        return KVCodecs(
+            swa=make("swa_mxfp8", cfg.head_dim),
+            global_kv=make("global_fp4", cfg.head_dim),
+            index=make("index_fp4", cfg.index_head_dim),
+        )
+
+
+@dataclass
+class StepOutput:
+    """logits: fp32 [L, vocab] for `batch.logits_indices` (all rows when None).
+    hidden: the final collapsed hidden state before the norm [T, D] (DSpark confidence input).
+    dspark_features: [T, 3·D] stream means of the residual entering the DSpark target layers.
+    """
+
+    logits: Tensor
+    hidden: Tensor
+    dspark_features: Tensor
+
+
+class Block(nn.Module):
+    """One transformer block with lagged (single-pass) mHC (`model.md` §3.3)."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV41Config,
+        layer_id: int,
+        freqs: Tensor,
+        num_experts: int,
+        top_k: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        d, n = cfg.hidden_size, cfg.hc_mult
+        mix = 2 * n + n * n
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, n * d)))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.zeros(3)))
+        self.attn = Attention(cfg, layer_id, freqs, dtype)
+        self.ffn = MoE(
+            d,
+            cfg.moe_intermediate_size,
+            num_experts,
+            top_k,
+            cfg.routed_scaling_factor,
+            cfg.swiglu_limit,
+            dtype,
+        )
+        if layer_id in cfg.engram_layer_ids:
+            rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer_id)]
+            self.engram = Engram(cfg, rows, dtype)
+
+    def triplet(self, site: str, residual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        cfg = self.cfg
+        return mhc_triplet(
+            residual,
+            getattr(self, f"hc_{site}_fn"),
+            getattr(self, f"hc_{site}_base"),
+            getattr(self, f"hc_{site}_scale"),
+            cfg.rms_norm_eps,
+            cfg.hc_eps,
+            cfg.hc_sinkhorn_iters,
+        )
+
+    def forward(
+        self, residual: Tensor, pre_prev: Tensor | None, ctx: StepContext, mixer: Any = None
+    ) -> tuple[Tensor, Tensor]:
+        """residual [T, N, D] (after Engram) → (residual out, this block's FFN `pre`).
+
+        `mixer(x_attn, ctx)` replaces the attention sublayer when given (DSpark stages).
+        """
+        pre_a, post_a, comb_a = self.triplet("attn", residual)
+        x_attn = self.attn_norm(mhc_combine(residual, pre_prev))
+        y_attn = (mixer or self.attn)(x_attn, ctx)
+        residual = mhc_post(residual, post_a, comb_a, y_attn)
+        pre_f, post_f, comb_f = self.triplet("ffn", residual)
+        x_ffn = self.ffn_norm(mhc_combine(residual, pre_a))
+        residual = mhc_post(residual, post_f, comb_f, self.ffn(x_ffn))
+        return residual, pre_f
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """The target text model. Build with `load_model` (weights) or directly (random init)."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV41Config,
+        dtype: torch.dtype = torch.float32,
+        kv_numerics: KVNumerics | None = None,
+        include_dspark: bool = True,
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.kv_numerics = kv_numerics or KVNumerics()
+        self.codecs = self.kv_numerics.codecs(cfg)
+        d = cfg.hidden_size
+        # Derived constants are built on the CPU even when the weights are built on "meta".
+        with torch.device("cpu"):
+            main = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+            compress = rope_frequencies(
+                cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling
+            )
+            hash_tables = build_engram_hash_tables(
+                cfg.engram_layer_ids,
+                cfg.engram_vocab_size,
+                cfg.engram_max_ngram_size,
+                cfg.engram_n_heads,
+                cfg.engram_compressed_vocab_size,
+            )
+            token_map = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        self.embed = nn.Embedding(cfg.vocab_size, d, dtype=dtype)
+        self.layers = nn.ModuleList(
+            Block(
+                cfg,
+                lid,
+                compress if cfg.ratio(lid) else main,
+                cfg.n_routed_experts,
+                cfg.num_experts_per_tok,
+                dtype,
+            )
+            for lid in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=dtype)
+        self.mtp = DSpark(cfg, main, dtype) if include_dspark else None
+        self.engram_tables: dict[int, EngramHashTables] = {t.layer_id: t for t in hash_tables}
+        # Raw id → compressed id; set from the tokenizer by the loader (`set_engram_token_map`).
+        self.register_buffer("engram_token_map", token_map, persistent=False)
+
+    # ---- setup --------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def set_engram_token_map(self, token_map: Tensor) -> None:
+        cfg = self.config
+        if token_map.shape != (cfg.vocab_size,):
+            raise ValueError(
+                f"token map has shape {tuple(token_map.shape)}, expected ({cfg.vocab_size},)"
+            )
+        if int(token_map.max()) >= cfg.engram_compressed_vocab_size or int(token_map.min()) < 0:
+            raise ValueError(
+                f"token map values must lie in [0, {cfg.engram_compressed_vocab_size}); the "
+                "tokenizer does not match engram_compressed_vocab_size"
+            )
+        self.engram_token_map.copy_(token_map.to(torch.long))
+
+    def allocate_state(
+        self, num_slots: int, num_blocks: int, ring_len: int | None = None
+    ) -> ModelState:
+        """Zeroed state for `num_slots` sequences and `num_blocks` 128-token global-KV blocks.
+
+        ring_len defaults to window + DSpark block size + 1 (134 for the released config:
+        the anchor and five drafts may be written ahead of the committed position).
+        """
+        cfg, dev, codecs = self.config, self.device, self.codecs
+        ring_len = ring_len or cfg.sliding_window + cfg.dspark_block_size + 1
+        if ring_len < cfg.sliding_window:
+            raise ValueError("the window ring must hold at least sliding_window rows")
+
+        def rows(codec, *shape: int) -> Tensor:
+            return torch.zeros(*shape, codec.row_width, dtype=codec.storage_dtype, device=dev)
+
+        sources = cfg.kv_source_layer_ids
+        return ModelState(
+            swa=[rows(codecs.swa, num_slots, ring_len) for _ in range(cfg.num_hidden_layers)],
+            global_kv={
+                s: rows(codecs.global_kv, num_blocks, BLOCK_TOKENS // cfg.ratio(s)) for s in sources
+            },
+            index_keys={
+                s: rows(codecs.index, num_blocks, BLOCK_TOKENS // cfg.ratio(s)) for s in sources
+            },
+            pending={
+                s: torch.zeros(num_slots, PAIR_RING, 2, cfg.head_dim, device=dev)
+                for s in sources
+                if cfg.ratio(s) == 2
+            },
+            tokens=torch.zeros(num_slots, TOKEN_RING, dtype=torch.long, device=dev),
+            draft_swa=[rows(codecs.swa, num_slots, ring_len) for _ in (self.mtp or ())],
+        )
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def _lookback(self, batch: StepBatch, state: ModelState) -> Tensor:
+        """[T, max_ngram] raw ids at positions p − s (−1 before the sequence start)."""
+        span = self.config.engram_max_ngram_size
+        s = torch.arange(span, device=batch.token_ids.device)
+        pos = batch.positions[:, None] - s[None, :]
+        flat = torch.arange(batch.num_tokens, device=pos.device)[:, None] - s[None, :]
+        start = torch.tensor(batch.start_positions, device=pos.device)[batch.seq_of_token]
+        in_step = pos >= start[:, None]
+        from_step = batch.token_ids[flat.clamp(min=0)]
+        slot = batch.slots[batch.seq_of_token][:, None].expand_as(pos)
+        from_ring = state.tokens[slot, pos.clamp(min=0) % TOKEN_RING]
+        ids = torch.where(in_step, from_step, from_ring)
+        return ids.masked_fill(pos < 0, -1)
+
+    def _record_tokens(self, batch: StepBatch, state: ModelState) -> None:
+        seq = batch.seq_of_token
+        end = torch.tensor(batch.end_positions(), device=seq.device)[seq]
+        keep = torch.nonzero(batch.positions > end - TOKEN_RING).squeeze(-1)
+        state.tokens[batch.slots[seq[keep]], batch.positions[keep] % TOKEN_RING] = batch.token_ids[
+            keep
+        ]
+
+    def run_layers(
+        self, batch: StepBatch, state: ModelState, record: dict[str, Any] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Embedding through the last block. Returns (residual [T, N, D], last FFN pre, DSpark
+        features [T, 3·D])."""
+        cfg = self.config
+        ctx = StepContext(batch=batch, state=state, codecs=self.codecs, record=record)
+        lookback = self._lookback(batch, state) if cfg.engram_layer_ids else None
+        is_image = batch.token_ids == cfg.image_token_id
+        emb = self.embed(batch.token_ids)
+        residual = emb.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre_prev = None
+        features = []
+        for block in self.layers:
+            lid = block.layer_id
+            if lid in self.engram_tables:
+                tables = self.engram_tables[lid]
+                if tables.multipliers.device != residual.device:
+                    tables = self.engram_tables[lid] = tables.to(residual.device)
+                ids = engram_hash_ids(
+                    lookback,
+                    self.engram_token_map,
+                    tables,
+                    cfg.engram_pad_token_id,
+                    cfg.image_token_id,
+                )
+                residual = block.engram(residual, ids, is_image)
+            if lid in cfg.dspark_target_layer_ids:
+                features.append(residual.float().mean(1))
+            residual, pre_prev = block(residual, pre_prev, ctx)
+            if record is not None:
+                record[f"layers.{lid}.residual"] = residual
+        self._record_tokens(batch, state)
+        return residual, pre_prev, torch.cat(features, -1)
+
+    def forward_step(
+        self, batch: StepBatch, state: ModelState, record: dict[str, Any] | None = None
+    ) -> StepOutput:
+        """Incremental forward of `batch`, extending `state` in place (see `StepBatch`)."""
+        residual, pre_prev, features = self.run_layers(batch, state, record)
+        hidden = mhc_combine(residual, pre_prev)
+        rows = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
+        logits = self.norm(rows).float() @ self.head.weight.float().t()
+        return StepOutput(logits=logits, hidden=hidden, dspark_features=features)
+
+    @torch.no_grad()
+    def logits(self, token_lists: list[list[int]], record: dict[str, Any] | None = None) -> Tensor:
+        """Exact mode: fp32 logits [B, T_max, vocab] of whole prompts (zeros past each end)."""
+        if not token_lists or any(len(t) == 0 for t in token_lists):
+            raise ValueError("logits() needs at least one non-empty token list")
+        batch, state = self.fresh_batch(token_lists)
+        out = self.forward_step(batch, state, record)
+        return batch.pad(out.logits)
+
+    def fresh_batch(self, token_lists: list[list[int]]) -> tuple[StepBatch, ModelState]:
+        """A batch of whole sequences from position 0 with a fresh, contiguous state."""
+        blocks = [-(-len(t) // BLOCK_TOKENS) for t in token_lists]
+        table = torch.full((len(token_lists), max(blocks)), -1, dtype=torch.long)
+        first = 0
+        for i, n in enumerate(blocks):
+            table[i, :n] = torch.arange(first, first + n)
+            first += n
+        state = self.allocate_state(len(token_lists), first)
+        batch = sequential_batch(
+            token_lists, [0] * len(token_lists), list(range(len(token_lists))), table, self.device
+        )
+        return batch, state
+
+    # ---- DSpark -------------------------------------------------------------------------------
+
+    def inject_draft_context(self, batch: StepBatch, features: Tensor, state: ModelState) -> None:
+        """Write the drafter's context rows for every new position of `batch` (KV injection)."""
+        if self.mtp is None:
+            raise ValueError("this model was built without the DSpark drafter")
+        rows = self.mtp.context_rows(features, batch.positions, self.codecs)
+        seq = batch.seq_of_token
+        end = torch.tensor(batch.end_positions(), device=seq.device)[seq]
+        for ring, stage_rows in zip(state.draft_swa, rows, strict=True):
+            keep = torch.nonzero(batch.positions > end - ring.shape[1]).squeeze(-1)
+            ring[batch.slots[seq[keep]], batch.positions[keep] % ring.shape[1]] = stage_rows[keep]
+
+    @torch.no_grad()
+    def draft(
+        self, anchors: Tensor, positions: Tensor, slots: Tensor, state: ModelState, **sampling: Any
+    ) -> DraftOutput:
+        """Draft a block after `anchors` [B] at positions [B] from the injected context."""
+        if self.mtp is None:
+            raise ValueError("this model was built without the DSpark drafter")
+        window = self.config.sliding_window
+        ctx_pos = positions[:, None] + torch.arange(-window, 0, device=positions.device)[None, :]
+        context = [
+            ring[slots[:, None], ctx_pos.clamp(min=0) % ring.shape[1]] for ring in state.draft_swa
+        ]
+        return self.mtp.draft(
+            anchors, positions, context, ctx_pos, self.embed, self.head, self.codecs, **sampling
+        )

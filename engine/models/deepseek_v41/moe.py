@@ -1,0 +1,73 @@
+"""Mixture of experts of one layer (`model.md` §3.8): sqrt-softplus routing, clamped SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from engine.models.deepseek_v41.primitives import clamped_swiglu, sqrtsoftplus_route
+
+
+class Expert(nn.Module):
+    """`w2 · (silu(min(w1·x, L)) ⊙ clamp(w3·x, −L, L))`; names match `ffn.experts.{e}.w{1,2,3}`."""
+
+    def __init__(self, dim: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class Gate(nn.Module):
+    def __init__(self, dim: int, num_experts: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, dim, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k of `num_experts`) plus one always-on shared expert."""
+
+    def __init__(
+        self,
+        dim: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        route_scale: float,
+        limit: float,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.route_scale = route_scale
+        self.gate = Gate(dim, num_experts, dtype)
+        self.shared_experts = Expert(dim, inter, limit, dtype)
+        self.experts = nn.ModuleList(Expert(dim, inter, limit, dtype) for _ in range(num_experts))
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(expert ids [T, k], fp32 weights [T, k]); gate logits are computed in fp32."""
+        logits = x.float() @ self.gate.weight.float().t()
+        return sqrtsoftplus_route(logits, self.gate.bias, self.top_k, self.route_scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        ids, weights = self.route(x)
+        out = self.shared_experts(x).float()
+        flat_ids = ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        token_of = order // self.top_k
+        routed = torch.zeros_like(out)
+        lo = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                rows = token_of[lo : lo + count]
+                y = expert(x[rows]).float() * weights.flatten()[order[lo : lo + count], None]
+                routed.index_add_(0, rows, y)
+            lo += count
+        return (out + routed).to(x.dtype)

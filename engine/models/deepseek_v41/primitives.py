@@ -1,0 +1,148 @@
+"""Numerical primitives of DeepSeek-V4.1 (`model.md` §2, §3.2, §3.8): pure functions.
+
+RMSNorm with eps 1e-20 in fp32, interleaved partial RoPE with the plain and YaRN tables, the mHC
+triplet with Sinkhorn normalisation, and sqrt-softplus routing. No module state lives here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.models.deepseek_v41.config import RopeScaling
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """`cast_out((f32(x) · rsqrt(mean(f32(x)²) + eps)) · f32(w))`; weightless when `weight` is None.
+
+    NOTE: eps = 1e-20 underflows nothing in fp32 (rsqrt(1e-20) = 1e10), so an all-zero row maps
+    to zeros, never NaN.
+    """
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+# ---- RoPE ------------------------------------------------------------------------------------
+
+
+def rope_frequencies(dim: int, theta: float, yarn: RopeScaling | None) -> Tensor:
+    """fp32 frequencies `f_i = θ^(−2i/d)` for i < d/2, YaRN-corrected when `yarn` is given.
+
+    YaRN (`model.md` §2.2): `c(β) = d·ln(L0/(2πβ)) / (2 ln θ)`, `lo = max(floor(c(β_fast)), 0)`,
+    `hi = min(ceil(c(β_slow)), d − 1)`, `ramp_i = clamp((i − lo)/(hi − lo), 0, 1)`,
+    `f_i ← f_i·ramp_i/s + f_i·(1 − ramp_i)`. No attention-scale (mscale) factor is applied.
+    """
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if yarn is None:
+        return freqs
+
+    def corr(beta: float) -> float:
+        return (
+            dim
+            * math.log(yarn.original_max_position_embeddings / (beta * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
+
+    lo = max(math.floor(corr(yarn.beta_fast)), 0)
+    hi = min(math.ceil(corr(yarn.beta_slow)), dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    return freqs * ramp / yarn.factor + freqs * (1 - ramp)
+
+
+def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
+    """Rotate the trailing `2·len(freqs)` channels of `x[..., D]` by `exp(±j·pos·f_i)`.
+
+    Channels (2i, 2i+1) of the rotated tail form the complex number `a + jb` (interleaved /
+    GPT-J style). `positions` has `x`'s leading shape up to the dims between it and the last one
+    (e.g. `x[T, H, D]` with `positions[T]`). Computed in fp32, returned in `x`'s dtype.
+    """
+    rot = 2 * freqs.numel()
+    angles = positions.to(torch.float32)[..., None] * freqs.to(positions.device)  # [T, rot/2]
+    cos, sin = angles.cos(), angles.sin()
+    if inverse:
+        sin = -sin
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    tail = x[..., -rot:].float().unflatten(-1, (-1, 2))
+    a, b = tail[..., 0], tail[..., 1]
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rot], rotated.to(x.dtype)), dim=-1)
+
+
+# ---- mHC ---------------------------------------------------------------------------------------
+
+
+def mhc_triplet(
+    residual: Tensor,
+    fn: Tensor,
+    base: Tensor,
+    scale: Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    iters: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Mixing coefficients of one hyper-connection site (`model.md` §3.2).
+
+    residual: [T, N, D]. Returns fp32 `pre [T, N]`, `post [T, N]` and the doubly-stochastic
+    `comb [T, N, N]` indexed `comb[t, j, i]` (row j = source stream, column i = target stream).
+    """
+    n = residual.shape[1]
+    z = residual.flatten(1).float()
+    mix = (z @ fn.float().t()) * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + norm_eps)
+    scale, base = scale.float(), base.float()
+    pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))
+    comb = comb.softmax(-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def mhc_combine(residual: Tensor, weights: Tensor | None) -> Tensor:
+    """`Σ_k w[k] · R[k]` in fp32, cast to R's dtype; `weights=None` means stream 0."""
+    if weights is None:
+        return residual[:, 0]
+    return (weights.unsqueeze(-1) * residual.float()).sum(1).to(residual.dtype)
+
+
+def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
+    """`R'[i] = post[i]·y + Σ_j comb[j][i]·R[j]` in fp32, cast to R's dtype.
+
+    NOTE: the contraction runs over the FIRST index of comb (combᵀ·R); comb·R is a silent bug.
+    """
+    mixed = torch.einsum("tji,tjd->tid", comb, residual.float())
+    return (post.unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(residual.dtype)
+
+
+# ---- MoE routing -------------------------------------------------------------------------------
+
+
+def sqrtsoftplus_route(
+    logits: Tensor, bias: Tensor, top_k: int, route_scale: float
+) -> tuple[Tensor, Tensor]:
+    """Top-k routing (`model.md` §3.8): returns (expert ids [T, k], fp32 weights [T, k]).
+
+    `s = sqrt(softplus(logits))`; choice = s + bias; weights = s_top / (Σ s_top + 1e-20) · scale.
+    The correction bias steers the choice only and never scales the weights.
+    """
+    scores = torch.sqrt(F.softplus(logits.float()))
+    ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
+    chosen = scores.gather(-1, ids)
+    weights = chosen / (chosen.sum(-1, keepdim=True) + 1e-20) * route_scale
+    return ids, weights
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """`silu(min(gate, limit)) ⊙ clamp(up, −limit, limit)`."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)

@@ -1,0 +1,144 @@
+"""Per-sequence model state and the batch description of one incremental forward.
+
+State layout (`model.md` §3.10, §4), all addressed by ABSOLUTE position so that writes ahead of
+the committed length (speculative drafts) never need a rollback:
+
+    window rings    swa[layer]      [num_slots, ring_len, row_width]    row of pos p at p % ring_len
+    global KV       global_kv[src]  [num_blocks, 128 // r, row_width]   compressed j of a sequence
+    index keys      index_keys[src] [num_blocks, 128 // r, row_width]   at block_table[j·r // 128],
+                                                                        row j % (128 // r)
+    pending pairs   pending[src]    [num_slots, pair_ring, 2, head_dim] fp32 (k, gate) of the even
+                                                                        token 2i at i % pair_ring
+    token history   tokens          [num_slots, token_ring]             id of pos p at p % token_ring
+
+A "slot" is a running sequence's index into the per-sequence pools; a block table maps a
+sequence's 128-token blocks to pool blocks, so global KV can be paged by the engine. One 128-token
+block holds 64 rows of a ratio-2 source and 128 rows of a ratio-1 source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+BLOCK_TOKENS = 128
+PAIR_RING = 8
+TOKEN_RING = 16
+
+
+@dataclass
+class ModelState:
+    """Device tensors holding every sequence's persistent state (see the module docstring)."""
+
+    swa: list[Tensor]
+    global_kv: dict[int, Tensor]
+    index_keys: dict[int, Tensor]
+    pending: dict[int, Tensor]
+    tokens: Tensor
+    draft_swa: list[Tensor] = field(default_factory=list)  # DSpark context rings, one per stage
+
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return next(iter(self.global_kv.values())).shape[0] if self.global_kv else 0
+
+    def nbytes(self) -> int:
+        tensors = [*self.swa, *self.global_kv.values(), *self.index_keys.values()]
+        tensors += [*self.pending.values(), self.tokens, *self.draft_swa]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class StepBatch:
+    """New tokens of several sequences for one forward (flat, sequence-major).
+
+    Sequence b contributes tokens `token_ids[starts[b]:starts[b+1]]` at consecutive positions
+    `start_positions[b], start_positions[b]+1, ...`; every earlier position must already be in
+    the state of slot `slots[b]`. `block_tables[b]` lists the pool blocks of sequence b's
+    128-token blocks (−1 = unallocated), covering every position it reaches in this step.
+    `logits_indices` selects the flat rows that get logits (None = all rows).
+    """
+
+    token_ids: Tensor  # int64 [T]
+    starts: list[int]  # host ints, B + 1 offsets
+    start_positions: list[int]  # host ints, B
+    slots: Tensor  # int64 [B]
+    block_tables: Tensor  # int64 [B, max_blocks]
+    logits_indices: Tensor | None = None
+    # Derived device-side indices, filled by `prepare`.
+    positions: Tensor = field(init=False)
+    seq_of_token: Tensor = field(init=False)
+    pad_index: Tensor = field(init=False)  # [B, T_max] flat token index, −1 for padding
+    lengths: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.starts) != len(self.start_positions) + 1:
+            raise ValueError("starts must have one more entry than start_positions")
+        device = self.token_ids.device
+        self.lengths = [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
+        if any(n <= 0 for n in self.lengths):
+            raise ValueError("every sequence in a step needs at least one new token")
+        lengths = torch.tensor(self.lengths, device=device)
+        self.seq_of_token = torch.repeat_interleave(
+            torch.arange(len(self.lengths), device=device), lengths
+        )
+        first = torch.tensor(self.starts[:-1], device=device)
+        base = torch.tensor(self.start_positions, device=device)
+        offset = torch.arange(self.token_ids.numel(), device=device) - first[self.seq_of_token]
+        self.positions = base[self.seq_of_token] + offset
+        t_max = max(self.lengths)
+        local = torch.arange(t_max, device=device)
+        self.pad_index = torch.where(local[None, :] < lengths[:, None], first[:, None] + local, -1)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.numel()
+
+    @property
+    def max_len(self) -> int:
+        return self.pad_index.shape[1]
+
+    def end_positions(self) -> list[int]:
+        """Position of each sequence's last new token."""
+        return [p + n - 1 for p, n in zip(self.start_positions, self.lengths, strict=True)]
+
+    def pad(self, flat: Tensor, fill: float = 0.0) -> Tensor:
+        """[T, ...] → [B, T_max, ...] with `fill` in padding rows."""
+        out = flat[self.pad_index.clamp(min=0)]
+        mask = (self.pad_index >= 0).view(*self.pad_index.shape, *([1] * (flat.dim() - 1)))
+        return torch.where(mask, out, torch.as_tensor(fill, dtype=flat.dtype, device=flat.device))
+
+    def unpad(self, padded: Tensor) -> Tensor:
+        """[B, T_max, ...] → [T, ...] (inverse of `pad`)."""
+        valid = self.pad_index >= 0
+        return padded[valid]
+
+
+def sequential_batch(
+    token_lists: list[list[int]],
+    start_positions: list[int],
+    slots: list[int],
+    block_tables: Tensor,
+    device: torch.device | str = "cpu",
+) -> StepBatch:
+    """Convenience constructor from Python lists."""
+    flat = [t for seq in token_lists for t in seq]
+    starts = [0]
+    for seq in token_lists:
+        starts.append(starts[-1] + len(seq))
+    return StepBatch(
+        token_ids=torch.tensor(flat, dtype=torch.long, device=device),
+        starts=starts,
+        start_positions=list(start_positions),
+        slots=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=block_tables.to(device),
+    )
