@@ -8,7 +8,6 @@ same nested shape back, so a written checkpoint round-trips (`model.md` §1.1).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +151,7 @@ class DeepseekV41Config:
         if len(self.compress_ratios) != n + self.num_nextn_predict_layers:
             raise ValueError(
                 f"compress_ratios has {len(self.compress_ratios)} entries, expected "
-                f"num_hidden_layers + num_nextn_predict_layers = {n + self.num_nextn_predict_layers}"
+                f"layers + DSpark stages = {n + self.num_nextn_predict_layers}"
             )
         if self.head_dim % 32 or self.hidden_size % 32 or self.index_head_dim % 32:
             raise ValueError("head_dim, hidden_size and index_head_dim must be multiples of 32")
@@ -437,7 +436,3 @@ def resolve_config(
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and 2 ** int(math.log2(n)) == n

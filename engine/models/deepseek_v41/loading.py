@@ -81,4 +81,3 @@ def load_model(
         model.set_engram_token_map(torch.from_numpy(engram_token_map(loaded.path, cfg)))
     model.checkpoint_path = loaded.path
     return model.to(device).eval()
-

@@ -3,13 +3,14 @@
 State layout (`model.md` §3.10, §4), all addressed by ABSOLUTE position so that writes ahead of
 the committed length (speculative drafts) never need a rollback:
 
-    window rings    swa[layer]      [num_slots, ring_len, row_width]    row of pos p at p % ring_len
-    global KV       global_kv[src]  [num_blocks, 128 // r, row_width]   compressed j of a sequence
-    index keys      index_keys[src] [num_blocks, 128 // r, row_width]   at block_table[j·r // 128],
-                                                                        row j % (128 // r)
-    pending pairs   pending[src]    [num_slots, pair_ring, 2, head_dim] fp32 (k, gate) of the even
-                                                                        token 2i at i % pair_ring
-    token history   tokens          [num_slots, token_ring]             id of pos p at p % token_ring
+    window rings   swa[layer]       [num_slots, ring_len, row_width]      pos p at p % ring_len
+    global KV      global_kv[src]   [num_blocks, 128 // r, row_width]     compressed j at block
+    index keys     index_keys[src]  [num_blocks, 128 // r, row_width]     table[j·r // 128],
+                                                                          row j % (128 // r)
+    pending pairs  pending[src]     [num_slots, pair_ring, 2, head_dim]   fp32 (k, gate) of even
+                                                                          pos 2i at i % pair_ring
+    token history  tokens           [num_slots, token_ring]               pos p at p % token_ring
+    draft rings    draft_swa[stage] [num_slots, ring_len, row_width]      DSpark context rows
 
 A "slot" is a running sequence's index into the per-sequence pools; a block table maps a
 sequence's 128-token blocks to pool blocks, so global KV can be paged by the engine. One 128-token

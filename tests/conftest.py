@@ -1,0 +1,39 @@
+"""Shared fixtures: checkpoints written once per test session by our own writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # tiny tensors: threads only add overhead on 2 cores
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.models import write_random_checkpoint
+
+    return write_random_checkpoint("tiny", tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint: Path):
+    from engine.models import load_model
+
+    return load_model(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_exact_kv(tiny_checkpoint: Path):
+    from engine.models import KVNumerics, load_model
+
+    return load_model(tiny_checkpoint, kv_numerics=KVNumerics(quantize=False))
