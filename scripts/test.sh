@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh), lint, and run the CPU test suite. Usage: scripts/test.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+.venv/bin/ruff check engine kernels tests benchmarks
+.venv/bin/ruff format --check engine kernels tests benchmarks
+exec .venv/bin/pytest "$@"
