@@ -34,6 +34,6 @@ def tiny_model(tiny_checkpoint: Path):
 
 @pytest.fixture(scope="session")
 def tiny_model_exact_kv(tiny_checkpoint: Path):
-    from engine.models import KVNumerics, load_model
+    from engine.models import Numerics, load_model
 
-    return load_model(tiny_checkpoint, kv_numerics=KVNumerics(quantize=False))
+    return load_model(tiny_checkpoint, numerics=Numerics(kv_quantize=False))

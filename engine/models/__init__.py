@@ -9,14 +9,14 @@ from engine.models.deepseek_v41.checkpoint_loader import (
 from engine.models.deepseek_v41.checkpoint_writer import write_random_checkpoint
 from engine.models.deepseek_v41.config import DeepseekV41Config, preset_config
 from engine.models.deepseek_v41.loading import load_model
-from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM, KVNumerics, StepOutput
+from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM, Numerics, StepOutput
 from engine.models.deepseek_v41.state import ModelState, StepBatch, sequential_batch
 
 __all__ = [
     "CheckpointError",
     "DeepseekV41Config",
     "DeepseekV41ForCausalLM",
-    "KVNumerics",
+    "Numerics",
     "LoadedCheckpoint",
     "ModelState",
     "StepBatch",

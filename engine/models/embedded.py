@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from engine import envs
 from engine.models.deepseek_v41.checkpoint_writer import write_random_checkpoint
 
 EMBEDDED_SEED = 0
-
-
-def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/deepinfer` (or `~/.cache/deepinfer`)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "deepinfer"
 
 
 def ensure_embedded_checkpoint(preset: str = "default", cache_dir: Path | None = None) -> Path:
@@ -22,7 +16,7 @@ def ensure_embedded_checkpoint(preset: str = "default", cache_dir: Path | None =
     A folder is complete once its `config.json` exists (the writer writes it last), so an
     interrupted generation is redone on the next call.
     """
-    folder = (cache_dir or default_cache_dir()) / f"{preset}-seed{EMBEDDED_SEED}"
+    folder = (cache_dir or envs.cache_dir()) / f"{preset}-seed{EMBEDDED_SEED}"
     if not (folder / "config.json").is_file():
         write_random_checkpoint(preset, folder, seed=EMBEDDED_SEED)
     return folder

@@ -89,7 +89,7 @@ TINY_HF_CONFIG = {
     "text_config": TINY_TEXT_CONFIG,
     # The tiny checkpoint has no vision tower (text path only).
     "vision_config": {"num_hidden_layers": 0},
-    "image_token_id": 1023,
+    "image_token_id": 1001,  # same as engine/models/deepseek_v41 `tiny` preset
     "bos_token_id": 0,
     "eos_token_id": 1,
     "pad_token_id": 2,

@@ -315,6 +315,8 @@ class Attention(nn.Module):
             ctx.candidates = self._candidate_blocks(scores, num_visible)
         if ctx.record is not None:
             ctx.record[f"layers.{self.layer_id}.selection"] = batch.unpad(sel)
+            if ctx.candidates is not None:
+                ctx.record[f"layers.{self.layer_id}.candidates"] = batch.unpad(ctx.candidates)
 
     def _gather_index_keys(self, num_j: int, ctx: StepContext) -> Tensor:
         batch, r = ctx.batch, self.ratio

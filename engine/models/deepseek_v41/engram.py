@@ -50,9 +50,9 @@ class Engram(nn.Module):
         value = kv[:, n * d :]
         r = residual.float()
         a = self.q_weight.float() * self.k_weight.float()
-        dot = (r * a * key).sum(-1)
-        dot = dot * torch.rsqrt(r.pow(2).mean(-1) + self.eps)
-        dot = dot * torch.rsqrt(key.pow(2).mean(-1) + self.eps) * d**-0.5
+        rstd = torch.rsqrt(r.square().mean(-1) + self.eps)
+        rstd = rstd * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (r * a * key).sum(-1) * rstd * d**-0.5
         gate = torch.sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt())
         if is_image is not None:
             gate = gate.masked_fill(is_image[:, None], 0.0)

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from engine.models.deepseek_v41.checkpoint_loader import CheckpointError, load_checkpoint
 from engine.models.deepseek_v41.config import DeepseekV41Config
 from engine.models.deepseek_v41.engram_hash import build_compressed_token_map
-from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM, KVNumerics
+from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM, Numerics
 
 TOKEN_MAP_FILE = "engram_token_map.npy"
 TOKEN_MAP_META = "engram_token_map.json"
@@ -56,7 +56,7 @@ def load_model(
     path_or_hub_id: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    kv_numerics: KVNumerics | None = None,
+    numerics: Numerics | None = None,
     include_dspark: bool = True,
     progress: bool = False,
 ) -> DeepseekV41ForCausalLM:
@@ -70,7 +70,7 @@ def load_model(
     )
     cfg = loaded.config
     with torch.device("meta"):
-        model = DeepseekV41ForCausalLM(cfg, dtype, kv_numerics, include_dspark)
+        model = DeepseekV41ForCausalLM(cfg, dtype, numerics, include_dspark)
     missing, unexpected = model.load_state_dict(loaded.tensors, strict=False, assign=True)
     if missing or unexpected:
         raise CheckpointError(

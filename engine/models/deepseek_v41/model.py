@@ -47,21 +47,32 @@ from engine.models.deepseek_v41.state import (
 
 
 @dataclass(frozen=True)
-class KVNumerics:
-    """How stored K/V rows are encoded.
+class Numerics:
+    """Numerical choices where implementations of the same model legitimately differ.
 
-    quantize: store window rows MXFP8, global rows FP4 and index keys/queries FP4 (the released
-        numerics, `model.md` §2.3); False keeps exact float rows (parity with references that do
-        not quantise).
-    nemo_variant: use NeMo AutoModel's scale floor / clamp variants (`model.md` §14 items 2–3).
+    kv_quantize: store window rows MXFP8, global rows FP4 and index keys/queries FP4 (the
+        released numerics, `model.md` §2.3); False keeps exact float rows (parity with
+        references that do not quantise).
+    kv_nemo_variant: NeMo AutoModel's FP8 scale floor and unclamped FP4 scale (§14 items 2–3).
+    moe_weight_before_down: apply the routing weight to the SwiGLU activation before the down
+        projection (NeMo, §14 item 4) instead of to the expert output (spec §3.8). The same
+        maths; only the rounding point moves.
     """
 
-    quantize: bool = True
-    nemo_variant: bool = False
+    kv_quantize: bool = True
+    kv_nemo_variant: bool = False
+    moe_weight_before_down: bool = False
+
+    @classmethod
+    def nemo_reference(cls, kv_quantize: bool = True) -> Numerics:
+        """The settings that reproduce NeMo AutoModel 0.7.0 bit for bit in fp32 (tiny)."""
+        return cls(kv_quantize=kv_quantize, kv_nemo_variant=True, moe_weight_before_down=True)
 
     def codecs(self, cfg: DeepseekV41Config) -> KVCodecs:
         def make(kind: str, dim: int):
-            return make_codec(kind, dim, quantize=self.quantize, nemo_variant=self.nemo_variant)
+            return make_codec(
+                kind, dim, quantize=self.kv_quantize, nemo_variant=self.kv_nemo_variant
+            )
 
         return KVCodecs(
             swa=make("swa_mxfp8", cfg.head_dim),
@@ -155,13 +166,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         self,
         cfg: DeepseekV41Config,
         dtype: torch.dtype = torch.float32,
-        kv_numerics: KVNumerics | None = None,
+        numerics: Numerics | None = None,
         include_dspark: bool = True,
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.kv_numerics = kv_numerics or KVNumerics()
-        self.codecs = self.kv_numerics.codecs(cfg)
+        self.numerics = numerics or Numerics()
+        self.codecs = self.numerics.codecs(cfg)
         d = cfg.hidden_size
         # Derived constants are built on the CPU even when the weights are built on "meta".
         with torch.device("cpu"):
@@ -192,6 +203,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=dtype)
         self.mtp = DSpark(cfg, main, dtype) if include_dspark else None
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.weight_before_down = self.numerics.moe_weight_before_down
         self.engram_tables: dict[int, EngramHashTables] = {t.layer_id: t for t in hash_tables}
         # Raw id → compressed id; set from the tokenizer by the loader (`set_engram_token_map`).
         self.register_buffer("engram_token_map", token_map, persistent=False)

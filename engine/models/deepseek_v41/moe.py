@@ -18,8 +18,12 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype)
         self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+    def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
+        """`weight` [T, 1], when given, scales the activation before the down projection."""
+        act = clamped_swiglu(self.w1(x), self.w3(x), self.limit)
+        if weight is not None:
+            act = (act.float() * weight).to(x.dtype)
+        return self.w2(act)
 
 
 class Gate(nn.Module):
@@ -46,6 +50,7 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.route_scale = route_scale
+        self.weight_before_down = False  # see `Numerics.moe_weight_before_down`
         self.gate = Gate(dim, num_experts, dtype)
         self.shared_experts = Expert(dim, inter, limit, dtype)
         self.experts = nn.ModuleList(Expert(dim, inter, limit, dtype) for _ in range(num_experts))
@@ -67,7 +72,11 @@ class MoE(nn.Module):
         for expert, count in zip(self.experts, counts, strict=True):
             if count:
                 rows = token_of[lo : lo + count]
-                y = expert(x[rows]).float() * weights.flatten()[order[lo : lo + count], None]
+                w = weights.flatten()[order[lo : lo + count], None]
+                if self.weight_before_down:
+                    y = expert(x[rows], w).float()
+                else:
+                    y = expert(x[rows]).float() * w
                 routed.index_add_(0, rows, y)
             lo += count
         return (out + routed).to(x.dtype)

@@ -62,19 +62,21 @@ def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = Fals
 
     Channels (2i, 2i+1) of the rotated tail form the complex number `a + jb` (interleaved /
     GPT-J style). `positions` has `x`'s leading shape up to the dims between it and the last one
-    (e.g. `x[T, H, D]` with `positions[T]`). Computed in fp32, returned in `x`'s dtype.
+    (e.g. `x[T, H, D]` with `positions[T]`). The angle `pos·f` is rounded to fp32 before
+    cos/sin and the rotation is a complex64 multiply, as in the reference implementations
+    (bit-identical rows matter: a 1-ulp difference can flip an FP4 rounding of a stored row).
+    Returned in `x`'s dtype.
     """
     rot = 2 * freqs.numel()
-    angles = positions.to(torch.float32)[..., None] * freqs.to(positions.device)  # [T, rot/2]
-    cos, sin = angles.cos(), angles.sin()
+    angles = positions.to(torch.float32)[..., None] * freqs.to(positions.device)
+    cis = torch.polar(torch.ones_like(angles), angles)
     if inverse:
-        sin = -sin
-    while cos.dim() < x.dim():
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    tail = x[..., -rot:].float().unflatten(-1, (-1, 2))
-    a, b = tail[..., 0], tail[..., 1]
-    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-rot], rotated.to(x.dtype)), dim=-1)
+        cis = cis.conj()
+    tail = torch.view_as_complex(x[..., -rot:].float().unflatten(-1, (-1, 2)).contiguous())
+    while cis.dim() < tail.dim():
+        cis = cis.unsqueeze(-2)
+    rotated = torch.view_as_real(tail * cis).flatten(-2).to(x.dtype)
+    return torch.cat((x[..., :-rot], rotated), dim=-1)
 
 
 # ---- mHC ---------------------------------------------------------------------------------------
@@ -96,11 +98,14 @@ def mhc_triplet(
     """
     n = residual.shape[1]
     z = residual.flatten(1).float()
-    mix = (z @ fn.float().t()) * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + norm_eps)
-    scale, base = scale.float(), base.float()
-    pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + hc_eps
-    post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
-    comb = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))
+    mix = F.linear(z, fn.float()) * torch.rsqrt(z.square().mean(-1, keepdim=True) + norm_eps)
+    scale = scale.float()
+    scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
+    # One fused multiply-add, as the released kernel rounds it.
+    logits = torch.addcmul(base.float(), mix, scales)
+    pre = torch.sigmoid(logits[:, :n]) + hc_eps
+    post = 2 * torch.sigmoid(logits[:, n : 2 * n])
+    comb = logits[:, 2 * n :].unflatten(-1, (n, n))
     comb = comb.softmax(-1) + hc_eps
     comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
     for _ in range(iters - 1):
@@ -121,8 +126,9 @@ def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
 
     NOTE: the contraction runs over the FIRST index of comb (combᵀ·R); comb·R is a silent bug.
     """
-    mixed = torch.einsum("tji,tjd->tid", comb, residual.float())
-    return (post.unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(residual.dtype)
+    update = post.unsqueeze(-1) * y.float().unsqueeze(1)
+    mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(2)).sum(1)
+    return (update + mixed).to(residual.dtype)
 
 
 # ---- MoE routing -------------------------------------------------------------------------------

@@ -1,0 +1,22 @@
+"""Every environment variable the project reads, declared in one place (read nowhere else)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def nemo_python() -> Path | None:
+    """`DEEPINFER_NEMO_PYTHON`: python of the NeMo AutoModel reference venv (parity tests)."""
+    value = os.environ.get("DEEPINFER_NEMO_PYTHON")
+    return Path(value) if value else None
+
+
+def cache_dir() -> Path:
+    """`DEEPINFER_CACHE_DIR`: where embedded checkpoints are generated (default
+    `$XDG_CACHE_HOME/deepinfer` or `~/.cache/deepinfer`)."""
+    value = os.environ.get("DEEPINFER_CACHE_DIR")
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "deepinfer"
