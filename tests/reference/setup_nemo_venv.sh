@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=${VENV:-.venv-nemo}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/pip" install torch==2.13.0
-"$VENV/bin/pip" install torch==2.13.0 transformers==5.18.0 pillow safetensors numpy tokenizers
-"$VENV/bin/pip" install --no-deps nemo_automodel==0.7.0
+"$VENV/bin/pip" install --quiet torch==2.13.0
+"$VENV/bin/pip" install --quiet torch==2.13.0 transformers==5.18.0 pillow safetensors numpy tokenizers
+"$VENV/bin/pip" install --quiet --no-deps nemo_automodel==0.7.0
 TORCHDYNAMO_DISABLE=1 "$VENV/bin/python" -c \
   "import nemo_automodel.components.models.deepseek_v41.model as m; print('NeMo V4.1 import OK')"
