@@ -1,0 +1,55 @@
+"""The same model code on CUDA: exact mode and incremental forwards agree with the CPU run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models import Numerics, load_model, sequential_batch
+
+pytestmark = pytest.mark.gpu
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [[0] + torch.randint(3, 1000, (n - 1,), generator=g).tolist() for n in (97, 40, 1)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm()).item()
+
+
+def test_cuda_exact_mode_matches_cpu_fp32(tiny_checkpoint: Path) -> None:
+    prompts = _prompts()
+    for numerics in (Numerics(kv_quantize=False), Numerics()):
+        cpu = load_model(tiny_checkpoint, numerics=numerics).logits(prompts)
+        gpu = load_model(tiny_checkpoint, device="cuda", numerics=numerics).logits(prompts)
+        if not numerics.kv_quantize:
+            assert _rel(gpu, cpu) < 1e-4
+        assert (gpu.cpu().argmax(-1) == cpu.argmax(-1)).float().mean() >= 0.99
+        assert (gpu.cpu() - cpu).abs().max() < 1.0
+
+
+def test_cuda_token_by_token_matches_one_shot(tiny_checkpoint: Path) -> None:
+    model = load_model(tiny_checkpoint, device="cuda", numerics=Numerics(kv_quantize=False))
+    prompt = _prompts()[1]
+    full = model.logits([prompt])[0]
+    batch, state = model.fresh_batch([prompt])
+    rows = []
+    with torch.no_grad():
+        for pos, token in enumerate(prompt):
+            step = sequential_batch([[token]], [pos], [0], batch.block_tables, device="cuda")
+            rows.append(model.forward_step(step, state).logits[0])
+    assert _rel(torch.stack(rows), full) < 1e-5
+
+
+def test_cuda_bf16_tracks_fp32(tiny_checkpoint: Path) -> None:
+    prompts = _prompts()[:2]
+    ref = load_model(tiny_checkpoint, device="cuda").logits(prompts)
+    bf16 = load_model(tiny_checkpoint, device="cuda", dtype=torch.bfloat16).logits(prompts)
+    assert torch.isfinite(bf16).all()
+    # bf16 activations move random-model logits by several units (model.md §14): statistical only.
+    corr = torch.corrcoef(torch.stack((bf16.flatten().float(), ref.flatten())))[0, 1]
+    assert corr > 0.8  # measured 0.886 on an H200 (torch 2.11)
