@@ -14,6 +14,7 @@ Module and parameter names equal the released checkpoint's tensor names (`layers
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -171,6 +172,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
+        self.checkpoint_path: Path | None = None  # set by `load_model`
         self.numerics = numerics or Numerics()
         self.codecs = self.numerics.codecs(cfg)
         d = cfg.hidden_size
