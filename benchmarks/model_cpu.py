@@ -25,7 +25,7 @@ def _checkpoint(name: str, cache: Path) -> Path:
     return folder
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def bench(name: str, cache: Path, prompt_len: int, decode_steps: int, repeats: int) -> dict:
     model = load_model(_checkpoint(name, cache))
     g = torch.Generator().manual_seed(0)

@@ -338,7 +338,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         logits = self.norm(rows).float() @ self.head.weight.float().t()
         return StepOutput(logits=logits, hidden=hidden, dspark_features=features)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def logits(self, token_lists: list[list[int]], record: dict[str, Any] | None = None) -> Tensor:
         """Exact mode: fp32 logits [B, T_max, vocab] of whole prompts (zeros past each end)."""
         if not token_lists or any(len(t) == 0 for t in token_lists):
@@ -374,7 +374,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             keep = torch.nonzero(batch.positions > end - ring.shape[1]).squeeze(-1)
             ring[batch.slots[seq[keep]], batch.positions[keep] % ring.shape[1]] = stage_rows[keep]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def draft(
         self, anchors: Tensor, positions: Tensor, slots: Tensor, state: ModelState, **sampling: Any
     ) -> DraftOutput:

@@ -1,0 +1,97 @@
+"""Engine throughput on the CPU: concurrent requests through `AsyncEngine`, one table.
+
+    python benchmarks/engine_cpu.py [--model default] [--concurrency 1 8 32] [--prompt-len 512]
+                                    [--output-len 128]
+
+Every request has its own random prompt (no shared prefix) and generates exactly --output-len
+tokens (ignore_eos). Reports output tokens/s, all tokens/s, median time to first token and the
+number of engine steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+from engine.async_engine import AsyncEngine, EngineConfig
+from engine.sampling_params import SamplingParams
+
+
+async def _one(engine: AsyncEngine, prompt: list[int], params: SamplingParams, rid: str):
+    t0 = time.perf_counter()
+    first = None
+    count = 0
+    async for delta in engine.generate(prompt, params, rid):
+        if first is None and delta.token_ids:
+            first = time.perf_counter() - t0
+        count += len(delta.token_ids)
+    return first, count
+
+
+async def run(engine: AsyncEngine, concurrency: int, prompt_len: int, output_len: int) -> dict:
+    g = torch.Generator().manual_seed(concurrency)
+    vocab = engine.core.runner.model.config.vocab_size
+    prompts = [
+        [0] + torch.randint(3, min(vocab, 100000), (prompt_len - 1,), generator=g).tolist()
+        for _ in range(concurrency)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    steps0 = engine.step_count
+    t0 = time.perf_counter()
+    results = await asyncio.gather(
+        *(_one(engine, p, params, f"c{concurrency}-{i}") for i, p in enumerate(prompts))
+    )
+    elapsed = time.perf_counter() - t0
+    generated = sum(c for _, c in results)
+    return {
+        "concurrency": concurrency,
+        "seconds": elapsed,
+        "output_tok_s": generated / elapsed,
+        "total_tok_s": (generated + concurrency * prompt_len) / elapsed,
+        "ttft_median_s": statistics.median(f for f, _ in results),
+        "steps": engine.step_count - steps0,
+    }
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    config = EngineConfig(
+        model=args.model,
+        max_num_seqs=max(args.concurrency),
+        kv_cache_tokens=max(args.concurrency) * (args.prompt_len + args.output_len + 256),
+        max_num_batched_tokens=args.max_batched_tokens,
+    )
+    engine = AsyncEngine.from_config(config)
+    await engine.start()
+    print(
+        f"model {args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"prompt {args.prompt_len}, output {args.output_len}"
+    )
+    print(
+        f"{'conc':>4} {'seconds':>8} {'out tok/s':>10} {'all tok/s':>10} {'TTFT p50 s':>11} "
+        f"{'steps':>6}"
+    )
+    for c in args.concurrency:
+        r = await run(engine, c, args.prompt_len, args.output_len)
+        print(
+            f"{r['concurrency']:>4} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} "
+            f"{r['total_tok_s']:>10.1f} {r['ttft_median_s']:>11.2f} {r['steps']:>6}"
+        )
+    await engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-batched-tokens", type=int, default=32768)
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""AsyncEngine: the in-process engine the API server calls.
+
+One background task drives `EngineCore.step()` in a worker thread, so the event loop never blocks
+on model compute. Requests and aborts arrive from the event loop at any time; they are queued and
+applied between steps (the scheduler is only ever touched by one thread at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.core import EngineCore
+from engine.kv_cache import CacheConfig, KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.models import DeepseekV41ForCausalLM, load_model
+from engine.models.deepseek_v41.config import preset_names
+from engine.models.embedded import ensure_embedded_checkpoint
+from engine.outputs import Delta
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down and admits no new requests."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What `AsyncEngine.from_config` builds.
+
+    model: a preset name (`tiny`, `default`, `medium`: random weights generated once into the
+        cache folder) or a checkpoint folder / hub id.
+    kv_cache_tokens: global-KV capacity in tokens (pool of 128-token blocks) shared by all
+        running sequences; max_num_seqs also sizes the per-sequence window slots.
+    max_model_len: context limit (default: the model's max_position_embeddings).
+    """
+
+    model: str = "default"
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 32768
+    kv_cache_tokens: int = 262144
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.max_num_seqs < 1 or self.kv_cache_tokens < 128:
+            raise ValueError("max_num_seqs must be >= 1 and kv_cache_tokens >= 128")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode row each)")
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, eos_token_id: int | None) -> None:
+        self.core = core
+        self.eos_token_id = eos_token_id
+        self._streams: dict[str, asyncio.Queue[Delta]] = {}  # engine request id → its stream
+        self._groups: dict[str, list[str]] = {}  # user request id → engine ids (n choices)
+        self._pending: list[Callable[[], list[Delta]]] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._accepting = True
+        self._stopping = False
+        self.step_count = 0
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        model = _load(config)
+        return cls.from_model(model, config)
+
+    @classmethod
+    def from_model(cls, model: DeepseekV41ForCausalLM, config: EngineConfig) -> AsyncEngine:
+        max_model_len = config.max_model_len or model.config.max_position_embeddings
+        cache = CacheConfig(num_blocks=config.kv_cache_tokens // 128, num_slots=config.max_num_seqs)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_model_len,
+            ),
+            KVCacheManager(cache),
+        )
+        runner = ModelRunner(model, cache.num_slots, cache.num_blocks)
+        return cls(EngineCore(scheduler, runner), model.config.eos_token_id)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop admitting; then let in-flight requests finish (drain) or abort them."""
+        self._accepting = False
+        if not drain:
+            for request_id in list(self._streams):
+                self._submit(lambda rid=request_id: self._abort_one(rid))
+        self._stopping = True
+        self._wakeup.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            except TimeoutError:
+                for request_id in list(self._streams):
+                    self._submit(lambda rid=request_id: self._abort_one(rid))
+                self._wakeup.set()
+                await self._task
+            self._task = None
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[Delta]:
+        """Stream the deltas of one user request (n choices, `Delta.index` tells which).
+
+        Leaving the iteration early (the consumer stops, is cancelled or disconnects) aborts
+        every unfinished choice and frees what it held.
+        """
+        if not self._accepting:
+            raise EngineClosedError("the engine is shutting down")
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        if request_id in self._groups or any(rid in self._streams for rid in ids):
+            raise ValueError(f"request id {request_id!r} is already running")
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        base_seed = params.seed if params.seed is not None else secrets.randbits(63)
+        now = time.monotonic()
+        requests = [
+            Request(
+                request_id=rid,
+                prompt_token_ids=list(prompt_token_ids),
+                params=params,
+                seed=base_seed if params.n == 1 else (base_seed + i * _GOLDEN) & _SEED_MASK,
+                arrival_time=now,
+                eos_token_id=self.eos_token_id,
+                index=i,
+            )
+            for i, rid in enumerate(ids)
+        ]
+        for rid in ids:
+            self._streams[rid] = queue
+        self._groups[request_id] = ids
+        self._submit(lambda: self._add_all(requests))
+        remaining = set(ids)
+        try:
+            while remaining:
+                delta = await queue.get()
+                if delta.finish_reason is not None:
+                    remaining.discard(delta.request_id)
+                yield delta
+        finally:
+            self._groups.pop(request_id, None)
+            for rid in remaining:
+                self._submit(lambda rid=rid: self._abort_one(rid))
+            for rid in ids:  # late deltas of aborted choices are dropped by _dispatch
+                self._streams.pop(rid, None)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (or each choice `{id}-{i}` of an n > 1 request) at any stage."""
+        for rid in self._groups.get(request_id, [request_id]):
+            self._submit(lambda rid=rid: self._abort_one(rid))
+
+    # ---- loop ---------------------------------------------------------------------------------
+
+    def _submit(self, action: Callable[[], list[Delta]]) -> None:
+        self._pending.append(action)
+        self._wakeup.set()
+
+    def _add_all(self, requests: list[Request]) -> list[Delta]:
+        for request in requests:
+            self.core.add_request(request)
+        return []
+
+    def _abort_one(self, request_id: str) -> list[Delta]:
+        self.core.abort(request_id)
+        return []
+
+    def _apply_pending(self) -> None:
+        actions, self._pending = self._pending, []
+        for action in actions:
+            self._dispatch(action())
+
+    def _dispatch(self, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            queue = self._streams.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+
+    def _fail_all(self, error: str) -> None:
+        """Finish every open stream with ABORT and `error`; free the requests in the core."""
+        for request_id, queue in list(self._streams.items()):
+            request = self.core.scheduler.get_request(request_id)
+            self.core.abort(request_id)
+            queue.put_nowait(
+                Delta(
+                    request_id=request_id,
+                    index=request.index if request else 0,
+                    token_ids=[],
+                    logprobs=None,
+                    num_prompt_tokens=request.num_prompt_tokens if request else 0,
+                    num_output_tokens=request.num_output_tokens if request else 0,
+                    finish_reason=FinishReason.ABORT,
+                    error=error,
+                )
+            )
+            self._streams.pop(request_id, None)
+
+    async def _run(self) -> None:
+        while True:
+            self._apply_pending()
+            if not self.core.has_work():
+                if self._stopping:
+                    return
+                self._wakeup.clear()
+                if self._pending:
+                    continue
+                await self._wakeup.wait()
+                continue
+            try:
+                deltas = await asyncio.to_thread(self.core.step)
+            except Exception as exc:  # a failed step must not hang its requests
+                logger.exception("engine step failed; aborting running requests")
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                continue
+            self.step_count += 1
+            self._dispatch(deltas)
+
+
+def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
+    folder = (
+        ensure_embedded_checkpoint(config.model) if config.model in preset_names() else config.model
+    )
+    return load_model(folder, device=config.device, dtype=getattr(torch, config.dtype))

@@ -1,0 +1,75 @@
+"""ModelRunner: a `SchedulerOutput` → tensors → model forward → sampling → a `ModelOutput`.
+
+The runner owns the device state (`ModelState`: window rings, paged global KV, pending pairs,
+token history) sized by the cache config, and nothing about request lifecycles: slots and block
+ids come from the scheduler's plain-data output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models import DeepseekV41ForCausalLM, StepBatch
+from engine.outputs import ModelOutput, SchedulerOutput, TokenLogprob
+from engine.sampler import Sampler, SamplingBatch
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV41ForCausalLM, num_slots: int, num_blocks: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.state = model.allocate_state(num_slots, num_blocks)
+        self.sampler = Sampler()
+
+    def build_batch(self, output: SchedulerOutput) -> StepBatch:
+        """Flat token ids, per-chunk offsets, positions, slots, block tables, logit rows."""
+        chunks = output.chunks
+        flat = [t for c in chunks for t in c.token_ids]
+        starts = [0]
+        for c in chunks:
+            starts.append(starts[-1] + len(c.token_ids))
+        width = max(1, max(len(c.block_table) for c in chunks))
+        tables = torch.full((len(chunks), width), -1, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            if c.block_table:
+                tables[i, : len(c.block_table)] = torch.tensor(c.block_table)
+        sampled_rows = [starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sampling is not None]
+        dev = self.device
+        return StepBatch(
+            token_ids=torch.tensor(flat, dtype=torch.long, device=dev),
+            starts=starts,
+            start_positions=[c.start_position for c in chunks],
+            slots=torch.tensor([c.slot for c in chunks], dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            logits_indices=torch.tensor(sampled_rows, dtype=torch.long, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelOutput:
+        """Run one step; sample the next token of every chunk that reaches its request's end."""
+        if output.is_empty:
+            return ModelOutput(sampled={}, logprobs={})
+        batch = self.build_batch(output)
+        step = self.model.forward_step(batch, self.state)
+        sampled_chunks = [c for c in output.chunks if c.sampling is not None]
+        if not sampled_chunks:
+            return ModelOutput(sampled={}, logprobs={})
+        infos = [c.sampling for c in sampled_chunks]
+        sampling = SamplingBatch.from_infos(infos, self.model.config.vocab_size, self.device)
+        result = self.sampler.sample(step.logits, sampling)
+        token_ids = result.token_ids.tolist()  # the step's one device → host sync
+        sampled = {c.request_id: [t] for c, t in zip(sampled_chunks, token_ids, strict=True)}
+        logprobs: dict[str, list[TokenLogprob]] = {}
+        if result.logprobs is not None:
+            chosen = result.logprobs.tolist()
+            top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+            top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+            for row, chunk in enumerate(sampled_chunks):
+                k = chunk.sampling.params.num_logprobs
+                if not chunk.sampling.params.logprobs:
+                    continue
+                top = ()
+                if k and top_ids is not None and top_lps is not None:
+                    top = tuple(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
+                logprobs[chunk.request_id] = [TokenLogprob(token_ids[row], chosen[row], top)]
+        return ModelOutput(sampled=sampled, logprobs=logprobs)

@@ -1,0 +1,83 @@
+"""Plain data passed between the scheduler, the model runner and the async engine (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingInfo:
+    """What the runner needs to sample the token after a chunk's last row.
+
+    output_index: index of the token being sampled among the request's outputs (its absolute
+    position is prompt length + output_index); randomness is keyed by (seed, position).
+    history: prompt + output token ids so far, present only when a penalty needs them.
+    """
+
+    params: SamplingParams
+    seed: int
+    output_index: int
+    num_prompt_tokens: int
+    history: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Positions `start_position .. start_position + len(token_ids) − 1` of one request."""
+
+    request_id: str
+    slot: int
+    block_table: tuple[int, ...]
+    start_position: int
+    token_ids: tuple[int, ...]
+    sampling: SamplingInfo | None  # None: a prefill chunk that does not reach the end yet
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's work, decode rows first. Empty when nothing can run."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    num_tokens: int
+    finished_request_ids: tuple[str, ...] = ()  # freed since the last step (runner may drop state)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """Sampled tokens for every chunk that had `sampling` (several per request later: drafts)."""
+
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprob]]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one request (one choice of a user request when n > 1).
+
+    token_ids: the new tokens (possibly several per step); logprobs: one entry per new token
+    when asked; num_prompt_tokens / num_output_tokens: cumulative counts; finish_reason set on
+    the last delta; error: why a request was rejected or aborted, if it was.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: FinishReason | None = None
+    error: str | None = None

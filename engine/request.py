@@ -1,0 +1,71 @@
+"""A request as the scheduler tracks it (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled, disconnected, shut down or rejected
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate. `n > 1` is expanded by the engine into n requests.
+
+    Counting rule: `num_computed_tokens` catches up with `all_token_ids`; the positions
+    `[num_computed_tokens, len(all_token_ids))` are what the next step may compute. A request
+    is decoding once only its last (sampled, not yet cached) token is left.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # resolved: params.seed, or a random draw at admission
+    arrival_time: float
+    eos_token_id: int | None = None
+    index: int = 0  # choice index within the user request (n > 1)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    error: str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_tokens_total(self) -> int | None:
+        """Token count (prompt + output) at which the request stops for length."""
+        if self.params.max_tokens is None:
+            return None
+        return self.num_prompt_tokens + self.params.max_tokens

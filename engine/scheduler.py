@@ -1,0 +1,491 @@
+"""Continuous-batching scheduler: queues, token budget, chunked prefill, preemption (no torch).
+
+One engine step is `out = schedule(); model = runner.execute(out); deltas = update(out, model)`.
+The scheduler works on ints, block ids and `Request` objects and emits plain data
+(`engine/outputs.py`); it never sees a tensor.
+
+Counting rule: a request's `num_computed_tokens` catches up with its tokens (prompt + output).
+The positions `[num_computed_tokens, num_tokens)` are what a step may compute; a request is
+decoding when only its last sampled token is left. A chunk that reaches `num_tokens` also samples
+the next token.
+
+    prompt + output   t0 t1 t2 t3 t4 t5 t6 | t7            (t7: last sampled, not yet cached)
+    computed          ^^^^^^^^^^^^^^^^^^^^                   num_computed_tokens = 7
+    next chunk                               [t7] -> sample t8 at position 8
+
+Each step, in this order, while the token budget lasts:
+  1. decode rows of running requests (1 position each);
+  2. the next chunk of running requests still in prefill (or recompute);
+  3. WAITING requests, in (priority, arrival) order, while `max_num_seqs`, free slots and free
+     blocks allow; admission stops at the first request that does not fit (no overtaking, so a
+     large request is not starved). Skipped in a step that preempted (memory is tight).
+Running requests are visited best first, by the same (priority, arrival) order.
+
+Memory. Admission reserves blocks for every known token of the request (prompt + outputs so far)
+so that a prefill never stalls midway; a running request only grows by one block every
+`block_tokens` decoded tokens. When that growth finds no free block, the scheduler preempts by
+recompute: the worst running request (largest priority value, then latest arrival) loses its
+blocks and slot, keeps its output tokens, gets `num_computed_tokens = 0` and goes back to
+WAITING, where its original (priority, arrival) key puts it ahead of every later arrival of its
+priority. It is re-admitted like any waiting request and recomputes prompt + outputs; since the
+engine keys randomness by (seed, position), it then samples exactly the tokens it would have
+sampled without preemption. The victim is never better than the request that needs the block
+(possibly it is that request itself), so the best running request always makes progress.
+
+Requests that can never run (empty prompt, prompt + max_tokens > max_model_len, more blocks than
+the whole pool) are rejected in `add_request`: finished at once with `FinishReason.ABORT` and an
+`error`. They, and aborted requests, surface as Deltas through `update` (see its docstring).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from engine.kv_cache import KVCacheManager
+from engine.outputs import Delta, ModelOutput, SamplingInfo, ScheduledChunk, SchedulerOutput
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Scheduling limits.
+
+    max_model_len: the context limit (prompt + output tokens of one request).
+    max_num_batched_tokens: positions computed per step, all requests together (the budget).
+    max_num_seqs: running requests at most.
+    NOTE: `max_num_batched_tokens >= max_num_seqs`, so every decode row fits in every step.
+    """
+
+    max_model_len: int
+    max_num_batched_tokens: int = 32768
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError(
+                "SchedulerConfig.max_model_len must be >= 2 (a prompt token and a generated one)"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_num_seqs ({self.max_num_seqs}) so that every decode row fits in a step"
+            )
+
+
+class _StepPlan:
+    """Positions chosen so far in one `schedule()` call; insertion order is batch order."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget_left = budget
+        self.num_new_tokens: dict[str, int] = {}
+        self.num_preempted = 0
+
+    def add(self, request_id: str, num_tokens: int) -> None:
+        self.num_new_tokens[request_id] = num_tokens
+        self.budget_left -= num_tokens
+
+    def drop(self, request_id: str) -> None:
+        self.budget_left += self.num_new_tokens.pop(request_id, 0)
+
+
+class Scheduler:
+    """Owns the waiting and running queues; decides each step's batch; applies its results.
+
+    `schedule()` and `update()` alternate: `update` advances `num_computed_tokens` by what the
+    matching `schedule` output computed. `add_request` and `abort` may be called between any
+    two calls. Not thread-safe: the engine calls it from one thread.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_manager = kv_manager
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._waiting: list[Request] = []  # sorted by _order_key
+        self._running: list[Request] = []  # sorted by _order_key (best first)
+        self._arrival_order: dict[str, int] = {}  # tie-break for equal (priority, arrival_time)
+        self._num_added = 0
+        self._outbox: list[Delta] = []  # final Deltas of rejected / aborted requests
+        self._finished_ids: list[str] = []  # finished since the last schedule()
+        self._num_preemptions = 0
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since construction, all requests together (a metrics counter)."""
+        return self._num_preemptions
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request waits or runs, or a final Delta awaits the next `update`.
+
+        NOTE: a request counts as unfinished for the engine until its final Delta is emitted,
+        so a loop `while has_unfinished_requests(): step()` delivers aborts and rejections.
+        """
+        return bool(self._requests or self._outbox)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The waiting or running request with this id; None once it finished (or if unknown)."""
+        return self._requests.get(request_id)
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (WAITING), or reject it at once if it can never run.
+
+        Mutates: the request joins the waiting queue; or, if rejected, it is FINISHED with
+        `FinishReason.ABORT` and `error` set, and its final Delta is emitted by the next `update`.
+        Raises ValueError for a request that is not new (not WAITING, or already computed) or
+        whose id is already waiting or running: those are caller bugs, not user errors.
+        """
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:
+            raise ValueError(f"request {request.request_id!r} is not a new WAITING request")
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already queued")
+        error = self._rejection_reason(request)
+        if error is not None:
+            request.error = error
+            self._finish(request, FinishReason.ABORT)
+            self._outbox.append(_final_delta(request))
+            return
+        self._requests[request.request_id] = request
+        self._arrival_order[request.request_id] = self._num_added
+        self._num_added += 1
+        bisect.insort(self._waiting, request, key=self._order_key)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request wherever it is (waiting, mid-prefill, decoding).
+
+        Mutates: the request is FINISHED with `FinishReason.ABORT`, its slot and blocks are freed,
+        and its final Delta (no new tokens) is emitted by the next `update`. A chunk of it already
+        handed out by `schedule` is ignored by `update`. Unknown or finished ids are a no-op.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        self._finish(request, FinishReason.ABORT)
+        self._outbox.append(_final_delta(request))
+
+    # ---------------------------------------------------------------- the step
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's chunks (decode rows first) and allocate their blocks.
+
+        Mutates: allocations, admissions (WAITING -> RUNNING) and preemptions (RUNNING ->
+        WAITING); `num_computed_tokens` is left for `update`. Never exceeds the token budget and
+        never lists a request twice. Returns an empty output when nothing can run.
+        """
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan, decoding=True)
+        self._schedule_running(plan, decoding=False)
+        if plan.num_preempted == 0:
+            self._admit_waiting(plan)
+        return self._build_output(plan)
+
+    def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[Delta]:
+        """Apply one executed step; return the Deltas to stream, one per request with news.
+
+        Mutates: each scheduled request's `num_computed_tokens` advances by its chunk length;
+        each chunk with `sampling` appends `model_output.sampled[request_id]` to the outputs
+        (logprobs from `model_output.logprobs` when present), stopping at the first token that
+        meets a stop condition, in this order:
+          1. a stop token: EOS (unless `ignore_eos`) or one of `params.stop_token_ids`, honoured
+             only at output index >= `min_tokens` (the sampler bans them below that);
+          2. `max_tokens` outputs reached;
+          3. `max_model_len` tokens reached.
+        A finished request is FINISHED with STOP or LENGTH and its KV is freed.
+
+        Returns: first the final Deltas of requests rejected or aborted since the last `update`
+        (no new tokens, `finish_reason=ABORT`, `error` for rejections), then one Delta per
+        sampled request (cumulative counts; `finish_reason` set on its last Delta). Chunks of
+        requests aborted after `schedule` are ignored. Raises RuntimeError if the runner did not
+        sample for a chunk that asked for it, or if the output does not match the request state.
+        """
+        deltas, self._outbox = self._outbox, []
+        for chunk in scheduler_output.chunks:
+            request = self._requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted after schedule()
+            if request.num_computed_tokens != chunk.start_position:
+                raise RuntimeError(
+                    f"request {chunk.request_id!r}: chunk starts at {chunk.start_position} but "
+                    f"{request.num_computed_tokens} tokens are computed (update out of order?)"
+                )
+            request.num_computed_tokens += len(chunk.token_ids)
+            if chunk.sampling is not None:
+                deltas.append(self._append_sampled(request, model_output))
+        return deltas
+
+    # ---------------------------------------------------------------- integrity
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError describing the first broken invariant. No mutation.
+
+        Checks the KV manager's invariants, then: every unfinished request is in exactly one
+        queue with the matching status; queues are in (priority, arrival) order; running requests
+        hold a slot and blocks for their computed tokens and have a position left to compute;
+        waiting requests hold nothing and have computed nothing; only running requests hold KV.
+        """
+        self.kv_manager.check_integrity()
+        waiting_ids = [r.request_id for r in self._waiting]
+        running_ids = [r.request_id for r in self._running]
+        _require(len(set(waiting_ids)) == len(waiting_ids), "a request is queued twice in WAITING")
+        _require(len(set(running_ids)) == len(running_ids), "a request is queued twice in RUNNING")
+        _require(not set(waiting_ids) & set(running_ids), "a request is both waiting and running")
+        _require(
+            set(waiting_ids) | set(running_ids) == self._requests.keys(),
+            "tracked requests differ from the queued ones",
+        )
+        _require(len(self._running) <= self.config.max_num_seqs, "more running than max_num_seqs")
+        for queue in (self._waiting, self._running):
+            keys = [self._order_key(r) for r in queue]
+            _require(keys == sorted(keys), "a queue is out of (priority, arrival) order")
+        for request in self._waiting:
+            rid = request.request_id
+            _require(request.status is RequestStatus.WAITING, f"waiting {rid!r} is not WAITING")
+            _require(request.num_computed_tokens == 0, f"waiting {rid!r} has computed tokens")
+            _require(not self.kv_manager.is_allocated(rid), f"waiting {rid!r} holds KV")
+        for request in self._running:
+            rid = request.request_id
+            _require(request.status is RequestStatus.RUNNING, f"running {rid!r} is not RUNNING")
+            _require(self.kv_manager.is_allocated(rid), f"running {rid!r} holds no slot")
+            _require(
+                len(self.kv_manager.block_table(rid))
+                >= self.kv_manager.num_blocks_needed(request.num_computed_tokens),
+                f"running {rid!r} holds too few blocks for its computed tokens",
+            )
+            _require(
+                request.num_computed_tokens < request.num_tokens,
+                f"running {rid!r} has no position left to compute",
+            )
+        _require(
+            self.kv_manager.stats().num_requests == len(self._running),
+            "a request that is not running holds KV",
+        )
+
+    # ---------------------------------------------------------------- scheduling helpers
+
+    def _order_key(self, request: Request) -> tuple[int, float, int]:
+        return (
+            request.params.priority,
+            request.arrival_time,
+            self._arrival_order[request.request_id],
+        )
+
+    def _schedule_running(self, plan: _StepPlan, *, decoding: bool) -> None:
+        """Schedule the running requests that are (or are not) decoding, best first."""
+        for request in list(self._running):
+            if plan.budget_left == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            num_left = request.num_tokens - request.num_computed_tokens
+            if (num_left == 1) != decoding or request.request_id in plan.num_new_tokens:
+                continue
+            num_new = min(num_left, plan.budget_left)
+            if self._allocate_or_preempt(request, request.num_computed_tokens + num_new, plan):
+                plan.add(request.request_id, num_new)
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _StepPlan) -> bool:
+        """Give a running request blocks for positions `< num_tokens`, preempting the worst
+        running requests until that succeeds. False if the request preempted itself."""
+        while not self.kv_manager.allocate(request.request_id, num_tokens):
+            victim = self._running[-1]  # worst (priority, arrival); never better than `request`
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """RUNNING -> WAITING by recompute: free KV, keep outputs, forget computed positions."""
+        self._running.remove(request)
+        self.kv_manager.free(request.request_id)
+        plan.drop(request.request_id)
+        plan.num_preempted += 1
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        bisect.insort(self._waiting, request, key=self._order_key)
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests in order until one does not fit (budget, seqs, slots, KV)."""
+        while (
+            self._waiting and plan.budget_left > 0 and len(self._running) < self.config.max_num_seqs
+        ):
+            request = self._waiting[0]
+            # Reserve every known position, so the prefill never waits for blocks midway.
+            if not self.kv_manager.allocate(request.request_id, request.num_tokens):
+                return
+            self._waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self._running, request, key=self._order_key)
+            plan.add(request.request_id, min(request.num_tokens, plan.budget_left))
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        chunks = []
+        for request_id, num_new in plan.num_new_tokens.items():
+            request = self._requests[request_id]
+            start = request.num_computed_tokens
+            end = start + num_new
+            chunks.append(
+                ScheduledChunk(
+                    request_id=request_id,
+                    slot=self.kv_manager.slot(request_id),
+                    block_table=self.kv_manager.block_table(request_id),
+                    start_position=start,
+                    token_ids=_token_range(request, start, end),
+                    sampling=_sampling_info(request) if end == request.num_tokens else None,
+                )
+            )
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(
+            chunks=tuple(chunks),
+            num_tokens=sum(plan.num_new_tokens.values()),
+            finished_request_ids=finished,
+        )
+
+    # ---------------------------------------------------------------- update helpers
+
+    def _append_sampled(self, request: Request, model_output: ModelOutput) -> Delta:
+        sampled = model_output.sampled.get(request.request_id)
+        if not sampled:
+            raise RuntimeError(f"the runner sampled no token for {request.request_id!r}")
+        num_new = 0
+        reason = None
+        for token in sampled:
+            request.output_token_ids.append(token)
+            num_new += 1
+            reason = self._stop_reason(request)
+            if reason is not None:
+                break
+        logprobs = model_output.logprobs.get(request.request_id)
+        if reason is not None:
+            self._finish(request, reason)
+        return Delta(
+            request_id=request.request_id,
+            index=request.index,
+            token_ids=request.output_token_ids[-num_new:],
+            logprobs=None if logprobs is None else list(logprobs[:num_new]),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            finish_reason=reason,
+        )
+
+    def _stop_reason(self, request: Request) -> FinishReason | None:
+        """Why the request stops after its last output token, or None."""
+        params = request.params
+        token = request.output_token_ids[-1]
+        is_eos = not params.ignore_eos and token == request.eos_token_id
+        if request.num_output_tokens > params.min_tokens and (
+            is_eos or token in params.stop_token_ids
+        ):
+            return FinishReason.STOP
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Any state -> FINISHED: leave the queues, free KV, tell the runner next step."""
+        if request.request_id in self._requests:
+            del self._requests[request.request_id]
+            del self._arrival_order[request.request_id]
+            queue = self._running if request.status is RequestStatus.RUNNING else self._waiting
+            queue.remove(request)
+            self.kv_manager.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._finished_ids.append(request.request_id)
+
+    def _rejection_reason(self, request: Request) -> str | None:
+        """Why a new request can never run with this context limit and pool, or None."""
+        num_prompt = request.num_prompt_tokens
+        max_model_len = self.config.max_model_len
+        max_tokens = request.params.max_tokens
+        if num_prompt == 0:
+            return "the prompt is empty: at least one prompt token is required"
+        if max_tokens is None and num_prompt >= max_model_len:
+            return (
+                f"the prompt ({num_prompt} tokens) leaves no room to generate within the "
+                f"context length ({max_model_len} tokens)"
+            )
+        if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+            return (
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"context length ({max_model_len} tokens)"
+            )
+        max_len = min(max_model_len, request.max_tokens_total or max_model_len)
+        # NOTE: the last token of a request is sampled but never computed, hence `max_len - 1`.
+        num_blocks = self.kv_manager.num_blocks_needed(max_len - 1)
+        pool = self.kv_manager.config
+        if num_blocks > pool.num_blocks:
+            return (
+                f"the request may reach {max_len} tokens, which needs {num_blocks} KV blocks, "
+                f"but the whole cache holds {pool.num_blocks} blocks "
+                f"({pool.num_blocks * pool.block_tokens} tokens)"
+            )
+        return None
+
+
+def _token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
+    """Token ids at positions `start .. end − 1` without concatenating prompt and output."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    num_prompt = len(prompt)
+    if end <= num_prompt:
+        return tuple(prompt[start:end])
+    if start >= num_prompt:
+        return tuple(output[start - num_prompt : end - num_prompt])
+    return (*prompt[start:], *output[: end - num_prompt])
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return (
+        params.presence_penalty != 0
+        or params.frequency_penalty != 0
+        or params.repetition_penalty != 1
+    )
+
+
+def _sampling_info(request: Request) -> SamplingInfo:
+    history = tuple(request.all_token_ids) if _uses_penalties(request.params) else None
+    return SamplingInfo(
+        params=request.params,
+        seed=request.seed,
+        output_index=request.num_output_tokens,
+        num_prompt_tokens=request.num_prompt_tokens,
+        history=history,
+    )
+
+
+def _final_delta(request: Request) -> Delta:
+    """The last Delta of a request finished outside `update` (rejected or aborted)."""
+    return Delta(
+        request_id=request.request_id,
+        index=request.index,
+        token_ids=[],
+        logprobs=None,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens,
+        finish_reason=request.finish_reason,
+        error=request.error,
+    )
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(f"Scheduler integrity: {message}")

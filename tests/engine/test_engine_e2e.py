@@ -1,0 +1,175 @@
+"""The async engine end to end on the `tiny` model: batching, preemption, seeds, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from engine.async_engine import AsyncEngine, EngineClosedError, EngineConfig
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 90, (count,), generator=g).tolist()
+    return [[0] + torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+async def _collect(engine: AsyncEngine, prompt, params, rid) -> tuple[dict, dict]:
+    tokens: dict[int, list[int]] = {}
+    finish: dict[int, FinishReason] = {}
+    async for delta in engine.generate(prompt, params, rid):
+        tokens.setdefault(delta.index, []).extend(delta.token_ids)
+        assert delta.num_output_tokens == len(tokens[delta.index])
+        if delta.finish_reason is not None:
+            finish[delta.index] = delta.finish_reason
+    return tokens, finish
+
+
+def _engine(model, **overrides) -> AsyncEngine:
+    config = EngineConfig(
+        model="tiny", **{"max_num_seqs": 32, "kv_cache_tokens": 32768, **overrides}
+    )
+    return AsyncEngine.from_model(model, config)
+
+
+async def _run_all(engine: AsyncEngine, jobs: list[tuple[list[int], SamplingParams]]):
+    await engine.start()
+    try:
+        return await asyncio.gather(
+            *(_collect(engine, p, params, f"r{i}") for i, (p, params) in enumerate(jobs))
+        )
+    finally:
+        await engine.shutdown()
+
+
+def _check_clean(engine: AsyncEngine) -> None:
+    scheduler = engine.core.scheduler
+    scheduler.check_integrity()
+    assert not scheduler.has_unfinished_requests()
+    kv = scheduler.kv_manager
+    assert kv.num_free_blocks == kv.config.num_blocks
+    assert kv.num_free_slots == kv.config.num_slots
+
+
+def test_concurrent_greedy_requests_match_running_alone(tiny_model_exact_kv) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = _prompts(32)
+    engine = _engine(tiny_model_exact_kv, max_num_batched_tokens=512)
+    together = asyncio.run(_run_all(engine, [(p, greedy) for p in prompts]))
+    _check_clean(engine)
+    assert engine.step_count > 12  # prompts were chunked and batched with decodes
+    for prompt, (tokens, finish) in zip(prompts, together, strict=True):
+        alone_engine = _engine(tiny_model_exact_kv, max_num_seqs=1)
+        alone = asyncio.run(_run_all(alone_engine, [(prompt, greedy)]))[0]
+        assert tokens[0] == alone[0][0]
+        assert len(tokens[0]) == 12 and finish[0] is FinishReason.LENGTH
+
+
+def test_preempted_request_produces_the_same_tokens(tiny_model_exact_kv) -> None:
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
+    prompts = [[0] + list(range(5, 5 + n)) for n in (100, 90, 80, 70)]
+    roomy = _engine(tiny_model_exact_kv)
+    reference = asyncio.run(_run_all(roomy, [(p, params) for p in prompts]))
+    # 5 blocks of 128 tokens for four sequences growing to 140 tokens: someone gets preempted.
+    tight = _engine(tiny_model_exact_kv, kv_cache_tokens=5 * 128)
+    squeezed = asyncio.run(_run_all(tight, [(p, params) for p in prompts]))
+    assert tight.core.scheduler.num_preemptions > 0
+    assert squeezed == reference
+    _check_clean(tight)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny_model) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    prompt = [0, 11, 12, 13, 14]
+    alone = asyncio.run(_run_all(_engine(tiny_model), [(prompt, params)]))[0]
+    crowd = [(p, SamplingParams(temperature=1.0, max_tokens=8)) for p in _prompts(6, seed=3)]
+    crowded = asyncio.run(_run_all(_engine(tiny_model), [*crowd, (prompt, params)]))[-1]
+    assert alone == crowded
+    other = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=10, ignore_eos=True)
+    assert asyncio.run(_run_all(_engine(tiny_model), [(prompt, other)]))[0] != alone
+
+
+def test_n_choices_differ_and_are_indexed(tiny_model) -> None:
+    params = SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=6, ignore_eos=True)
+    tokens, finish = asyncio.run(_run_all(_engine(tiny_model), [([0, 1, 2, 3], params)]))[0]
+    assert sorted(tokens) == [0, 1, 2] and sorted(finish) == [0, 1, 2]
+    assert len({tuple(t) for t in tokens.values()}) > 1
+
+
+def test_cancelling_a_stream_frees_everything(tiny_model) -> None:
+    engine = _engine(tiny_model)
+
+    async def scenario() -> None:
+        await engine.start()
+        params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        long_prompt = [0] + list(range(3, 600))
+        waiting = engine.generate(long_prompt, params, "mid-prefill")
+        decoding = engine.generate([0, 5, 6], params, "decoding")
+        await decoding.__anext__()
+        await decoding.__anext__()
+        task = asyncio.create_task(waiting.__anext__())
+        await asyncio.sleep(0)
+        task.cancel()
+        await decoding.aclose()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await waiting.aclose()
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+    _check_clean(engine)
+
+
+def test_shutdown_refuses_new_requests(tiny_model) -> None:
+    engine = _engine(tiny_model)
+
+    async def scenario() -> None:
+        await engine.start()
+        await engine.shutdown()
+        with pytest.raises(EngineClosedError):
+            async for _ in engine.generate([0, 1], SamplingParams(max_tokens=1), "late"):
+                pass
+
+    asyncio.run(scenario())
+
+
+def test_impossible_request_is_rejected_not_left_waiting(tiny_model) -> None:
+    engine = _engine(tiny_model, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    tokens, finish = asyncio.run(_run_all(engine, [(list(range(100)), params)]))[0]
+    assert finish == {0: FinishReason.ABORT} and tokens[0] == []
+    _check_clean(engine)
+
+
+def test_event_loop_stays_responsive_during_a_long_prefill(tiny_model) -> None:
+    engine = _engine(tiny_model, max_num_batched_tokens=4096)
+    lags: list[float] = []
+
+    async def probe(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.005)
+            lags.append(time.perf_counter() - t0 - 0.005)
+
+    async def scenario() -> float:
+        await engine.start()
+        stop = asyncio.Event()
+        prober = asyncio.create_task(probe(stop))
+        t0 = time.perf_counter()
+        prompt = [0] + [3 + i % 990 for i in range(3000)]
+        async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=1), "p"):
+            pass
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        await prober
+        await engine.shutdown()
+        return elapsed
+
+    elapsed = asyncio.run(scenario())
+    assert elapsed > 0.2  # the prefill took real time ...
+    assert max(lags) < 0.1  # ... and the loop kept ticking

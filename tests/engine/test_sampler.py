@@ -1,0 +1,395 @@
+"""The sampler: filtered distributions (chi-square), penalties, bias, logprobs, seeded draws."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.outputs import SamplingInfo
+from engine.sampler import (
+    NoisePurpose,
+    Sampler,
+    SamplingBatch,
+    counter_hash,
+    gumbel_from_hash,
+    noise_keys,
+    process_logits,
+)
+from engine.sampling_params import SamplingParams
+
+VOCAB = 129_280
+M32 = 0xFFFFFFFF
+
+
+def _info(params: SamplingParams, seed: int = 0, output_index: int = 0, **kw) -> SamplingInfo:
+    return SamplingInfo(
+        params=params,
+        seed=seed,
+        output_index=output_index,
+        num_prompt_tokens=kw.pop("num_prompt_tokens", 0),
+        history=kw.pop("history", None),
+    )
+
+
+def _sample(logits: torch.Tensor, infos: list[SamplingInfo], **kw):
+    batch = SamplingBatch.from_infos(infos, logits.shape[1], logits.device)
+    return Sampler(**kw).sample(logits, batch)
+
+
+def _logits(rows: int, vocab: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ----------------------------------------------------------------------------------------------
+# The hash (a pure-Python statement of it) and its noise
+# ----------------------------------------------------------------------------------------------
+
+
+def _py_mix(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def _py_hash(seed: int, position: int, purpose: int, token: int) -> int:
+    s, p = seed % 2**64, position % 2**64
+    keys = []
+    for init in (0x9E3779B9, 0x6A09E667):
+        h = _py_mix(init ^ purpose)
+        for word in (s & M32, s >> 32, p & M32, p >> 32):
+            h = _py_mix(h ^ word)
+        keys.append(h)
+    return _py_mix((keys[0] + token * (keys[1] | 1)) & M32)
+
+
+def test_counter_hash_matches_the_32_bit_reference() -> None:
+    cases = [(0, 0), (1, 7), (-1, 2**20), (2**63 - 1, 5), (2**40 + 3, 2**33 + 1), (-(2**63), 1)]
+    seeds = torch.tensor([s for s, _ in cases])
+    positions = torch.tensor([p for _, p in cases])
+    tokens = torch.tensor([0, 1, 2, 1000, VOCAB - 1])
+    got = counter_hash(noise_keys(seeds, positions, NoisePurpose.SAMPLE), tokens)
+    want = [[_py_hash(s, p, NoisePurpose.SAMPLE, t) for t in tokens.tolist()] for s, p in cases]
+    assert got.tolist() == want
+
+
+def test_gumbel_noise_has_the_gumbel_moments_and_uniform_bits() -> None:
+    keys = noise_keys(torch.arange(64), torch.arange(64) * 31, NoisePurpose.SAMPLE)
+    h = counter_hash(keys, torch.arange(4096))
+    # The top 6 bits are uniform over 64 bins.
+    counts = torch.bincount((h >> 26).flatten(), minlength=64).double()
+    assert _chi_square_pvalue(counts, torch.full((64,), 1 / 64, dtype=torch.float64)) > 1e-3
+    g = gumbel_from_hash(h).double()
+    assert torch.isfinite(g).all()
+    assert abs(g.mean().item() - 0.5772156649) < 0.01
+    assert abs(g.var().item() - math.pi**2 / 6) < 0.03
+
+
+def test_purposes_give_independent_streams() -> None:
+    seeds, positions = torch.tensor([5, 5]), torch.tensor([9, 9])
+    a = counter_hash(noise_keys(seeds, positions, NoisePurpose.SAMPLE), torch.arange(1000))
+    b = counter_hash(noise_keys(seeds, positions, NoisePurpose.SAMPLE + 1), torch.arange(1000))
+    assert torch.equal(a[0], a[1])
+    assert (a != b).float().mean() > 0.99
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributions: chi-square against the filtered softmax
+# ----------------------------------------------------------------------------------------------
+
+
+def _chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of Pearson's chi-square test; bins with zero probability must be empty.
+
+    Bins expecting fewer than 5 draws are pooled into one (the usual validity rule).
+    """
+    assert observed[probs == 0].sum() == 0, "a filtered-out token was drawn"
+    expected = probs * observed.sum()
+    small = (probs > 0) & (expected < 5)
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[small].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[small].sum().reshape(1)])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = torch.tensor(obs.numel() - 1, dtype=torch.float64)
+    return torch.special.gammaincc(df / 2, stat / 2).item()
+
+
+def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The filtered softmax, written the slow obvious way in float64."""
+    x = logits.double() / (p.temperature or 1.0)
+    probs = x.softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    keep = set(order[: p.top_k] if p.top_k else order)
+    kept = [i for i in order if i in keep]
+    total = sum(probs[i].item() for i in kept)
+    nucleus, mass = [], 0.0
+    for i in kept:  # the smallest best-first prefix reaching top_p of the top-k mass
+        nucleus.append(i)
+        mass += probs[i].item() / total
+        if mass >= p.top_p:
+            break
+    top = max(probs[i].item() for i in nucleus)
+    final = [i for i in nucleus if probs[i].item() >= p.min_p * top]
+    out = torch.zeros_like(probs)
+    out[final] = probs[final]
+    return out / out.sum()
+
+
+DISTRIBUTION_CASES = {
+    "temperature": SamplingParams(temperature=0.7),
+    "top_k": SamplingParams(temperature=1.0, top_k=5),
+    "top_p": SamplingParams(temperature=0.9, top_p=0.6),
+    "min_p": SamplingParams(temperature=1.3, min_p=0.15),
+    "all_filters": SamplingParams(temperature=0.8, top_k=9, top_p=0.9, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("name", list(DISTRIBUTION_CASES))
+def test_draws_follow_the_filtered_softmax(name: str) -> None:
+    params = DISTRIBUTION_CASES[name]
+    logits = _logits(1, 24, seed=3, scale=1.5)[0]
+    probs = _reference_probs(logits, params)
+    num_draws = 20_000  # one row per absolute position
+    infos = [_info(params, seed=11, output_index=i) for i in range(num_draws)]
+    draws = _sample(logits.expand(num_draws, -1), infos).token_ids
+    observed = torch.bincount(draws, minlength=24).double()
+    assert _chi_square_pvalue(observed, probs) > 1e-3
+
+
+def test_rows_with_different_params_share_a_batch() -> None:
+    logits = _logits(1, 24, seed=5, scale=1.5)[0]
+    cases = list(DISTRIBUTION_CASES.values()) + [SamplingParams(temperature=0)]
+    num_draws = 6_000
+    infos = [_info(cases[i % len(cases)], seed=2, output_index=i) for i in range(num_draws * 6)]
+    draws = _sample(logits.expand(len(infos), -1), infos).token_ids
+    for c, params in enumerate(cases):
+        mine = draws[c :: len(cases)]
+        if params.is_greedy:
+            assert (mine == logits.argmax()).all()
+            continue
+        observed = torch.bincount(mine, minlength=24).double()
+        assert _chi_square_pvalue(observed, _reference_probs(logits, params)) > 1e-3
+
+
+def test_top_p_at_the_real_vocabulary_keeps_only_the_nucleus() -> None:
+    logits = _logits(4, VOCAB, seed=1, scale=4.0)
+    params = [
+        SamplingParams(top_p=0.5),
+        SamplingParams(top_k=3),
+        SamplingParams(top_k=50, top_p=0.3, temperature=0.5),
+        SamplingParams(min_p=0.5),
+    ]
+    infos = [_info(p, seed=r) for r, p in enumerate(params)]
+    batch = SamplingBatch.from_infos(infos, VOCAB, "cpu")
+    processed = process_logits(logits, batch)
+    for row, p in enumerate(params):
+        want = _reference_probs(logits[row], p) > 0
+        assert torch.equal(torch.isfinite(processed[row]), want)
+    draws = Sampler().sample(logits, batch).token_ids
+    assert torch.isfinite(processed.gather(1, draws[:, None])).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Greedy, penalties, bias, min_tokens
+# ----------------------------------------------------------------------------------------------
+
+
+def test_greedy_is_exactly_the_argmax() -> None:
+    logits = _logits(8, VOCAB, seed=2)
+    logits[3, 77] = logits[3].max() + 1e-3  # a narrow winner
+    infos = [_info(SamplingParams(temperature=0, top_p=0.5), seed=r) for r in range(8)]
+    assert torch.equal(_sample(logits, infos).token_ids, logits.argmax(-1))
+    mixed = [_info(SamplingParams(temperature=0 if r % 2 else 1), seed=r) for r in range(8)]
+    out = _sample(logits, mixed).token_ids
+    assert torch.equal(out[1::2], logits.argmax(-1)[1::2])
+
+
+def test_penalties_change_exactly_the_intended_logits() -> None:
+    vocab = 50
+    logits = _logits(3, vocab, seed=4)
+    logits[0, 3] = -abs(logits[0, 3]) - 0.5  # a negative logit in the prompt
+    prompt, output = (1, 2, 3, 3), (4, 4, 4, 5, 2)
+    params = [
+        SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.25),
+        SamplingParams(temperature=0.5),  # no penalty: untouched (apart from temperature)
+        SamplingParams(frequency_penalty=-0.5),  # output tokens only
+    ]
+    infos = [
+        _info(p, output_index=len(output), num_prompt_tokens=len(prompt), history=prompt + output)
+        for p in params
+    ]
+    processed = process_logits(logits, SamplingBatch.from_infos(infos, vocab, "cpu"))
+    want = logits.clone()
+    for token in set(prompt + output):
+        value = want[0, token]
+        want[0, token] = value / 1.5 if value > 0 else value * 1.5
+    for token in set(output):
+        count = output.count(token)
+        want[0, token] -= count * 0.4 + 0.25
+        want[2, token] -= count * -0.5
+    want[1] /= 0.5
+    torch.testing.assert_close(processed, want, rtol=0, atol=1e-6)
+    untouched = torch.ones(vocab, dtype=torch.bool)
+    untouched[list(set(prompt + output))] = False
+    assert torch.equal(processed[0, untouched], logits[0, untouched])
+
+
+def test_output_penalties_before_any_output_change_nothing() -> None:
+    logits = _logits(1, 20, seed=5)
+    params = SamplingParams(frequency_penalty=2.0, presence_penalty=2.0)
+    info = _info(params, num_prompt_tokens=3, history=(1, 2, 3))
+    batch = SamplingBatch.from_infos([info], 20, "cpu")
+    assert torch.equal(process_logits(logits, batch), logits)
+
+
+def test_penalties_need_the_history() -> None:
+    with pytest.raises(ValueError, match="history"):
+        SamplingBatch.from_infos([_info(SamplingParams(presence_penalty=1))], 10, "cpu")
+
+
+def test_logit_bias_is_added_to_the_raw_logits() -> None:
+    logits = _logits(2, 100, seed=6)
+    params = SamplingParams(temperature=2.0, logit_bias={7: 5.0, 9: -100.0})
+    infos = [_info(params), _info(SamplingParams())]
+    processed = process_logits(logits, SamplingBatch.from_infos(infos, 100, "cpu"))
+    want = logits.clone()
+    want[0, 7] += 5.0
+    want[0, 9] -= 100.0
+    want[0] /= 2.0
+    torch.testing.assert_close(processed, want, rtol=0, atol=0)
+    forced = SamplingParams(temperature=0, logit_bias={42: 100.0})
+    assert _sample(logits[:1], [_info(forced)]).token_ids.item() == 42
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SamplingBatch.from_infos([_info(SamplingParams(logit_bias={100: 1.0}))], 100, "cpu")
+
+
+def test_min_tokens_suppresses_stop_ids_until_reached() -> None:
+    logits = torch.zeros(3, 10)
+    params = SamplingParams(min_tokens=2, stop_token_ids=(4,))
+    no_eos = SamplingParams(min_tokens=2, ignore_eos=True)
+    infos = [_info(params, output_index=1), _info(params, output_index=2), _info(no_eos)]
+    batch = SamplingBatch.from_infos(infos, 10, "cpu", eos_token_id=1)
+    processed = process_logits(logits, batch)
+    assert torch.isinf(processed[0, [1, 4]]).all() and torch.isfinite(processed[0, [0, 2]]).all()
+    assert torch.isfinite(processed[1:]).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Logprobs
+# ----------------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_the_log_softmax_of_the_processed_logits() -> None:
+    logits = _logits(4, VOCAB, seed=7)
+    params = [
+        SamplingParams(temperature=0.7, top_k=10, logprobs=True, top_logprobs=20),
+        SamplingParams(temperature=0.9),  # no logprobs
+        SamplingParams(temperature=0, logprobs=True, top_logprobs=3),  # greedy: temperature 1
+        SamplingParams(top_p=0.8, presence_penalty=1.0, logprobs=True),
+    ]
+    infos = [
+        _info(p, seed=r, output_index=2, num_prompt_tokens=2, history=(5, 6, 7, 7))
+        for r, p in enumerate(params)
+    ]
+    batch = SamplingBatch.from_infos(infos, VOCAB, "cpu")
+    out = Sampler().sample(logits, batch)
+    want = process_logits(logits, batch).log_softmax(-1)
+    rows = [0, 2, 3]
+    chosen = want[rows].gather(1, out.token_ids[rows, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs[rows], chosen)
+    assert torch.isnan(out.logprobs[1])
+    top_lps, top_ids = want[rows].topk(20, dim=-1)
+    assert out.top_ids.shape == (4, 20)
+    assert torch.equal(out.top_ids[rows[:2], :10], top_ids[:2, :10])
+    torch.testing.assert_close(out.top_logprobs[rows], top_lps)
+    assert torch.isinf(out.top_logprobs[0, 10:]).all()  # filtered by top-k
+    assert (out.top_ids[1] == -1).all()
+    torch.testing.assert_close(want[2], logits[2].log_softmax(-1))  # greedy row at temperature 1
+
+
+def test_no_logprobs_when_none_asked() -> None:
+    out = _sample(_logits(2, 30), [_info(SamplingParams()), _info(SamplingParams(temperature=0))])
+    assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Seeded, batch-invariant draws
+# ----------------------------------------------------------------------------------------------
+
+
+def _crowd(count: int) -> list[SamplingInfo]:
+    return [
+        _info(SamplingParams(temperature=0.5 + r % 3, top_p=0.95), seed=r) for r in range(count)
+    ]
+
+
+def test_seeded_draws_do_not_depend_on_the_batch() -> None:
+    logits = _logits(6, VOCAB, seed=8, scale=0.5)  # flat: every draw depends on the noise
+    mine = [_info(SamplingParams(temperature=1.0), seed=1234, output_index=i) for i in range(6)]
+    alone = [_sample(logits[i : i + 1], [mine[i]]).token_ids.item() for i in range(6)]
+    together = _sample(logits, mine).token_ids.tolist()
+    assert together == alone
+    crowd = _crowd(10)
+    crowd_logits = _logits(10, VOCAB, seed=9)
+    order = [9, 0, 1, 5, 2, 7, 3, 8, 4, 6]
+    rows = [crowd[i] for i in order[:5]] + mine[::-1] + [crowd[i] for i in order[5:]]
+    batch_logits = torch.cat([crowd_logits[order[:5]], logits.flip(0), crowd_logits[order[5:]]])
+    mixed = _sample(batch_logits, rows, noise_chunk_elements=3 * VOCAB).token_ids
+    assert mixed[5:11].flip(0).tolist() == alone
+
+
+def test_different_seeds_or_positions_draw_differently() -> None:
+    logits = torch.zeros(200, 1000)  # uniform: the draw is the noise's argmax
+    by_seed = _sample(logits, [_info(SamplingParams(), seed=s) for s in range(200)]).token_ids
+    by_position = _sample(
+        logits, [_info(SamplingParams(), seed=3, output_index=i) for i in range(200)]
+    ).token_ids
+    by_prompt_len = _sample(
+        logits, [_info(SamplingParams(), seed=3, num_prompt_tokens=i) for i in range(200)]
+    ).token_ids
+    assert torch.equal(by_position, by_prompt_len)  # keyed by absolute position only
+    assert by_seed.unique().numel() > 170
+    assert by_position.unique().numel() > 170
+    assert (by_seed != by_position).float().mean() > 0.95
+
+
+def test_logits_must_match_the_batch() -> None:
+    batch = SamplingBatch.from_infos([_info(SamplingParams())], 10, "cpu")
+    with pytest.raises(ValueError, match="do not match"):
+        Sampler().sample(torch.zeros(2, 10), batch)
+
+
+@pytest.mark.gpu
+def test_cuda_draws_equal_cpu_draws() -> None:
+    logits = _logits(64, VOCAB, seed=10, scale=1.0)
+    infos = [
+        _info(
+            SamplingParams(
+                temperature=(0.0, 0.6, 1.0, 1.4)[r % 4],
+                top_k=(0, 40)[r % 2],
+                top_p=(1.0, 0.9, 0.97)[r % 3],
+                min_p=(0.0, 0.02)[r % 2],
+                logprobs=True,
+                top_logprobs=5,
+            ),
+            seed=1000 + r,
+            output_index=r,
+            num_prompt_tokens=17,
+        )
+        for r in range(64)
+    ]
+    seeds, positions = torch.arange(-50, 50) * 2**40, torch.arange(100) * 977
+    cpu_hash = counter_hash(noise_keys(seeds, positions, 1), torch.arange(VOCAB))
+    gpu_hash = counter_hash(
+        noise_keys(seeds.cuda(), positions.cuda(), 1), torch.arange(VOCAB).cuda()
+    )
+    assert torch.equal(cpu_hash, gpu_hash.cpu())
+    cpu = _sample(logits, infos)
+    gpu = _sample(logits.cuda(), infos)
+    assert torch.equal(cpu.token_ids, gpu.token_ids.cpu())
+    torch.testing.assert_close(cpu.logprobs, gpu.logprobs.cpu(), rtol=1e-4, atol=1e-4)
