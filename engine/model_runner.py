@@ -13,6 +13,8 @@ from engine.models import DeepseekV41ForCausalLM, StepBatch
 from engine.outputs import ModelOutput, SchedulerOutput, TokenLogprob
 from engine.sampler import Sampler, SamplingBatch
 
+LOGPROB_FLOOR = -9999.0
+
 
 class ModelRunner:
     def __init__(self, model: DeepseekV41ForCausalLM, num_slots: int, num_blocks: int) -> None:
@@ -55,7 +57,12 @@ class ModelRunner:
         if not sampled_chunks:
             return ModelOutput(sampled={}, logprobs={})
         infos = [c.sampling for c in sampled_chunks]
-        sampling = SamplingBatch.from_infos(infos, self.model.config.vocab_size, self.device)
+        sampling = SamplingBatch.from_infos(
+            infos,
+            self.model.config.vocab_size,
+            self.device,
+            eos_token_id=self.model.config.eos_token_id,
+        )
         result = self.sampler.sample(step.logits, sampling)
         token_ids = result.token_ids.tolist()  # the step's one device → host sync
         sampled = {c.request_id: [t] for c, t in zip(sampled_chunks, token_ids, strict=True)}
@@ -70,6 +77,10 @@ class ModelRunner:
                     continue
                 top = ()
                 if k and top_ids is not None and top_lps is not None:
-                    top = tuple(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
-                logprobs[chunk.request_id] = [TokenLogprob(token_ids[row], chosen[row], top)]
+                    # Alternatives removed by top-k/top-p/min-p have logprob −inf; JSON has no
+                    # infinity, so they are reported at a floor, as vLLM does.
+                    lps = [max(lp, LOGPROB_FLOOR) for lp in top_lps[row][:k]]
+                    top = tuple(zip(top_ids[row][:k], lps, strict=True))
+                chosen_lp = max(chosen[row], LOGPROB_FLOOR)
+                logprobs[chunk.request_id] = [TokenLogprob(token_ids[row], chosen_lp, top)]
         return ModelOutput(sampled=sampled, logprobs=logprobs)

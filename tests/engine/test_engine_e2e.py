@@ -173,3 +173,35 @@ def test_event_loop_stays_responsive_during_a_long_prefill(tiny_model) -> None:
     elapsed = asyncio.run(scenario())
     assert elapsed > 0.2  # the prefill took real time ...
     assert max(lags) < 0.1  # ... and the loop kept ticking
+
+
+def test_min_tokens_stop_ids_and_logprobs(tiny_model) -> None:
+    eos = tiny_model.config.eos_token_id
+    forced_eos = SamplingParams(temperature=1.0, seed=3, logit_bias={eos: 100}, min_tokens=3)
+    stop_id = SamplingParams(temperature=0, logit_bias={77: 100}, stop_token_ids=(77,))
+    with_lp = SamplingParams(temperature=0, max_tokens=4, logprobs=True, top_logprobs=5)
+    jobs = [([0, 9, 8], forced_eos), ([0, 9, 8], stop_id), ([0, 9, 8], with_lp)]
+
+    async def scenario():
+        engine = _engine(tiny_model)
+        await engine.start()
+        out = []
+        for i, (prompt, params) in enumerate(jobs):
+            deltas = [d async for d in engine.generate(prompt, params, f"j{i}")]
+            out.append(deltas)
+        await engine.shutdown()
+        return out
+
+    eos_run, stop_run, lp_run = asyncio.run(scenario())
+    eos_tokens = [t for d in eos_run for t in d.token_ids]
+    assert eos_tokens[3] == eos and eos not in eos_tokens[:3] and len(eos_tokens) == 4
+    assert eos_run[-1].finish_reason is FinishReason.STOP
+    assert [t for d in stop_run for t in d.token_ids] == [77]
+    assert stop_run[-1].finish_reason is FinishReason.STOP
+    entries = [lp for d in lp_run for lp in (d.logprobs or [])]
+    tokens = [t for d in lp_run for t in d.token_ids]
+    assert [e.token_id for e in entries] == tokens and len(tokens) == 4
+    for entry in entries:
+        assert len(entry.top) == 5 and entry.top[0][0] == entry.token_id  # greedy = best
+        assert entry.logprob == entry.top[0][1] <= 0
+        assert all(a[1] >= b[1] for a, b in zip(entry.top, entry.top[1:], strict=False))
