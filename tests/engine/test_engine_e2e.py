@@ -205,3 +205,21 @@ def test_min_tokens_stop_ids_and_logprobs(tiny_model) -> None:
         assert len(entry.top) == 5 and entry.top[0][0] == entry.token_id  # greedy = best
         assert entry.logprob == entry.top[0][1] <= 0
         assert all(a[1] >= b[1] for a, b in zip(entry.top, entry.top[1:], strict=False))
+
+
+def test_shutdown_without_drain_aborts_in_flight_requests(tiny_model) -> None:
+    engine = _engine(tiny_model)
+
+    async def scenario() -> list:
+        await engine.start()
+        params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+        stream = engine.generate([0, 4, 5], params, "long")
+        first = await stream.__anext__()
+        await engine.shutdown(drain=False)
+        rest = [d async for d in stream]
+        return [first, *rest]
+
+    deltas = asyncio.run(scenario())
+    assert deltas[-1].finish_reason is FinishReason.ABORT
+    assert deltas[-1].num_output_tokens < 10_000
+    _check_clean(engine)
