@@ -108,8 +108,7 @@ class Compressor(nn.Module):
         lat = self.norm(pooled.to(x.dtype))
         # Keep (k, gate) of recent even tokens: a later step may need any of them as a partner
         # (drafts past an accepted even position are recomputed from here).
-        end = torch.tensor(batch.end_positions(), device=pos.device)[seq]
-        keep = torch.nonzero((pos % 2 == 0) & (pos > end - 2 * PAIR_RING)).squeeze(-1)
+        keep = torch.nonzero((pos % 2 == 0) & batch.in_tail(2 * PAIR_RING)).squeeze(-1)
         pending[slot[keep], (pos[keep] // 2) % PAIR_RING] = torch.stack((k[keep], g[keep]), 1)
         return lat, pos[odd] - 1, odd
 
@@ -191,10 +190,9 @@ class Attention(nn.Module):
         """Store each sequence's newest rows in its ring (only the last ring_len positions)."""
         batch, ring = ctx.batch, ctx.state.swa[self.layer_id]
         ring_len = ring.shape[1]
-        seq = batch.seq_of_token
-        end = torch.tensor(batch.end_positions(), device=rows.device)[seq]
-        keep = torch.nonzero(batch.positions > end - ring_len).squeeze(-1)
-        ring[batch.slots[seq[keep]], batch.positions[keep] % ring_len] = rows[keep]
+        keep = batch.tail(ring_len)
+        slots = batch.slots[batch.seq_of_token[keep]]
+        ring[slots, batch.positions[keep] % ring_len] = rows[keep]
 
     def _window_keys(self, window_rows: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor]:
         """Per-sequence key rows `[B, W−1+T_max, hd]` (fp32) and their positions.

@@ -286,12 +286,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         return ids.masked_fill(pos < 0, -1)
 
     def _record_tokens(self, batch: StepBatch, state: ModelState) -> None:
-        seq = batch.seq_of_token
-        end = torch.tensor(batch.end_positions(), device=seq.device)[seq]
-        keep = torch.nonzero(batch.positions > end - TOKEN_RING).squeeze(-1)
-        state.tokens[batch.slots[seq[keep]], batch.positions[keep] % TOKEN_RING] = batch.token_ids[
-            keep
-        ]
+        keep = batch.tail(TOKEN_RING)
+        slots = batch.slots[batch.seq_of_token[keep]]
+        state.tokens[slots, batch.positions[keep] % TOKEN_RING] = batch.token_ids[keep]
 
     def run_layers(
         self, batch: StepBatch, state: ModelState, record: dict[str, Any] | None = None
@@ -368,11 +365,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.mtp is None:
             raise ValueError("this model was built without the DSpark drafter")
         rows = self.mtp.context_rows(features, batch.positions, self.codecs)
-        seq = batch.seq_of_token
-        end = torch.tensor(batch.end_positions(), device=seq.device)[seq]
         for ring, stage_rows in zip(state.draft_swa, rows, strict=True):
-            keep = torch.nonzero(batch.positions > end - ring.shape[1]).squeeze(-1)
-            ring[batch.slots[seq[keep]], batch.positions[keep] % ring.shape[1]] = stage_rows[keep]
+            keep = batch.tail(ring.shape[1])
+            slots = batch.slots[batch.seq_of_token[keep]]
+            ring[slots, batch.positions[keep] % ring.shape[1]] = stage_rows[keep]
 
     @torch.inference_mode()
     def draft(

@@ -112,6 +112,20 @@ class StepBatch:
         """Position of each sequence's last new token."""
         return [p + n - 1 for p, n in zip(self.start_positions, self.lengths, strict=True)]
 
+    def in_tail(self, n: int) -> Tensor:
+        """Bool [T]: the token is among the last `n` new positions of its sequence.
+
+        Ring writes keep only these, so a long chunk never writes one ring index twice.
+        """
+        if not hasattr(self, "_end_of_token"):
+            ends = torch.tensor(self.end_positions(), device=self.positions.device)
+            self._end_of_token = ends[self.seq_of_token]
+        return self.positions > self._end_of_token - n
+
+    def tail(self, n: int) -> Tensor:
+        """Flat indices of the tokens selected by `in_tail(n)`."""
+        return torch.nonzero(self.in_tail(n)).squeeze(-1)
+
     def pad(self, flat: Tensor, fill: float = 0.0) -> Tensor:
         """[T, ...] → [B, T_max, ...] with `fill` in padding rows."""
         out = flat[self.pad_index.clamp(min=0)]
