@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-.venv/bin/ruff check engine kernels tests benchmarks
-.venv/bin/ruff format --check engine kernels tests benchmarks
+.venv/bin/ruff check engine kernels recipe server tests benchmarks
+.venv/bin/ruff format --check engine kernels recipe server tests benchmarks
 exec .venv/bin/pytest "$@"

@@ -1,0 +1,273 @@
+"""Engine `Delta`s -> protocol stream events or one accumulated response (`recipe.md` §6, §7).
+
+One `ResponseBridge` per user request. It owns one package `StreamProcessor` per choice (Chat
+`n` > 1 runs n engine choices) and closes the gaps of §9/§10 on the way out:
+
+* end-of-sentence ids are stripped before decoding (never in text);
+* a stop sequence ends a choice early: `BridgeStep.abort` tells the caller to abort that
+  choice's engine request; later deltas of a finished choice are ignored;
+* Chat: `usage` leaves the per-choice chunks and, with `stream_options.include_usage`, comes in
+  a final chunk with empty `choices` (summed over choices), as OpenAI sends it;
+* prompt usage carries the cached prompt tokens given to `start`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import deepseek_recipe as dr
+
+from engine.outputs import Delta, TokenLogprob
+from engine.request import FinishReason
+from recipe.convert import PreparedRequest
+from recipe.errors import Protocol, RecipeError
+from recipe.tokenizer import ModelTokenizer
+
+DONE = "[DONE]"
+
+_FINISH_REASONS = {
+    FinishReason.STOP: dr.InferenceFinishReason.Stop,
+    FinishReason.LENGTH: dr.InferenceFinishReason.Length,
+}
+_RESPONSE_TYPES: dict[Protocol, Any] = {
+    Protocol.CHAT: dr.ChatCompletionResponse,
+    Protocol.RESPONSES: dr.ResponsesResponse,
+    Protocol.MESSAGES: dr.MessagesResponse,
+}
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One SSE message: `event` name (None for Chat's data-only messages) and `data`, a JSON
+    object, or the string `[DONE]` that ends a Chat stream."""
+
+    event: str | None
+    data: dict[str, Any] | str
+
+
+@dataclass(frozen=True)
+class BridgeStep:
+    """What one `push` produced. abort: the choice ended early (a stop sequence); abort the
+    engine request that sent the delta."""
+
+    events: list[StreamEvent] = field(default_factory=list)
+    abort: bool = False
+
+
+class _Choice:
+    """One choice: its stream processor and its accumulated response."""
+
+    def __init__(self, prepared: PreparedRequest, tokenizer: ModelTokenizer, ids: _Ids) -> None:
+        request_type = _generator_factory(prepared.protocol)
+        generator = request_type(prepared.conversation_request, ids.response_id, prepared.model)
+        if prepared.protocol is Protocol.RESPONSES:
+            if prepared.echo is not None:
+                generator = generator.with_echo(prepared.echo)
+            if prepared.namespace_tool_map:
+                generator = generator.with_namespace_tool_map(prepared.namespace_tool_map)
+        self.processor = dr.StreamProcessor(generator, prepared.parsing_options, tokenizer.native)
+        self.response = _RESPONSE_TYPES[prepared.protocol](
+            ids.response_id,
+            prepared.model,
+            ids.created,
+            prepared.num_prompt_tokens,
+            ids.num_cached_tokens,
+        )
+        self.usage: dict[str, Any] | None = None
+        self.is_done = False
+
+
+@dataclass(frozen=True)
+class _Ids:
+    response_id: str
+    created: int
+    num_cached_tokens: int
+
+
+def _generator_factory(protocol: Protocol) -> Any:
+    return {
+        Protocol.CHAT: dr.ChatCompletionRequest.chunk_generator,
+        Protocol.RESPONSES: dr.ResponsesRequest.chunk_generator,
+        Protocol.MESSAGES: dr.MessagesRequest.chunk_generator,
+    }[protocol]
+
+
+class ResponseBridge:
+    """Feeds one request's engine deltas into the package and yields protocol events.
+
+    Call `start` once (the role chunk / `response.created` / `message_start`), then `push`
+    every `Delta` until `is_finished`; then `response()` is the non-streaming body. Events are
+    returned for streaming; accumulation happens either way.
+    """
+
+    def __init__(
+        self,
+        prepared: PreparedRequest,
+        tokenizer: ModelTokenizer,
+        response_id: str,
+        created: int | None = None,
+        num_cached_tokens: int = 0,
+    ) -> None:
+        self.prepared = prepared
+        self._eos_id = tokenizer.eos_token_id
+        self._response_type = _RESPONSE_TYPES[prepared.protocol]
+        self._ids = _Ids(
+            response_id, int(time.time()) if created is None else created, num_cached_tokens
+        )
+        self._choices = [
+            _Choice(prepared, tokenizer, self._ids) for _ in range(prepared.sampling_params.n)
+        ]
+        self._is_started = False
+        self._is_closed = False
+
+    @property
+    def is_finished(self) -> bool:
+        """Every choice has finished (the final events were returned)."""
+        return self._is_closed
+
+    def start(self) -> list[StreamEvent]:
+        """The opening events (the backend is ready, the prompt is counted)."""
+        if self._is_started:
+            return []
+        self._is_started = True
+        usage = dr.PromptUsage(
+            prompt_tokens=self.prepared.num_prompt_tokens,
+            prompt_cache_hit_tokens=self._ids.num_cached_tokens,
+        )
+        events: list[StreamEvent] = []
+        for index, choice in enumerate(self._choices):
+            events += self._emit(
+                index, choice.processor.push(dr.InferenceChunk.ready(prompt_usage=usage))
+            )
+        return events
+
+    def push(self, delta: Delta) -> BridgeStep:
+        """Feed one engine delta (any number of tokens, optionally a finish reason).
+
+        Raises:
+            RecipeError: 500 when the engine aborted the request (`delta.error` says why) or
+                the package could not process the output.
+        """
+        events = self.start()
+        if not 0 <= delta.index < len(self._choices):
+            raise RecipeError(
+                500, f"delta for unknown choice {delta.index}", self.prepared.protocol
+            )
+        choice = self._choices[delta.index]
+        if choice.is_done or self._is_closed:
+            return BridgeStep(events)
+        if delta.finish_reason is FinishReason.ABORT:
+            choice.processor.close()
+            self._is_closed = True
+            raise RecipeError(500, delta.error or "request aborted", self.prepared.protocol)
+        try:
+            events += self._push_tokens(delta, choice)
+            stopped_early = choice.processor.finished
+            if delta.finish_reason is not None and not stopped_early:
+                finish = dr.InferenceChunk.finish(_FINISH_REASONS[delta.finish_reason])
+                events += self._emit(delta.index, choice.processor.push(finish))
+            if choice.processor.finished or delta.finish_reason is not None:
+                events += self._emit(delta.index, choice.processor.finish())
+                choice.is_done = True
+        except RuntimeError as exc:
+            self._is_closed = True
+            raise RecipeError(
+                500, f"output processing failed: {exc}", self.prepared.protocol
+            ) from exc
+        if all(c.is_done for c in self._choices):
+            events += self._closing_events()
+            self._is_closed = True
+        return BridgeStep(events, abort=stopped_early and delta.finish_reason is None)
+
+    def response(self) -> dict[str, Any]:
+        """The accumulated non-streaming body (Chat choices merged, usage summed)."""
+        bodies = [json.loads(choice.response.to_json()) for choice in self._choices]
+        body = bodies[0]
+        if self.prepared.protocol is not Protocol.CHAT:
+            return body
+        body["choices"] = [
+            {**entry, "index": index}
+            for index, other in enumerate(bodies)
+            for entry in other["choices"]
+        ]
+        body["usage"] = self._total_usage([b.get("usage") for b in bodies])
+        return body
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _push_tokens(self, delta: Delta, choice: _Choice) -> list[StreamEvent]:
+        kept = [i for i, token_id in enumerate(delta.token_ids) if token_id != self._eos_id]
+        if not kept:
+            return []
+        token_ids = [delta.token_ids[i] for i in kept]
+        logprobs = None
+        if delta.logprobs is not None:
+            if len(delta.logprobs) != len(delta.token_ids):
+                raise RuntimeError(
+                    f"{len(delta.logprobs)} logprobs for {len(delta.token_ids)} tokens"
+                )
+            logprobs = [_native_logprob(delta.logprobs[i]) for i in kept]
+        chunk = dr.InferenceChunk.tokens(token_ids, logprobs)
+        return self._emit(delta.index, choice.processor.push(chunk))
+
+    def _emit(self, index: int, native_events: list[Any]) -> list[StreamEvent]:
+        choice = self._choices[index]
+        events = []
+        for native in native_events:
+            data = json.loads(native.to_json())
+            name = self._response_type.sse_event_name(native)
+            choice.response.accumulate(native)  # NOTE: consumes `native`
+            if self.prepared.protocol is Protocol.CHAT:
+                for entry in data.get("choices", ()):
+                    entry["index"] = index
+                if data.get("usage") is not None:
+                    choice.usage = data["usage"]
+                data["usage"] = None
+            events.append(StreamEvent(name, data))
+        return events
+
+    def _closing_events(self) -> list[StreamEvent]:
+        if self.prepared.protocol is not Protocol.CHAT:
+            return []
+        events = []
+        if self.prepared.include_usage:
+            usage = self._total_usage([c.usage for c in self._choices])
+            events.append(
+                StreamEvent(
+                    None,
+                    {
+                        "id": self._ids.response_id,
+                        "object": "chat.completion.chunk",
+                        "created": self._ids.created,
+                        "model": self.prepared.model,
+                        "system_fingerprint": None,
+                        "choices": [],
+                        "usage": usage,
+                    },
+                )
+            )
+        events.append(StreamEvent(None, DONE))
+        return events
+
+    def _total_usage(self, usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+        """Chat usage summed over choices (the prompt counted once)."""
+        present = [u for u in usages if u]
+        if not present:
+            return None
+        total = json.loads(json.dumps(present[0]))
+        completion = sum(u.get("completion_tokens", 0) for u in present)
+        total["completion_tokens"] = completion
+        total["total_tokens"] = total.get("prompt_tokens", 0) + completion
+        if "completion_tokens_details" in total:
+            total["completion_tokens_details"]["reasoning_tokens"] = sum(
+                (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+                for u in present
+            )
+        return total
+
+
+def _native_logprob(entry: TokenLogprob) -> tuple[float, list[tuple[int, float]]]:
+    return entry.logprob, [(token_id, logprob) for token_id, logprob in entry.top]

@@ -1,0 +1,348 @@
+"""Protocol request bodies -> `PreparedRequest` (prompt ids, sampling, parsing) (`recipe.md` §5).
+
+The package parses, validates and renders; around it this module closes the gaps of §9/§10:
+Chat `developer` -> system, `max_completion_tokens` honoured, `n` > 1 run as n engine choices,
+`logit_bias` / penalties forwarded, Responses `stop` honoured and `previous_response_id` /
+`store` / `background` refused, Messages `top_k` forwarded and `tool_choice: any` refused (it
+needs constrained decoding), images and unenforceable output constraints refused with a 400.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import deepseek_recipe as dr
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+from recipe.errors import Protocol, RecipeError
+from recipe.tokenizer import ModelTokenizer
+
+MAX_CHOICES = 16
+MAX_STOP_SEQUENCES = 4
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """model_names: the names requests may use (all render as V4.1-Flash); context_len: the
+    model's context length; default_thinking_mode: thinking when a request does not say."""
+
+    model_names: tuple[str, ...]
+    context_len: int
+    default_thinking_mode: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.model_names:
+            raise ValueError("model_names must not be empty")
+        if self.context_len < 2:
+            raise ValueError("context_len must be >= 2")
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What constrained decoding would enforce (`recipe.md` §5.4): kind `json` | `regex` |
+    `tool_call` | `tool_call_required`, and the schema / pattern / tool list."""
+
+    kind: str
+    schema: str
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """Everything the server and the bridge need from one protocol request.
+
+    model: the requested name (echoed in responses); thinking: whether thinking mode is on;
+    include_usage: Chat `stream_options.include_usage` (a final usage chunk);
+    conversation_request: the package's converted request (chunk generators are made from it);
+    parsing_options: the stream parser settings, stop sequences included (Responses too);
+    echo / namespace_tool_map: Responses only; output_constraint: None or `tool_call` with
+    tool_choice auto (tool calls are parsed but not constrained).
+    """
+
+    protocol: Protocol
+    model: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    parsing_options: dr.ParsingOptions
+    conversation_request: dr.ConversationRequest
+    stream: bool
+    include_usage: bool
+    thinking: bool
+    output_constraint: OutputConstraint | None = None
+    echo: dr.ResponsesEcho | None = None
+    namespace_tool_map: dict[str, tuple[str, str]] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class _Extras:
+    """Fields our layer handles itself, taken from the body before the package sees it."""
+
+    n: int = 1
+    logit_bias: dict[int, float] | None = None
+    top_k: int = 0
+    stop: list[str] | None = None
+    include_usage: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class Recipe:
+    """Converts protocol request bodies into `PreparedRequest`s for one model."""
+
+    def __init__(self, tokenizer: ModelTokenizer, config: RecipeConfig) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        names = {name: dr.ModelVersion.DeepseekV41Flash for name in config.model_names}
+        self._options = (
+            dr.ConversionOptions(default_thinking_mode=config.default_thinking_mode)
+            .with_model_versions_by_name(names)
+            .with_special_tokens(tokenizer.special_tokens)
+        )
+        self._encoding = dr.DeepseekV41Encoding().with_special_tokens(tokenizer.special_tokens)
+
+    def prepare(self, protocol: Protocol, body: Any) -> PreparedRequest:
+        """Parse, validate, render and encode one request body (a JSON object as a dict).
+
+        Raises:
+            RecipeError: 400 for anything the request gets wrong or asks for that is not
+                supported yet; the message says which.
+        """
+        if not isinstance(body, dict):
+            raise RecipeError(400, "request body must be a JSON object", protocol)
+        body = copy.deepcopy(body)
+        extras = _PREPROCESSORS[protocol](body, protocol)
+        try:
+            request = _REQUEST_TYPES[protocol](body)
+        except (ValueError, TypeError, OverflowError) as exc:  # Overflow: ints beyond i64/u64
+            raise RecipeError(400, f"invalid request body: {exc}", protocol) from exc
+        echo = request.echo() if protocol is Protocol.RESPONSES else None
+        namespace_map = None
+        try:
+            if protocol is Protocol.RESPONSES:
+                namespace_map = request.namespace_tool_map(self._options)
+            converted = request.convert(self._options)
+        except dr.ConversionError as exc:
+            raise _conversion_error(exc, protocol) from exc
+        constraint = _check_constraint(converted, protocol)
+        rendered = self._encoding.render_conversation(converted.conversation)
+        if rendered.image_sources:
+            raise RecipeError(
+                400,
+                "Image inputs are not supported yet by this server (vision comes later).",
+                protocol,
+            )
+        prompt_ids = self.tokenizer.encode_prompt(rendered)
+        try:
+            max_tokens = converted.resolve_max_tokens(len(prompt_ids), self.config.context_len)
+        except dr.ConversionError as exc:
+            raise _conversion_error(exc, protocol) from exc
+        parsing = converted.parsing_options
+        if extras.stop is not None:
+            parsing.stop_sequences = extras.stop
+        return PreparedRequest(
+            protocol=protocol,
+            model=str(body.get("model")),
+            prompt_token_ids=prompt_ids,
+            sampling_params=_sampling_params(converted, extras, max_tokens, protocol),
+            parsing_options=parsing,
+            conversation_request=converted,
+            stream=converted.stream,
+            include_usage=extras.include_usage and converted.stream,
+            thinking=parsing.thinking_initial_stage is not None,
+            output_constraint=constraint,
+            echo=echo,
+            namespace_tool_map=namespace_map,
+        )
+
+
+def _conversion_error(exc: dr.ConversionError, protocol: Protocol) -> RecipeError:
+    try:
+        message = json.loads(exc.body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = str(exc)
+    return RecipeError(exc.status_code, message, protocol)
+
+
+def _check_constraint(
+    converted: dr.ConversationRequest, protocol: Protocol
+) -> OutputConstraint | None:
+    native = converted.inference_options.output_constraint
+    if native is None:
+        return None
+    constraint = OutputConstraint(kind=native.kind, schema=native.schema)
+    if constraint.kind != "tool_call":
+        what = {
+            "json": "response_format / text.format json_object and json_schema",
+            "regex": "response_format regex",
+            "tool_call_required": "a required or named tool_choice",
+        }.get(constraint.kind, constraint.kind)
+        raise RecipeError(
+            400, f"{what} is not supported yet (needs constrained decoding).", protocol
+        )
+    return constraint
+
+
+def _sampling_params(
+    converted: dr.ConversationRequest,
+    extras: _Extras,
+    max_tokens: int,
+    protocol: Protocol,
+) -> SamplingParams:
+    options = converted.inference_options
+    try:
+        return SamplingParams(
+            temperature=_unwiden(options.temperature, 1.0),
+            top_p=_unwiden(options.top_p, 1.0),
+            top_k=extras.top_k,
+            presence_penalty=extras.presence_penalty,
+            frequency_penalty=extras.frequency_penalty,
+            logit_bias=extras.logit_bias or {},
+            n=extras.n,
+            logprobs=options.logprobs,
+            top_logprobs=(options.top_logprobs or 0) if options.logprobs else 0,
+            max_tokens=max_tokens,
+            seed=options.seed,
+        )
+    except (TypeError, ValueError) as exc:
+        raise RecipeError(400, str(exc), protocol) from exc
+
+
+def _unwiden(value: float | None, default: float) -> float:
+    """The package stores f32 values (`0.3` -> 0.30000001192092896); give back the short one."""
+    if value is None:
+        return default
+    return float(str(np.float32(value)))
+
+
+# ---------------------------------------------------------------- per-protocol preprocessing
+
+
+def _preprocess_chat(body: dict[str, Any], protocol: Protocol) -> _Extras:
+    extras = _Extras()
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict) and message.get("role") == "developer":
+                message["role"] = "system"
+    if body.get("max_completion_tokens") is not None:
+        body["max_tokens"] = body["max_completion_tokens"]
+    body.pop("max_completion_tokens", None)
+    n = body.pop("n", None)
+    if n is not None:
+        if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+            raise RecipeError(400, f"n must be an integer in [1, {MAX_CHOICES}]", protocol, "n")
+        extras.n = n
+    bias = body.pop("logit_bias", None)
+    if bias is not None:
+        extras.logit_bias = _parse_logit_bias(bias, protocol)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise RecipeError(400, f"{name} must be a number", protocol, name)
+            setattr(extras, name, float(value))  # the range is checked by the package
+    options = body.get("stream_options")
+    if isinstance(options, dict):
+        extras.include_usage = options.get("include_usage") is True
+    return extras
+
+
+def _preprocess_responses(body: dict[str, Any], protocol: Protocol) -> _Extras:
+    for field, refused in (("previous_response_id", None), ("background", False)):
+        if body.get(field, refused) not in (refused, None):
+            raise RecipeError(
+                400,
+                f"'{field}' is not supported: this server does not store responses.",
+                protocol,
+                field,
+            )
+    if body.get("store") is True:
+        raise RecipeError(
+            400,
+            "'store': true is not supported: this server does not store responses; "
+            "send 'store': false.",
+            protocol,
+            "store",
+        )
+    extras = _Extras()
+    stop = body.pop("stop", None)
+    if stop is not None:
+        extras.stop = _parse_stop(stop, protocol)
+    return extras
+
+
+def _preprocess_messages(body: dict[str, Any], protocol: Protocol) -> _Extras:
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "any":
+        raise RecipeError(
+            400,
+            'tool_choice {"type": "any"} is not supported yet (a required tool call '
+            'needs constrained decoding); use "auto".',
+            protocol,
+            "tool_choice",
+        )
+    extras = _Extras()
+    top_k = body.pop("top_k", None)
+    if top_k is not None:
+        if not _is_int(top_k) or top_k < 0:
+            raise RecipeError(400, "top_k: must be a non-negative integer", protocol, "top_k")
+        extras.top_k = top_k
+    return extras
+
+
+def _parse_logit_bias(bias: Any, protocol: Protocol) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise RecipeError(400, "logit_bias must be an object", protocol, "logit_bias")
+    parsed: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if token_id < 0 or not isinstance(value, int | float) or isinstance(value, bool):
+            raise RecipeError(
+                400, f"logit_bias: invalid entry {key!r}: {value!r}", protocol, "logit_bias"
+            )
+        parsed[token_id] = float(value)
+    return parsed
+
+
+def _parse_stop(stop: Any, protocol: Protocol) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP_SEQUENCES
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise RecipeError(
+            400,
+            f"stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} "
+            "non-empty strings",
+            protocol,
+            "stop",
+        )
+    return stops
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_PREPROCESSORS: dict[Protocol, Callable[[dict[str, Any], Protocol], _Extras]] = {
+    Protocol.CHAT: _preprocess_chat,
+    Protocol.RESPONSES: _preprocess_responses,
+    Protocol.MESSAGES: _preprocess_messages,
+}
+_REQUEST_TYPES: dict[Protocol, Callable[[Any], Any]] = {
+    Protocol.CHAT: dr.ChatCompletionRequest,
+    Protocol.RESPONSES: dr.ResponsesRequest,
+    Protocol.MESSAGES: dr.MessagesRequest,
+}

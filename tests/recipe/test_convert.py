@@ -1,0 +1,315 @@
+"""Request conversion: sampling, limits, thinking, the §9 gaps, and errors per protocol."""
+
+from __future__ import annotations
+
+import pytest
+
+from recipe import Protocol, Recipe, RecipeError
+
+from .conftest import CONTEXT_LEN
+
+USER_MSG = [{"role": "user", "content": "Hello"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+THINK, END_THINK, ASSISTANT = 128821, 128822, 128804
+
+
+def chat(**fields):
+    return {"model": "default", "messages": USER_MSG, **fields}
+
+
+def test_chat_sampling_non_thinking(recipe: Recipe) -> None:
+    prepared = recipe.prepare(
+        Protocol.CHAT,
+        chat(
+            thinking={"type": "disabled"},
+            temperature=0.3,
+            top_p=0.5,
+            seed=7,
+            max_tokens=100,
+            max_completion_tokens=50,
+            logprobs=True,
+            top_logprobs=3,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            logit_bias={"42": 5},
+            stop=["END"],
+        ),
+    )
+    params = prepared.sampling_params
+    assert params.temperature == 0.3
+    assert params.top_p == 1.0  # V4.1 non-thinking forces top_p 1.0 (recipe.md §5.2)
+    assert params.seed == 7
+    assert params.max_tokens == 50  # max_completion_tokens wins over max_tokens
+    assert (params.logprobs, params.top_logprobs) == (True, 3)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert params.logit_bias == {42: 5.0}
+    assert prepared.parsing_options.stop_sequences == ["END"]
+    assert not prepared.thinking
+    assert prepared.prompt_token_ids[-2:] == [ASSISTANT, END_THINK]
+
+
+def test_chat_thinking_defaults(recipe: Recipe) -> None:
+    prepared = recipe.prepare(Protocol.CHAT, chat(temperature=0.2))
+    assert prepared.thinking
+    assert prepared.sampling_params.temperature == 1.0
+    assert prepared.sampling_params.max_tokens == 65536 - prepared.num_prompt_tokens
+    assert prepared.prompt_token_ids[-2:] == [ASSISTANT, THINK]
+    assert prepared.output_constraint is None
+
+
+def test_thinking_on_off_renders_think_tags(recipe: Recipe, tokenizer) -> None:
+    messages = [
+        *USER_MSG,
+        {"role": "assistant", "content": "Hi!", "reasoning_content": "greet"},
+        {"role": "user", "content": "again"},
+    ]
+    base = {"model": "default", "messages": messages}
+    cases = {
+        # thinking + tools keeps historical reasoning (recipe.md §2.2)
+        "<｜Assistant｜><think>greet</think>Hi!<｜end▁of▁sentence｜>"
+        "<｜User｜>again<｜Assistant｜><think>": {**base, "tools": TOOLS},
+        # thinking without tools drops it
+        "<｜Assistant｜></think>Hi!<｜end▁of▁sentence｜>"
+        "<｜User｜>again<｜Assistant｜><think>": base,
+        "<｜Assistant｜></think>Hi!<｜end▁of▁sentence｜><｜User｜>again<｜Assistant｜></think>": {
+            **base,
+            "thinking": {"type": "disabled"},
+        },
+    }
+    for tail, body in cases.items():
+        ids = recipe.prepare(Protocol.CHAT, body).prompt_token_ids
+        assert tokenizer.decode(ids).endswith(tail)
+        expected = tokenizer.full.encode(tail, add_special_tokens=False).ids
+        assert ids[-len(expected) :] == expected  # template tags are single special ids
+        assert ids[-1] == (END_THINK if "thinking" in body else THINK)
+
+
+def test_developer_role_is_system(recipe: Recipe) -> None:
+    dev = recipe.prepare(
+        Protocol.CHAT,
+        {"model": "default", "messages": [{"role": "developer", "content": "Be nice"}, *USER_MSG]},
+    )
+    sys = recipe.prepare(
+        Protocol.CHAT,
+        {"model": "default", "messages": [{"role": "system", "content": "Be nice"}, *USER_MSG]},
+    )
+    assert dev.prompt_token_ids == sys.prompt_token_ids
+
+
+def test_chat_n_and_include_usage(recipe: Recipe) -> None:
+    prepared = recipe.prepare(
+        Protocol.CHAT, chat(n=3, stream=True, stream_options={"include_usage": True})
+    )
+    assert prepared.sampling_params.n == 3
+    assert prepared.stream and prepared.include_usage
+
+
+def test_tool_call_constraint_kept_for_auto(recipe: Recipe) -> None:
+    prepared = recipe.prepare(Protocol.CHAT, chat(tools=TOOLS))
+    assert prepared.output_constraint is not None
+    assert prepared.output_constraint.kind == "tool_call"
+    assert prepared.parsing_options.parse_tool_calls
+
+
+def test_responses_stop_and_logprobs(recipe: Recipe) -> None:
+    prepared = recipe.prepare(
+        Protocol.RESPONSES,
+        {
+            "model": "default",
+            "input": "hi",
+            "stop": "STOP",
+            "top_logprobs": 2,
+            "max_output_tokens": 10,
+        },
+    )
+    assert prepared.parsing_options.stop_sequences == ["STOP"]
+    assert prepared.sampling_params.logprobs and prepared.sampling_params.top_logprobs == 2
+    assert prepared.sampling_params.max_tokens == 10
+    assert prepared.echo is not None and prepared.echo.max_output_tokens == 10
+
+
+def test_messages_top_k_and_stop(recipe: Recipe) -> None:
+    prepared = recipe.prepare(
+        Protocol.MESSAGES,
+        {
+            "model": "default",
+            "max_tokens": 20,
+            "messages": USER_MSG,
+            "top_k": 5,
+            "stop_sequences": ["x"],
+        },
+    )
+    assert prepared.sampling_params.top_k == 5
+    assert prepared.sampling_params.max_tokens == 20
+    assert prepared.parsing_options.stop_sequences == ["x"]
+
+
+IMAGE_URL = "https://example.com/a.png"
+BAD = [
+    (Protocol.CHAT, "not a dict", "JSON object"),
+    (Protocol.CHAT, {"messages": USER_MSG}, "missing field `model`"),
+    (Protocol.CHAT, chat(model="gpt-4"), "you passed gpt-4"),
+    (Protocol.CHAT, chat(temperature="hot"), "invalid"),
+    (Protocol.CHAT, chat(temperature=3), "temperature"),
+    (Protocol.CHAT, chat(max_tokens=0), "max_tokens"),
+    (Protocol.CHAT, chat(max_tokens=CONTEXT_LEN), "maximum context length"),
+    (Protocol.CHAT, chat(max_completion_tokens=CONTEXT_LEN), "maximum context length"),
+    (Protocol.CHAT, chat(n=0), "n must be"),
+    (Protocol.CHAT, chat(n=True), "n must be"),
+    (Protocol.CHAT, chat(logit_bias={"x": 1}), "logit_bias"),
+    (Protocol.CHAT, chat(messages=[{"role": "robot", "content": "x"}]), "unknown variant"),
+    (
+        Protocol.CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
+        "",
+    ),
+    (
+        Protocol.CHAT,
+        chat(
+            tools=[
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+            ]
+        ),
+        "Invalid schema",
+    ),
+    (
+        Protocol.CHAT,
+        chat(
+            response_format={"type": "json_object"},
+            messages=[{"role": "user", "content": "json please"}],
+        ),
+        "not supported yet",
+    ),
+    (
+        Protocol.CHAT,
+        chat(tools=TOOLS, tool_choice="required", thinking={"type": "disabled"}),
+        "not supported yet",
+    ),
+    (Protocol.CHAT, chat(tools=TOOLS, tool_choice="required"), "Thinking mode"),
+    (
+        Protocol.CHAT,
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what?"},
+                        {"type": "image_url", "image_url": {"url": IMAGE_URL}},
+                    ],
+                }
+            ]
+        ),
+        "Image inputs are not supported yet",
+    ),
+    (Protocol.CHAT, chat(stream_options={"include_usage": True}), "stream"),
+    (
+        Protocol.RESPONSES,
+        {"model": "default", "input": "hi", "previous_response_id": "r"},
+        "previous_response_id",
+    ),
+    (Protocol.RESPONSES, {"model": "default", "input": "hi", "store": True}, "store"),
+    (Protocol.RESPONSES, {"model": "default", "input": "hi", "background": True}, "background"),
+    (Protocol.RESPONSES, {"model": "default", "input": "hi", "stop": [""]}, "stop"),
+    (Protocol.RESPONSES, {"model": "default", "input": 3}, "invalid"),
+    (
+        Protocol.RESPONSES,
+        {
+            "model": "default",
+            "input": [
+                {"role": "user", "content": [{"type": "input_image", "image_url": IMAGE_URL}]}
+            ],
+        },
+        "Image inputs",
+    ),
+    (Protocol.MESSAGES, {"model": "default", "messages": USER_MSG, "max_tokens": 0}, "max_tokens"),
+    (Protocol.MESSAGES, {"model": "default", "messages": [], "max_tokens": 5}, "at least one"),
+    (
+        Protocol.MESSAGES,
+        {
+            "model": "default",
+            "max_tokens": 5,
+            "messages": USER_MSG,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "any"},
+        },
+        "not supported yet",
+    ),
+    (
+        Protocol.MESSAGES,
+        {
+            "model": "default",
+            "max_tokens": 5,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "source": {"type": "url", "url": IMAGE_URL}}],
+                }
+            ],
+        },
+        "Image inputs",
+    ),
+    (
+        Protocol.MESSAGES,
+        {"model": "default", "max_tokens": 5, "messages": USER_MSG, "top_k": -1},
+        "top_k",
+    ),
+]
+
+
+@pytest.mark.parametrize(("protocol", "body", "needle"), BAD)
+def test_bad_requests_give_400_in_protocol_envelope(
+    recipe: Recipe, protocol: Protocol, body, needle: str
+) -> None:
+    with pytest.raises(RecipeError) as info:
+        recipe.prepare(protocol, body)
+    error = info.value
+    assert error.status_code == 400
+    assert needle in error.message
+    envelope = error.body()
+    if protocol is Protocol.MESSAGES:
+        assert envelope == {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": error.message},
+        }
+    else:
+        assert envelope["error"]["type"] == "invalid_request_error"
+        assert envelope["error"]["message"] == error.message
+        assert set(envelope["error"]) == {"message", "type", "param", "code"}
+
+
+def test_server_error_types() -> None:
+    assert RecipeError(500, "x", Protocol.MESSAGES).body()["error"]["type"] == "api_error"
+    assert RecipeError(500, "x", Protocol.CHAT).body()["error"]["type"] == "server_error"
+    assert RecipeError(529, "x", Protocol.MESSAGES).error_type == "overloaded_error"
+
+
+def test_prompt_longer_than_context(tokenizer) -> None:
+    from recipe import RecipeConfig
+
+    small = Recipe(tokenizer, RecipeConfig(model_names=("default",), context_len=64))
+    long_text = "word " * 200
+    for protocol, body in (
+        (Protocol.CHAT, {"messages": [{"role": "user", "content": long_text}]}),
+        (Protocol.MESSAGES, {"messages": [{"role": "user", "content": long_text}]}),
+    ):
+        with pytest.raises(RecipeError) as info:
+            small.prepare(protocol, {"model": "default", **body})
+        assert info.value.status_code == 400
+        assert "maximum context length is 64 tokens" in info.value.message
+    short = small.prepare(Protocol.CHAT, chat(thinking={"type": "disabled"}))
+    assert short.sampling_params.max_tokens == 64 - short.num_prompt_tokens
+
+
+def test_penalty_type_checked(recipe: Recipe) -> None:
+    with pytest.raises(RecipeError, match="presence_penalty"):
+        recipe.prepare(Protocol.CHAT, chat(presence_penalty="x"))
+    with pytest.raises(RecipeError):
+        recipe.prepare(Protocol.CHAT, chat(frequency_penalty=5))
