@@ -102,6 +102,11 @@ class AsyncEngine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
+    @property
+    def is_running(self) -> bool:
+        """The step loop runs and new requests are admitted."""
+        return self._task is not None and not self._task.done() and self._accepting
+
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="engine-loop")

@@ -1,0 +1,105 @@
+"""`create_app(config)`: the FastAPI app, whose lifespan owns the engine.
+
+    app = create_app(ServerConfig())            # builds the engine from config.engine
+    app = create_app(config, engine=engine)     # tests: a prebuilt (not yet started) engine
+
+The lifespan builds the engine unless one is given, loads the tokenizer from the model's
+checkpoint folder unless one is given, starts the engine, and on shutdown lets in-flight
+requests drain (bounded) before stopping it. Routes reach everything through
+`server.dependencies`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from tokenizers import Tokenizer
+
+from engine.async_engine import AsyncEngine
+from recipe.convert import Recipe, RecipeConfig
+from recipe.errors import RecipeError
+from recipe.tokenizer import load_tokenizer as load_model_tokenizer
+from server.admission import AdmissionController
+from server.auth import ApiKeyMiddleware
+from server.config import ServerConfig
+from server.dependencies import ServerState
+from server.errors import install_error_handlers
+from server.metrics import ServerMetrics
+from server.routes import common, protocols
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_DRAIN_TIMEOUT_S = 30.0  # in-flight requests get this long to finish on shutdown
+
+
+def checkpoint_folder(engine: AsyncEngine) -> Path:
+    folder = engine.core.runner.model.checkpoint_path
+    if folder is None:
+        raise RuntimeError("the engine's model has no checkpoint folder; pass a tokenizer")
+    return Path(folder)
+
+
+def load_tokenizer(engine: AsyncEngine) -> Tokenizer:
+    """The `tokenizer.json` of the checkpoint folder the engine's model was loaded from."""
+    return Tokenizer.from_file(str(checkpoint_folder(engine) / "tokenizer.json"))
+
+
+def build_recipe(engine: AsyncEngine, config: ServerConfig) -> Recipe:
+    """The protocol layer over the checkpoint's own tokenizer and the engine's context limit."""
+    return Recipe(
+        load_model_tokenizer(checkpoint_folder(engine)),
+        RecipeConfig(
+            model_names=config.served_model_names,
+            context_len=engine.core.scheduler.config.max_model_len,
+        ),
+    )
+
+
+def create_app(
+    config: ServerConfig,
+    engine: AsyncEngine | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> FastAPI:
+    """The app for `config`; `engine` / `tokenizer` replace the ones the lifespan would build.
+
+    The lifespan starts the engine (given or built) and shuts it down, so an engine serves one
+    app.
+    """
+    state = ServerState(
+        config=config,
+        metrics=ServerMetrics(config.model_name),
+        admission=AdmissionController(config.max_queued_requests),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        built = engine
+        if built is None:
+            logger.info("loading model %s", config.engine.model)
+            built = await asyncio.to_thread(AsyncEngine.from_config, config.engine)
+        state.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, built)
+        try:
+            state.recipe = await asyncio.to_thread(build_recipe, built, config)
+        except Exception as exc:  # e.g. `tiny`: its tokenizer has no chat-template tokens
+            logger.warning("protocol routes disabled: %s", exc)
+        await built.start()
+        state.engine = built
+        try:
+            yield
+        finally:
+            await built.shutdown(drain=True, timeout=SHUTDOWN_DRAIN_TIMEOUT_S)
+
+    app = FastAPI(title="deepinfer-server", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_exception_handler(RecipeError, protocols.recipe_error_response)
+    app.include_router(common.router)
+    app.include_router(protocols.router)
+    return app

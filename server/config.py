@@ -1,0 +1,50 @@
+"""ServerConfig: what the HTTP layer needs (the engine's own config rides along, untouched)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.async_engine import EngineConfig
+
+API_MODEL_NAME = "DeepSeek-V4.1-Flash"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of the HTTP server.
+
+    host / port: where uvicorn listens.
+    api_key: when set, every route except `/health` and `/metrics` needs it (`Authorization:
+        Bearer` on OpenAI routes, `x-api-key` on Messages routes); None leaves the API open.
+    max_queued_requests: generation requests admitted at once (waiting + running in the
+        engine); one more is answered 429 (OpenAI routes) or 529 (Messages routes).
+    served_model_names: names accepted in a request's `model` field; the first is the one
+        `/v1/models` lists first and responses report.
+    engine: handed to `AsyncEngine.from_config` when the app builds its own engine.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queued_requests: int = 256
+    served_model_names: tuple[str, ...] = (API_MODEL_NAME,)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], not {self.port}")
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be blank (leave it unset for an open server)")
+        if self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests must be >= 1")
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ValueError("served_model_names needs at least one non-empty name")
+        if len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ValueError("served_model_names must not repeat a name")
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report."""
+        return self.served_model_names[0]

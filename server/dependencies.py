@@ -1,0 +1,80 @@
+"""FastAPI dependencies: how routes reach the engine, tokenizer, config, metrics and admission.
+
+Everything lives on `app.state.server` (a `ServerState`, set by the app's lifespan). Tests swap
+any piece with `app.dependency_overrides[get_engine] = lambda: fake`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+from tokenizers import Tokenizer
+
+from engine.async_engine import AsyncEngine
+from recipe.convert import Recipe
+from server.admission import AdmissionController
+from server.config import ServerConfig
+from server.errors import APIError, ErrorKind
+from server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    """What one running app owns. `engine` and `tokenizer` are None until the lifespan starts."""
+
+    config: ServerConfig
+    metrics: ServerMetrics
+    admission: AdmissionController
+    engine: AsyncEngine | None = None
+    tokenizer: Tokenizer | None = None
+    recipe: Recipe | None = None
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def get_config(request: Request) -> ServerConfig:
+    return get_state(request).config
+
+
+def get_metrics(request: Request) -> ServerMetrics:
+    return get_state(request).metrics
+
+
+def get_admission(request: Request) -> AdmissionController:
+    return get_state(request).admission
+
+
+def get_engine(request: Request) -> AsyncEngine:
+    """The running engine; 503 (529 on Messages routes) before startup or after shutdown."""
+    engine = get_state(request).engine
+    if engine is None:
+        raise APIError(ErrorKind.UNAVAILABLE, "the engine is not running")
+    return engine
+
+
+def get_tokenizer(request: Request) -> Tokenizer:
+    tokenizer = get_state(request).tokenizer
+    if tokenizer is None:
+        raise APIError(ErrorKind.UNAVAILABLE, "the tokenizer is not loaded")
+    return tokenizer
+
+
+def resolve_model_name(config: ServerConfig, requested: str | None) -> str:
+    """The served name for a request's `model` field; 404 `model_not_found` if not served.
+
+    None (field omitted) means the default name.
+    """
+    if requested is None:
+        return config.model_name
+    if requested not in config.served_model_names:
+        raise APIError(
+            ErrorKind.NOT_FOUND,
+            f"model {requested!r} not found; this server serves "
+            + ", ".join(repr(n) for n in config.served_model_names),
+            param="model",
+            code="model_not_found",
+        )
+    return requested

@@ -1,0 +1,194 @@
+"""Prometheus metrics under a `deepinfer:` prefix, named after vLLM's `vllm:` metrics.
+
+`ServerMetrics` owns its own `CollectorRegistry` (several apps in one process do not clash).
+Protocol routes report each request's life through four calls, keyed by request id::
+
+    metrics.on_request_start(rid)                 # arrival (before admission)
+    metrics.on_first_token(rid)                   # first delta with tokens
+    metrics.on_tokens(rid, len(delta.token_ids))  # every delta with tokens (first one too)
+    metrics.on_finish(rid, num_prompt_tokens, finish_reason)   # once, also on abort/error
+
+Engine-wide gauges (running/waiting requests, KV usage) are read from the engine at scrape
+time by `render(engine)`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from engine.async_engine import AsyncEngine
+
+PREFIX = "deepinfer:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Bucket edges as in vLLM's metrics.
+_TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0),
+    *(2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+_ITL_BUCKETS = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15),
+    *(0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+_LATENCY_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+    *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    scheduled: float | None = None
+    num_output_tokens: int = 0
+
+
+class ServerMetrics:
+    """The recorder the protocol routes call; every `on_*` call mutates only metrics state.
+
+    Calls with an unknown request id (never started, or already finished) are ignored, so a
+    route may call `on_finish` from a `finally` without tracking whether it already did.
+    """
+
+    def __init__(self, model_name: str, clock=time.monotonic) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._clock = clock
+        self._requests: dict[str, _Timing] = {}
+        self._model = model_name
+        reg = self.registry
+        labels = ("model_name",)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=reg)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=reg)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests running.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Global-KV blocks in use (0..1).")
+        self.num_requests_in_flight = gauge("num_requests_in_flight", "Requests in the server.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            (*labels, "finished_reason"),
+            registry=reg,
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", _TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
+        )
+        for metric in (
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage,
+            self.num_requests_in_flight,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.time_to_first_token,
+            self.inter_token_latency,
+            self.e2e_request_latency,
+            self.request_queue_time,
+        ):
+            metric.labels(model_name)  # zero-valued series exist before the first request
+
+    # ---- per-request events --------------------------------------------------------------------
+
+    def on_request_start(self, request_id: str) -> None:
+        """A request arrived (call before admission so refused requests count too)."""
+        self._requests[request_id] = _Timing(arrival=self._clock())
+        self.num_requests_in_flight.labels(self._model).inc()
+
+    def on_scheduled(self, request_id: str) -> None:
+        """The engine scheduled the request for the first time: records its queue time.
+
+        NOTE: the engine does not report this moment yet (a Delta carries no timestamps), so
+        no route can call this today and the queue-time histogram stays empty until it does.
+        """
+        timing = self._requests.get(request_id)
+        if timing is not None and timing.scheduled is None:
+            timing.scheduled = self._clock()
+            self.request_queue_time.labels(self._model).observe(timing.scheduled - timing.arrival)
+
+    def on_first_token(self, request_id: str) -> None:
+        """The first output token reached the server (idempotent)."""
+        timing = self._requests.get(request_id)
+        if timing is None or timing.first_token is not None:
+            return
+        now = self._clock()
+        timing.first_token = timing.last_token = now
+        self.time_to_first_token.labels(self._model).observe(now - timing.arrival)
+
+    def on_tokens(self, request_id: str, num_tokens: int) -> None:
+        """`num_tokens` new output tokens arrived in one delta.
+
+        The gap since the previous delta is spread evenly over its tokens for the inter-token
+        latency (a speculative step commits several tokens at once).
+        """
+        timing = self._requests.get(request_id)
+        if timing is None or num_tokens <= 0:
+            return
+        self.on_first_token(request_id)
+        now = self._clock()
+        num_gaps = num_tokens if timing.num_output_tokens else num_tokens - 1
+        if num_gaps > 0 and timing.last_token is not None:
+            gap = (now - timing.last_token) / num_gaps
+            for _ in range(num_gaps):
+                self.inter_token_latency.labels(self._model).observe(gap)
+        timing.last_token = now
+        timing.num_output_tokens += num_tokens
+        self.generation_tokens.labels(self._model).inc(num_tokens)
+
+    def on_finish(self, request_id: str, num_prompt_tokens: int, finish_reason: str | None) -> None:
+        """The request ended (finished, aborted, refused or failed); forgets it.
+
+        finish_reason: the engine's reason (`stop`, `length`, `abort`) or e.g. `error`,
+        `rejected`; None counts as `abort`.
+        """
+        timing = self._requests.pop(request_id, None)
+        if timing is None:
+            return
+        self.num_requests_in_flight.labels(self._model).dec()
+        self.prompt_tokens.labels(self._model).inc(max(num_prompt_tokens, 0))
+        self.e2e_request_latency.labels(self._model).observe(self._clock() - timing.arrival)
+        self.request_success.labels(self._model, str(finish_reason or "abort")).inc()
+
+    # ---- scrape --------------------------------------------------------------------------------
+
+    def refresh_engine_stats(self, engine: AsyncEngine) -> None:
+        """Copy the engine's queue lengths and KV usage into the gauges."""
+        scheduler = engine.core.scheduler
+        self.num_requests_running.labels(self._model).set(scheduler.num_running)
+        self.num_requests_waiting.labels(self._model).set(scheduler.num_waiting)
+        self.kv_cache_usage.labels(self._model).set(scheduler.kv_manager.usage())
+
+    def render(self, engine: AsyncEngine | None) -> bytes:
+        """The Prometheus text exposition (engine gauges refreshed first when given)."""
+        if engine is not None:
+            self.refresh_engine_stats(engine)
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""Routers: `common` (health, models, tokenize, metrics); protocol routers join later."""

@@ -1,0 +1,198 @@
+"""The three protocol routes: Chat Completions, Responses, Messages (+ Messages count_tokens).
+
+Each route is thin: parse JSON → `Recipe.prepare` (validation, prompt ids, sampling params) →
+admission → `AsyncEngine.generate` → `ResponseBridge` (protocol events or one body). Leaving a
+stream early (client gone) closes the engine iterator, which aborts the request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from engine.async_engine import AsyncEngine
+from recipe.bridge import ResponseBridge, StreamEvent
+from recipe.convert import PreparedRequest, Recipe
+from recipe.errors import Protocol, RecipeError
+from server.admission import AdmissionController
+from server.dependencies import (
+    ServerState,
+    get_admission,
+    get_engine,
+    get_metrics,
+    get_state,
+)
+from server.disconnect import run_until_disconnect
+from server.errors import APIError, ErrorKind
+from server.metrics import ServerMetrics
+from server.sse import data_stream, event_stream
+
+router = APIRouter()
+
+_ID_PREFIX = {Protocol.CHAT: "chatcmpl-", Protocol.RESPONSES: "resp_", Protocol.MESSAGES: "msg_"}
+
+
+def get_recipe(state: Annotated[ServerState, Depends(get_state)]) -> Recipe:
+    if state.recipe is None:
+        raise APIError(ErrorKind.UNAVAILABLE, "the protocol layer is not loaded")
+    return state.recipe
+
+
+Engine = Annotated[AsyncEngine, Depends(get_engine)]
+RecipeDep = Annotated[Recipe, Depends(get_recipe)]
+Admission = Annotated[AdmissionController, Depends(get_admission)]
+Metrics = Annotated[ServerMetrics, Depends(get_metrics)]
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(ErrorKind.INVALID_REQUEST, f"malformed JSON body: {exc}") from exc
+
+
+class _Call:
+    """One protocol request in flight: its prepared form, bridge, engine and metrics."""
+
+    def __init__(
+        self, prepared: PreparedRequest, recipe: Recipe, engine: AsyncEngine, metrics: Metrics
+    ) -> None:
+        self.prepared = prepared
+        self.engine = engine
+        self.metrics = metrics
+        self.request_id = _ID_PREFIX[prepared.protocol] + uuid.uuid4().hex
+        self.bridge = ResponseBridge(prepared, recipe.tokenizer, self.request_id)
+        self.finish_reason = "abort"
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """Protocol events until the bridge closes; aborts choices ended by a stop sequence."""
+        stream = self.engine.generate(
+            self.prepared.prompt_token_ids, self.prepared.sampling_params, self.request_id
+        )
+        try:
+            for event in self.bridge.start():
+                yield event
+            async for delta in stream:
+                self.metrics.on_tokens(self.request_id, len(delta.token_ids))
+                step = self.bridge.push(delta)
+                if step.abort:
+                    self.engine.abort(delta.request_id)
+                for event in step.events:
+                    yield event
+                if delta.finish_reason is not None:
+                    self.finish_reason = str(delta.finish_reason)
+                if self.bridge.is_finished:
+                    break
+        finally:
+            await stream.aclose()
+            self.metrics.on_finish(
+                self.request_id, self.prepared.num_prompt_tokens, self.finish_reason
+            )
+
+    async def collect(self) -> dict[str, Any]:
+        async for _ in self.events():
+            pass
+        return self.bridge.response()
+
+
+async def _serve(
+    protocol: Protocol,
+    request: Request,
+    recipe: Recipe,
+    engine: AsyncEngine,
+    admission: AdmissionController,
+    metrics: ServerMetrics,
+):
+    body = await _json_body(request)
+    prepared = recipe.prepare(protocol, body)
+    call = _Call(prepared, recipe, engine, metrics)
+    metrics.on_request_start(call.request_id)
+    if not prepared.stream:
+        try:
+            with admission.admit():
+                return JSONResponse(await run_until_disconnect(request, call.collect()))
+        except BaseException:
+            metrics.on_finish(call.request_id, prepared.num_prompt_tokens, "abort")
+            raise
+    try:
+        slot = admission.acquire()
+    except BaseException:
+        metrics.on_finish(call.request_id, prepared.num_prompt_tokens, "abort")
+        raise
+
+    async def guarded() -> AsyncIterator[StreamEvent]:
+        with slot:
+            async for event in call.events():
+                yield event
+
+    if protocol is Protocol.CHAT:
+        return data_stream(_data_only(guarded()), send_done=False)
+    return event_stream(_named(guarded()), error_event=_error_event(protocol))
+
+
+async def _data_only(events: AsyncIterator[StreamEvent]) -> AsyncIterator[Any]:
+    try:
+        async for event in events:
+            yield event.data
+    finally:
+        await events.aclose()
+
+
+async def _named(events: AsyncIterator[StreamEvent]) -> AsyncIterator[tuple[str, Any]]:
+    try:
+        async for event in events:
+            yield (event.event or "message", event.data)
+    finally:
+        await events.aclose()
+
+
+def _error_event(protocol: Protocol):
+    from server.sse import anthropic_error_event
+
+    if protocol is Protocol.MESSAGES:
+        return anthropic_error_event
+
+    def responses_error(error: APIError) -> tuple[str, dict[str, Any]]:
+        return "error", {"type": "error", "code": error.kind.name.lower(), "message": str(error)}
+
+    return responses_error
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    request: Request, recipe: RecipeDep, engine: Engine, admission: Admission, metrics: Metrics
+):
+    return await _serve(Protocol.CHAT, request, recipe, engine, admission, metrics)
+
+
+@router.post("/v1/responses")
+async def responses(
+    request: Request, recipe: RecipeDep, engine: Engine, admission: Admission, metrics: Metrics
+):
+    return await _serve(Protocol.RESPONSES, request, recipe, engine, admission, metrics)
+
+
+@router.post("/v1/messages")
+async def messages(
+    request: Request, recipe: RecipeDep, engine: Engine, admission: Admission, metrics: Metrics
+):
+    return await _serve(Protocol.MESSAGES, request, recipe, engine, admission, metrics)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request, recipe: RecipeDep) -> dict[str, int]:
+    body = await _json_body(request)
+    if isinstance(body, dict) and "max_tokens" not in body:
+        body = {**body, "max_tokens": 1}
+    return {"input_tokens": recipe.prepare(Protocol.MESSAGES, body).num_prompt_tokens}
+
+
+def recipe_error_response(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RecipeError)
+    return JSONResponse(exc.body(), status_code=exc.status_code)

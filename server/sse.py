@@ -1,0 +1,134 @@
+"""Server-sent events over `sse-starlette`, with client disconnects closing the source.
+
+Two shapes:
+
+* `data_stream(chunks)` — Chat Completions: `data: {...}` per chunk, then `data: [DONE]`.
+* `event_stream(events)` — Responses and Messages: `event: <name>` + `data: {...}` per event.
+
+The source is an async iterator (typically an async generator over `engine.generate(...)`).
+However the stream ends — completed, client disconnected, server shutting down, an error —
+the source is closed (`aclose()`), so the `finally` blocks of the route's generator run and
+the engine iterator it holds aborts the request. Release admission slots and call
+`metrics.on_finish` in those `finally` blocks.
+
+Headers are sent before the first event, so an exception raised by the source mid-stream
+cannot become an HTTP error any more: it is logged and sent as the protocol's error event
+(`APIError` messages as they are, anything else as "internal server error"), and the stream
+ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import anyio
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
+
+from server.errors import APIError, ErrorKind, Protocol, error_body
+
+logger = logging.getLogger(__name__)
+
+DONE = "[DONE]"
+_SEP = "\n"  # OpenAI and Anthropic both frame events with "\n"; sse-starlette defaults to CRLF
+
+
+def encode_json(payload: Any) -> str:
+    """Compact JSON for one event's data; strings pass through as they are."""
+    if isinstance(payload, str):
+        return payload
+    if hasattr(payload, "model_dump_json"):  # pydantic models (e.g. protocol chunk types)
+        return payload.model_dump_json(exclude_unset=True)
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+ErrorEvent = Callable[[APIError], tuple[str, Mapping[str, Any]]]
+
+
+def _as_api_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    logger.error("stream failed", exc_info=exc)
+    return APIError(ErrorKind.INTERNAL, "internal server error")
+
+
+def anthropic_error_event(error: APIError) -> tuple[str, Mapping[str, Any]]:
+    """Messages' in-stream error: `event: error` with the Anthropic error envelope."""
+    return "error", error_body(Protocol.ANTHROPIC, error.kind, error.message, None, None)
+
+
+async def _aclose(source: Any) -> None:
+    aclose = getattr(source, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):
+            await aclose()
+
+
+async def _data_events(
+    chunks: AsyncIterator[Mapping[str, Any] | str], send_done: bool
+) -> AsyncIterator[ServerSentEvent]:
+    try:
+        try:
+            async for chunk in chunks:
+                yield ServerSentEvent(data=encode_json(chunk), sep=_SEP)
+        except Exception as exc:  # headers are out: report in-stream (OpenAI/vLLM style)
+            error = _as_api_error(exc)
+            body = error_body(Protocol.OPENAI, error.kind, error.message, error.param, error.code)
+            yield ServerSentEvent(data=encode_json(body), sep=_SEP)
+        if send_done:
+            yield ServerSentEvent(data=DONE, sep=_SEP)
+    finally:
+        await _aclose(chunks)
+
+
+async def _named_events(
+    events: AsyncIterator[tuple[str, Mapping[str, Any] | str]], error_event: ErrorEvent
+) -> AsyncIterator[ServerSentEvent]:
+    try:
+        try:
+            async for name, payload in events:
+                yield ServerSentEvent(data=encode_json(payload), event=name, sep=_SEP)
+        except Exception as exc:  # headers are out: report in-stream
+            name, payload = error_event(_as_api_error(exc))
+            yield ServerSentEvent(data=encode_json(payload), event=name, sep=_SEP)
+    finally:
+        await _aclose(events)
+
+
+def _response(body: AsyncIterator[ServerSentEvent], headers: Mapping[str, str] | None):
+    # NOTE: on a client disconnect sse-starlette cancels its sender without closing the body
+    # iterator when the sender was suspended in `send`; the background task closes it then
+    # (closing an already-closed generator is a no-op).
+    return EventSourceResponse(
+        body,
+        headers=dict(headers or {}),
+        sep=_SEP,
+        background=BackgroundTask(_aclose, body),
+    )
+
+
+def data_stream(
+    chunks: AsyncIterator[Mapping[str, Any] | str],
+    *,
+    send_done: bool = True,
+    headers: Mapping[str, str] | None = None,
+) -> EventSourceResponse:
+    """Data-only SSE (Chat Completions): each chunk as `data: <json>`, then `data: [DONE]`."""
+    return _response(_data_events(chunks, send_done), headers)
+
+
+def event_stream(
+    events: AsyncIterator[tuple[str, Mapping[str, Any] | str]],
+    *,
+    error_event: ErrorEvent = anthropic_error_event,
+    headers: Mapping[str, str] | None = None,
+) -> EventSourceResponse:
+    """Named-event SSE (Responses, Messages): each `(name, payload)` as `event:` + `data:`.
+
+    error_event: turns a mid-stream failure into the protocol's error event (Messages by
+    default; the Responses route passes one that adds its `sequence_number`).
+    """
+    return _response(_named_events(events, error_event), headers)

@@ -1,0 +1,116 @@
+"""AdmissionController, ServerMetrics and the error/SSE helpers on their own."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.admission import AdmissionController
+from server.errors import APIError, ErrorKind, Protocol, error_body, protocol_of
+from server.metrics import ServerMetrics
+from server.sse import encode_json
+
+
+def test_admission_counts_and_refuses_when_full():
+    admission = AdmissionController(2)
+    first = admission.acquire()
+    with admission.admit():
+        assert admission.num_in_flight == 2 and admission.is_full
+        with pytest.raises(APIError) as refused:
+            admission.acquire()
+        assert refused.value.kind is ErrorKind.OVERLOADED
+    first.release()
+    first.release()  # idempotent
+    assert admission.num_in_flight == 0
+
+
+def test_admission_slot_is_released_on_error():
+    admission = AdmissionController(1)
+    with pytest.raises(RuntimeError), admission.admit():
+        raise RuntimeError
+    assert admission.num_in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "protocol"),
+    [
+        ("/v1/messages", Protocol.ANTHROPIC),
+        ("/v1/messages/count_tokens", Protocol.ANTHROPIC),
+        ("/v1/messagesX", Protocol.OPENAI),
+        ("/v1/chat/completions", Protocol.OPENAI),
+        ("/v1/responses", Protocol.OPENAI),
+    ],
+)
+def test_protocol_of_route(path, protocol):
+    assert protocol_of(path) is protocol
+
+
+def test_error_wire_statuses():
+    assert ErrorKind.OVERLOADED.wire(Protocol.OPENAI).status == 429
+    assert ErrorKind.OVERLOADED.wire(Protocol.ANTHROPIC).status == 529
+    assert error_body(Protocol.ANTHROPIC, ErrorKind.OVERLOADED, "busy", None, None) == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "busy"},
+    }
+    body = error_body(Protocol.OPENAI, ErrorKind.INVALID_REQUEST, "bad", "n", None)
+    assert body == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}
+    }
+
+
+def _samples(metrics: ServerMetrics) -> dict[str, float]:
+    text = metrics.render(None).decode()
+    return {
+        sample.name + str(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_recorder_timings():
+    now = [100.0]
+    metrics = ServerMetrics("m", clock=lambda: now[0])
+    metrics.on_request_start("r")
+    now[0] = 100.5
+    metrics.on_tokens("r", 1)  # first token: TTFT 0.5, no gap yet
+    now[0] = 100.7
+    metrics.on_tokens("r", 2)  # 0.2 s for two tokens: two gaps of 0.1
+    now[0] = 101.0
+    metrics.on_finish("r", num_prompt_tokens=7, finish_reason="length")
+    metrics.on_finish("r", num_prompt_tokens=7, finish_reason="length")  # ignored
+    metrics.on_tokens("unknown", 5)  # ignored
+    s = _samples(metrics)
+    label = "[('model_name', 'm')]"
+    assert s["deepinfer:time_to_first_token_seconds_sum" + label] == pytest.approx(0.5)
+    assert s["deepinfer:inter_token_latency_seconds_count" + label] == 2
+    assert s["deepinfer:inter_token_latency_seconds_sum" + label] == pytest.approx(0.2)
+    assert s["deepinfer:e2e_request_latency_seconds_sum" + label] == pytest.approx(1.0)
+    assert s["deepinfer:generation_tokens_total" + label] == 3
+    assert s["deepinfer:prompt_tokens_total" + label] == 7
+    assert s["deepinfer:num_requests_in_flight" + label] == 0
+    assert (
+        s["deepinfer:request_success_total[('finished_reason', 'length'), ('model_name', 'm')]"]
+        == 1
+    )
+
+
+def test_metrics_queue_time():
+    now = [0.0]
+    metrics = ServerMetrics("m", clock=lambda: now[0])
+    metrics.on_request_start("r")
+    now[0] = 0.25
+    metrics.on_scheduled("r")
+    metrics.on_scheduled("r")
+    s = _samples(metrics)
+    assert s["deepinfer:request_queue_time_seconds_count[('model_name', 'm')]"] == 1
+    assert s["deepinfer:request_queue_time_seconds_sum[('model_name', 'm')]"] == 0.25
+
+
+def test_two_recorders_do_not_clash():
+    ServerMetrics("a")
+    ServerMetrics("a")
+
+
+def test_encode_json_is_compact_and_keeps_unicode():
+    assert encode_json({"a": "é", "b": [1, 2]}) == '{"a":"é","b":[1,2]}'
+    assert encode_json("[DONE]") == "[DONE]"
