@@ -23,9 +23,11 @@ from server.admission import AdmissionController
 from server.dependencies import (
     ServerState,
     get_admission,
+    get_config,
     get_engine,
     get_metrics,
     get_state,
+    resolve_model_name,
 )
 from server.disconnect import run_until_disconnect
 from server.errors import APIError, ErrorKind
@@ -110,6 +112,8 @@ async def _serve(
     metrics: ServerMetrics,
 ):
     body = await _json_body(request)
+    if isinstance(body, dict) and isinstance(body.get("model"), str):
+        resolve_model_name(get_config(request), body["model"])  # unknown model: 404
     prepared = recipe.prepare(protocol, body)
     call = _Call(prepared, recipe, engine, metrics)
     metrics.on_request_start(call.request_id)

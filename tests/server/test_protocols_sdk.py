@@ -204,6 +204,10 @@ def test_errors_use_each_protocols_envelope(oai, claude) -> None:
     assert bad.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=10**7)
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=5)
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="claude-x", max_tokens=5, messages=USER)
     with pytest.raises(anthropic.BadRequestError) as bad_msg:
         claude.messages.create(model=MODEL, max_tokens=5, messages=[])
     assert bad_msg.value.body["type"] == "error"
