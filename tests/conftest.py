@@ -37,3 +37,13 @@ def tiny_model_exact_kv(tiny_checkpoint: Path):
     from engine.models import Numerics, load_model
 
     return load_model(tiny_checkpoint, numerics=Numerics(kv_quantize=False))
+
+
+@pytest.fixture(scope="session")
+def v41_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the reconstructed V4.1 tokenizer.json, written once per session."""
+    from engine.models.deepseek_v41.tokenizer_files import write_v41_tokenizer
+
+    folder = tmp_path_factory.mktemp("v41_tokenizer")
+    write_v41_tokenizer(folder)
+    return folder

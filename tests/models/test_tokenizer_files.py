@@ -15,7 +15,6 @@ from engine.models.deepseek_v41.tokenizer_files import (
     V41_ADDED_TOKEN_RENAMES,
     v4_tokenizer_json_path,
     write_tiny_tokenizer,
-    write_v41_tokenizer,
 )
 
 V4_SHA256 = "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf"
@@ -31,10 +30,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def v41_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("v41")
-    write_v41_tokenizer(folder)
-    return folder
+def v41_folder(v41_tokenizer_dir: Path) -> Path:
+    return v41_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

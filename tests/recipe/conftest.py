@@ -13,15 +13,6 @@ CONTEXT_LEN = 65536
 
 
 @pytest.fixture(scope="session")
-def v41_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.models.deepseek_v41.tokenizer_files import write_v41_tokenizer
-
-    folder = tmp_path_factory.mktemp("v41_tokenizer")
-    write_v41_tokenizer(folder)
-    return folder
-
-
-@pytest.fixture(scope="session")
 def tokenizer(v41_tokenizer_dir: Path) -> ModelTokenizer:
     return load_tokenizer(v41_tokenizer_dir)
 
