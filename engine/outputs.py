@@ -70,7 +70,8 @@ class Delta:
 
     token_ids: the new tokens (possibly several per step); logprobs: one entry per new token
     when asked; num_prompt_tokens / num_output_tokens: cumulative counts; finish_reason set on
-    the last delta; error: why a request was rejected or aborted, if it was.
+    the last delta; error: why a request was rejected or aborted, if it was; queue_time_s: on
+    the first delta with tokens, seconds from arrival to first scheduling.
     """
 
     request_id: str
@@ -81,3 +82,4 @@ class Delta:
     num_output_tokens: int
     finish_reason: FinishReason | None = None
     error: str | None = None
+    queue_time_s: float | None = None

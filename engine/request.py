@@ -42,6 +42,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     error: str | None = None
+    first_scheduled_time: float | None = None  # time.monotonic() at first admission
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -40,6 +40,7 @@ the whole pool) are rejected in `add_request`: finished at once with `FinishReas
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 from engine.kv_cache import KVCacheManager
@@ -331,6 +332,8 @@ class Scheduler:
             if not self.kv_manager.allocate(request.request_id, request.num_tokens):
                 return
             self._waiting.pop(0)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             bisect.insort(self._running, request, key=self._order_key)
             plan.add(request.request_id, min(request.num_tokens, plan.budget_left))
@@ -375,6 +378,9 @@ class Scheduler:
         logprobs = model_output.logprobs.get(request.request_id)
         if reason is not None:
             self._finish(request, reason)
+        queue_time = None
+        if request.num_output_tokens == num_new and request.first_scheduled_time is not None:
+            queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)
         return Delta(
             request_id=request.request_id,
             index=request.index,
@@ -383,6 +389,7 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             finish_reason=reason,
+            queue_time_s=queue_time,
         )
 
     def _stop_reason(self, request: Request) -> FinishReason | None:

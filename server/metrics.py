@@ -124,16 +124,12 @@ class ServerMetrics:
         self._requests[request_id] = _Timing(arrival=self._clock())
         self.num_requests_in_flight.labels(self._model).inc()
 
-    def on_scheduled(self, request_id: str) -> None:
-        """The engine scheduled the request for the first time: records its queue time.
-
-        NOTE: the engine does not report this moment yet (a Delta carries no timestamps), so
-        no route can call this today and the queue-time histogram stays empty until it does.
-        """
+    def on_scheduled(self, request_id: str, queue_time_s: float) -> None:
+        """The engine reported the request's queue time (arrival → first scheduling), once."""
         timing = self._requests.get(request_id)
         if timing is not None and timing.scheduled is None:
-            timing.scheduled = self._clock()
-            self.request_queue_time.labels(self._model).observe(timing.scheduled - timing.arrival)
+            timing.scheduled = timing.arrival + queue_time_s
+            self.request_queue_time.labels(self._model).observe(queue_time_s)
 
     def on_first_token(self, request_id: str) -> None:
         """The first output token reached the server (idempotent)."""

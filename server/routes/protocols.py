@@ -81,6 +81,8 @@ class _Call:
             for event in self.bridge.start():
                 yield event
             async for delta in stream:
+                if delta.queue_time_s is not None:
+                    self.metrics.on_scheduled(self.request_id, delta.queue_time_s)
                 self.metrics.on_tokens(self.request_id, len(delta.token_ids))
                 step = self.bridge.push(delta)
                 if step.abort:

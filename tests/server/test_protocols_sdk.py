@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -66,6 +67,18 @@ def _wait_idle(engine: AsyncEngine, timeout: float = 20.0) -> None:
 USER = [{"role": "user", "content": "Say hello."}]
 
 
+def _metric(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
 def test_chat_non_streaming_usage_and_max_tokens(oai, default_server) -> None:
     _, app, _ = default_server
     body = {"model": MODEL, "messages": USER, "max_tokens": 5}
@@ -75,6 +88,10 @@ def test_chat_non_streaming_usage_and_max_tokens(oai, default_server) -> None:
     expected = _prompt_tokens(app, Protocol.CHAT, {**body, "thinking": {"type": "disabled"}})
     assert out.usage.prompt_tokens == expected
     assert out.choices[0].finish_reason in ("length", "stop")
+    url = default_server[0]
+    assert _metric(url, "deepinfer:request_queue_time_seconds_count") >= 1
+    assert _metric(url, "deepinfer:time_to_first_token_seconds_count") >= 1
+    assert _metric(url, "deepinfer:prompt_tokens_total") >= expected
 
 
 def test_chat_streaming_with_usage_n_logprobs_and_seed(oai, default_server) -> None:

@@ -98,9 +98,8 @@ def test_metrics_queue_time():
     now = [0.0]
     metrics = ServerMetrics("m", clock=lambda: now[0])
     metrics.on_request_start("r")
-    now[0] = 0.25
-    metrics.on_scheduled("r")
-    metrics.on_scheduled("r")
+    metrics.on_scheduled("r", 0.25)
+    metrics.on_scheduled("r", 0.5)  # reported once per request
     s = _samples(metrics)
     assert s["deepinfer:request_queue_time_seconds_count[('model_name', 'm')]"] == 1
     assert s["deepinfer:request_queue_time_seconds_sum[('model_name', 'm')]"] == 0.25
