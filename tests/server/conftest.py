@@ -189,3 +189,25 @@ def live_server(app: FastAPI) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         assert not thread.is_alive(), "uvicorn did not stop"
+
+
+DEFAULT_ENGINE = EngineConfig(
+    model="default",
+    max_num_seqs=8,
+    kv_cache_tokens=16384,
+    max_model_len=4096,
+    max_num_batched_tokens=2048,
+)
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory: pytest.TempPathFactory):
+    """A live server on the `default` model (real vocabulary and V4.1 tokenizer):
+    yields (base URL, app, engine)."""
+    from engine.models import load_model, write_random_checkpoint
+
+    folder = write_random_checkpoint("default", tmp_path_factory.mktemp("default") / "ckpt")
+    engine = AsyncEngine.from_model(load_model(folder), DEFAULT_ENGINE)
+    app = create_app(ServerConfig(engine=DEFAULT_ENGINE), engine=engine)
+    with live_server(app) as url:
+        yield url, app, engine

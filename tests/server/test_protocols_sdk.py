@@ -13,31 +13,10 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineConfig
-from engine.models import load_model, write_random_checkpoint
+from engine.async_engine import AsyncEngine
 from recipe.errors import Protocol
-from server.app import create_app
-from server.config import ServerConfig
-
-from .conftest import live_server
 
 MODEL = "DeepSeek-V4.1-Flash"
-ENGINE = EngineConfig(
-    model="default",
-    max_num_seqs=8,
-    kv_cache_tokens=16384,
-    max_model_len=4096,
-    max_num_batched_tokens=2048,
-)
-
-
-@pytest.fixture(scope="module")
-def default_server(tmp_path_factory: pytest.TempPathFactory):
-    folder = write_random_checkpoint("default", tmp_path_factory.mktemp("default") / "ckpt")
-    engine = AsyncEngine.from_model(load_model(folder), ENGINE)
-    app = create_app(ServerConfig(engine=ENGINE), engine=engine)
-    with live_server(app) as url:
-        yield url, app, engine
 
 
 @pytest.fixture(scope="module")
