@@ -225,7 +225,36 @@ def _unwiden(value: float | None, default: float) -> float:
 # ---------------------------------------------------------------- per-protocol preprocessing
 
 
+def _refuse_unsupported(body: dict[str, Any], protocol: Protocol, rules: dict) -> None:
+    """400 for a field whose value asks for behaviour this server does not have.
+
+    rules: field → (values that are fine, why other values are refused). Absent or None is fine.
+    """
+    for name, (fine, why) in rules.items():
+        value = body.get(name)
+        if value is not None and value not in fine:
+            raise RecipeError(
+                400, f"'{name}': {json.dumps(value)} is not supported: {why}", protocol, name
+            )
+
+
+_CHAT_UNSUPPORTED = {
+    "parallel_tool_calls": (
+        (True,),
+        "several tool calls may be returned (no constrained decoding yet)",
+    ),
+    "store": ((False,), "this server does not store completions"),
+    "service_tier": (("auto", "default"), "this server has one service tier"),
+}
+_RESPONSES_UNSUPPORTED = {
+    "truncation": (("disabled",), "over-long inputs are rejected, not truncated"),
+    "include": (([],), "no additional output data is available"),
+    "metadata": (({},), "this server does not store responses"),
+}
+
+
 def _preprocess_chat(body: dict[str, Any], protocol: Protocol) -> _Extras:
+    _refuse_unsupported(body, protocol, _CHAT_UNSUPPORTED)
     extras = _Extras()
     messages = body.get("messages")
     if isinstance(messages, list):
@@ -272,6 +301,7 @@ def _preprocess_responses(body: dict[str, Any], protocol: Protocol) -> _Extras:
             protocol,
             "store",
         )
+    _refuse_unsupported(body, protocol, _RESPONSES_UNSUPPORTED)
     extras = _Extras()
     stop = body.pop("stop", None)
     if stop is not None:

@@ -313,3 +313,34 @@ def test_penalty_type_checked(recipe: Recipe) -> None:
         recipe.prepare(Protocol.CHAT, chat(presence_penalty="x"))
     with pytest.raises(RecipeError):
         recipe.prepare(Protocol.CHAT, chat(frequency_penalty=5))
+
+
+@pytest.mark.parametrize(
+    ("protocol", "field", "value"),
+    [
+        (Protocol.CHAT, "parallel_tool_calls", False),
+        (Protocol.CHAT, "store", True),
+        (Protocol.CHAT, "service_tier", "flex"),
+        (Protocol.RESPONSES, "truncation", "auto"),
+        (Protocol.RESPONSES, "include", ["reasoning.encrypted_content"]),
+        (Protocol.RESPONSES, "metadata", {"k": "v"}),
+    ],
+)
+def test_fields_asking_for_missing_behaviour_are_refused(recipe, protocol, field, value) -> None:
+    base = (
+        {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
+        if protocol is Protocol.CHAT
+        else {"model": "default", "input": "hi"}
+    )
+    with pytest.raises(RecipeError) as err:
+        recipe.prepare(protocol, {**base, field: value})
+    assert err.value.status_code == 400 and field in str(err.value)
+    fine = {
+        "parallel_tool_calls": True,
+        "store": False,
+        "service_tier": "auto",
+        "truncation": "disabled",
+        "include": [],
+        "metadata": {},
+    }[field]
+    recipe.prepare(protocol, {**base, field: fine})
