@@ -58,9 +58,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     numerics: Numerics | None = None,
     include_dspark: bool = True,
-    progress: bool = False,
+    progress: bool = True,
 ) -> DeepseekV41ForCausalLM:
     """Load a released-format checkpoint; FP8/MXFP4 weights are dequantised to `dtype`.
+
+    A progress bar is shown on a terminal (`progress=False` silences it).
 
     Engram tables stay FP8 (dequantised per gathered row). Raises `CheckpointError` naming every
     missing, unexpected or mis-shaped tensor, an unreadable shard, or a mismatching tokenizer.
