@@ -88,6 +88,12 @@ class AsyncEngine:
     @classmethod
     def from_model(cls, model: DeepseekV41ForCausalLM, config: EngineConfig) -> AsyncEngine:
         max_model_len = config.max_model_len or model.config.max_position_embeddings
+        if config.kv_cache_tokens < max_model_len:
+            raise ValueError(
+                f"kv_cache_tokens ({config.kv_cache_tokens}) cannot hold one sequence of "
+                f"max_model_len ({max_model_len}) tokens; raise kv_cache_tokens or lower "
+                "max_model_len"
+            )
         cache = CacheConfig(num_blocks=config.kv_cache_tokens // 128, num_slots=config.max_num_seqs)
         scheduler = Scheduler(
             SchedulerConfig(

@@ -73,10 +73,10 @@ def test_concurrent_greedy_requests_match_running_alone(tiny_model_exact_kv) -> 
 def test_preempted_request_produces_the_same_tokens(tiny_model_exact_kv) -> None:
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
     prompts = [[0] + list(range(5, 5 + n)) for n in (100, 90, 80, 70)]
-    roomy = _engine(tiny_model_exact_kv)
+    roomy = _engine(tiny_model_exact_kv, max_model_len=5 * 128)
     reference = asyncio.run(_run_all(roomy, [(p, params) for p in prompts]))
     # 5 blocks of 128 tokens for four sequences growing to 140 tokens: someone gets preempted.
-    tight = _engine(tiny_model_exact_kv, kv_cache_tokens=5 * 128)
+    tight = _engine(tiny_model_exact_kv, kv_cache_tokens=5 * 128, max_model_len=5 * 128)
     squeezed = asyncio.run(_run_all(tight, [(p, params) for p in prompts]))
     assert tight.core.scheduler.num_preemptions > 0
     assert squeezed == reference
@@ -223,3 +223,8 @@ def test_shutdown_without_drain_aborts_in_flight_requests(tiny_model) -> None:
     assert deltas[-1].finish_reason is FinishReason.ABORT
     assert deltas[-1].num_output_tokens < 10_000
     _check_clean(engine)
+
+
+def test_a_cache_smaller_than_the_context_is_refused_at_startup(tiny_model) -> None:
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        _engine(tiny_model, kv_cache_tokens=1024, max_model_len=4096)

@@ -152,7 +152,7 @@ def test_cli_serves(tmp_path):
     port = free_port()
     env = {**os.environ, "DEEPINFER_CACHE_DIR": str(tmp_path)}
     command = [sys.executable, "-m", "server", "--model", "tiny", "--port", str(port)]
-    command += ["--kv-cache-tokens", "1024", "--max-num-seqs", "2"]
+    command += ["--kv-cache-tokens", "1024", "--max-model-len", "1024", "--max-num-seqs", "2"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
