@@ -1,0 +1,38 @@
+"""Grammar-constrained decoding with xgrammar: specs, compilation, per-request matchers and the
+batch token bitmask (`issues` #5, engine side)."""
+
+from engine.structured.grammar import (
+    GRAMMAR_KINDS,
+    GrammarCompiler,
+    GrammarError,
+    GrammarSpec,
+    MarkerGuard,
+    build_tokenizer_info,
+    spec_for_constraint,
+    tool_call_spec,
+)
+from engine.structured.matcher import (
+    BatchBitmask,
+    RequestMatcher,
+    StepMask,
+    apply_bitmask,
+    apply_bitmask_reference,
+    unpack_bitmask_row,
+)
+
+__all__ = [
+    "GRAMMAR_KINDS",
+    "BatchBitmask",
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarSpec",
+    "MarkerGuard",
+    "RequestMatcher",
+    "StepMask",
+    "apply_bitmask",
+    "apply_bitmask_reference",
+    "build_tokenizer_info",
+    "spec_for_constraint",
+    "tool_call_spec",
+    "unpack_bitmask_row",
+]

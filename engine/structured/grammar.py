@@ -1,0 +1,402 @@
+"""Grammar specs and their compilation into xgrammar token-level grammars.
+
+A `GrammarSpec` is plain data: a kind and its source text. `GrammarCompiler` turns it into an
+`xgrammar.CompiledGrammar` for one tokenizer (the model's vocabulary, EOS as the stop token),
+caches the result by (kind, source) in an LRU, and offers `compile_async` for the request path:
+compilation runs in a worker thread, bounded by a timeout, and every failure is a `GrammarError`
+whose message names the problem (the server answers 400 with it).
+
+Kinds and sources:
+
+    json            a JSON Schema document; "" = any JSON object (`json_object`)
+    regex           a regular expression the whole output must match
+    ebnf            an xgrammar EBNF grammar with a `root` rule
+    structural_tag  a `xgrammar.StructuralTag` as JSON (tool calls, thinking-aware constraints)
+
+`spec_for_constraint` maps the recipe's `OutputConstraint` kinds (`json`, `regex`, `tool_call`,
+`tool_call_required`, `recipe.md` §5.4) onto specs; tool calls use xgrammar's builtin
+`deepseek_v4_1` structural tag (DSML `<｜DSML｜ calls>` blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import xgrammar as xgr
+from tokenizers import Tokenizer
+from xgrammar import structural_tag as st
+
+GRAMMAR_KINDS = ("json", "regex", "ebnf", "structural_tag")
+
+DEFAULT_CACHE_SIZE = 256
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+DSML_MARKER = "｜DSML｜"
+THINK_BEGIN = "<think>"
+THINK_END = "</think>"
+_TOOL_STRUCTURAL_TAG_MODEL = "deepseek_v4_1"
+_ANY_JSON_OBJECT = '{"type": "object"}'
+# Longest whitespace run allowed between JSON tokens: room for pretty-printing, but a degenerate
+# model cannot loop on whitespace forever.
+JSON_MAX_WHITESPACE = 64
+# xgrammar prefixes C++ errors with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed check.
+_NATIVE_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be used: invalid source, unsupported feature, or compile timeout."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to compile: `kind` (one of `GRAMMAR_KINDS`) and its `source` text.
+
+    `token_marker`: a marker string (a single added token) that this grammar matches as text but
+    that must only ever be emitted as its dedicated token; matchers enforce it with a
+    `MarkerGuard` (see `GrammarCompiler.guard_for`). The spec is the cache key, so equal specs
+    share one compiled grammar.
+    """
+
+    kind: str
+    source: str
+    token_marker: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarError(
+                f"unknown grammar kind {self.kind!r}; expected one of {GRAMMAR_KINDS}"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Specs from request constraints
+# ----------------------------------------------------------------------------------------------
+
+
+def spec_for_constraint(kind: str, schema: str, *, thinking: bool = False) -> GrammarSpec:
+    """The spec enforcing a recipe `OutputConstraint(kind, schema)` (`recipe.md` §5.4).
+
+    kind: `json` (schema or "" for json_object), `regex`, `ebnf`, `tool_call` (tools offered,
+    tool_choice auto) or `tool_call_required` (schema: compact JSON array of Chat-style tools).
+    thinking: the prompt ends in `<think>`; free reasoning is allowed up to the `</think>` token
+    and the constraint applies after it.
+
+    Raises:
+        GrammarError: unknown kind, or a tool list that is not valid JSON / not accepted.
+    """
+    if kind in ("tool_call", "tool_call_required"):
+        return tool_call_spec(schema, is_required=kind == "tool_call_required", thinking=thinking)
+    if kind not in ("json", "regex", "ebnf"):
+        raise GrammarError(f"unknown output constraint kind {kind!r}")
+    if not thinking:
+        return GrammarSpec(kind, schema)
+    return GrammarSpec("structural_tag", _after_reasoning(_content_format(kind, schema)))
+
+
+def tool_call_spec(tools_json: str, *, is_required: bool, thinking: bool) -> GrammarSpec:
+    """The DSML tool-call structural tag for a compact JSON array of Chat-style tools.
+
+    is_required: at least one call must be made (tool_choice required or a named tool; the
+    recipe passes only that tool then); otherwise free text is allowed but any `<｜DSML｜ calls>`
+    block that starts must complete validly against the tools' parameter schemas.
+    thinking: the structural tag starts inside reasoning (the prompt ends in `<think>`); the
+    tool-call format applies after the `</think>` token.
+
+    NOTE: xgrammar's builtin tag matches the DSML markers (`<｜DSML｜ calls>`, `invoke`,
+    `parameter`) as text, so a marker could also be spelled from ordinary byte-level tokens
+    ("ï", "ï½", "｜"...), which the stream processor (it recognises `｜DSML｜` only as token
+    128825) would read as plain text. The spec therefore names `｜DSML｜` as its `token_marker`.
+
+    Raises:
+        GrammarError: the tool list is not JSON or xgrammar rejects it.
+    """
+    try:
+        tools = json.loads(tools_json)
+        tag = xgr.get_model_structural_tag(
+            _TOOL_STRUCTURAL_TAG_MODEL,
+            tools=tools,
+            tool_choice="required" if is_required else "auto",
+            reasoning="disabled",
+        )
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"invalid tool list for tool-call grammar: {exc}") from exc
+    # In thinking mode, our own reasoning prefix: the builtin one ends reasoning at the *text*
+    # "</think>", not at its token.
+    source = _after_reasoning(tag.format) if thinking else tag.model_dump_json()
+    return GrammarSpec("structural_tag", source, token_marker=DSML_MARKER)
+
+
+def _content_format(kind: str, source: str) -> st.Format:
+    if kind == "json":
+        try:
+            schema = json.loads(source or _ANY_JSON_OBJECT)
+        except ValueError as exc:
+            raise GrammarError(f"invalid JSON schema: not valid JSON ({exc})") from exc
+        return st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if kind == "regex":
+        return st.RegexFormat(pattern=source)
+    return st.GrammarFormat(grammar=source)
+
+
+def _after_reasoning(content: st.Format) -> str:
+    """Structural tag: any tokens but `<think>`, then the `</think>` token, then `content`.
+
+    NOTE: `</think>` is matched as its dedicated token (128822), which is how the stream
+    processor recognises the end of reasoning; a textual spelling from sub-tokens stays reasoning.
+    """
+    tag = st.StructuralTag(
+        format=st.SequenceFormat(
+            elements=[
+                st.AnyTokensFormat(exclude_tokens=[THINK_BEGIN, THINK_END]),
+                st.TokenFormat(token=THINK_END),
+                content,
+            ]
+        )
+    )
+    return tag.model_dump_json()
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiler
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MarkerGuard:
+    """Makes a marker's dedicated token the only way to spell the marker.
+
+    Wherever a row's bitmask allows `marker_id`, the tokens in `blocked_ids` (ordinary tokens
+    whose bytes end with a proper prefix of the marker's bytes: the only ways to start spelling
+    it from sub-tokens) are disallowed. Where the grammar requires the marker, only its token is
+    left; in free text the cost is that such tokens (e.g. a lone "｜") cannot follow.
+
+    keep_words: (word index, int32 mask of the bits to keep) for the words holding blocked ids.
+    """
+
+    marker_id: int
+    blocked_ids: tuple[int, ...]
+    keep_words: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def for_marker(cls, tokenizer_info: xgr.TokenizerInfo, marker: str) -> MarkerGuard:
+        """The guard for `marker` in this vocabulary.
+
+        Raises:
+            GrammarError: `marker` is not exactly one token of the vocabulary.
+        """
+        vocab = tokenizer_info.decoded_vocab
+        spelling = marker.encode()
+        marker_ids = [i for i, token in enumerate(vocab) if token == spelling]
+        if len(marker_ids) != 1:
+            raise GrammarError(f"marker {marker!r} is not a single token of this vocabulary")
+        prefixes = [spelling[:k] for k in range(1, len(spelling))]
+        blocked = tuple(
+            i
+            for i, token in enumerate(vocab)
+            if i != marker_ids[0] and token and any(token.endswith(p) for p in prefixes)
+        )
+        clear: dict[int, int] = {}
+        for token_id in blocked:
+            word, bit = divmod(token_id, 32)
+            clear[word] = clear.get(word, 0) | (1 << bit)
+        keep = tuple((word, _as_int32(~bits & 0xFFFFFFFF)) for word, bits in sorted(clear.items()))
+        return cls(marker_id=marker_ids[0], blocked_ids=blocked, keep_words=keep)
+
+
+def _as_int32(value: int) -> int:
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def build_tokenizer_info(
+    tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]
+) -> xgr.TokenizerInfo:
+    """xgrammar's view of a `tokenizers.Tokenizer`: the encoded vocabulary padded to the model's
+    `vocab_size` (the logits width), the vocabulary type (byte-level BPE for DeepSeek, detected
+    from the tokenizer JSON) and the stop tokens.
+
+    NOTE: added tokens keep their literal spelling (`</think>`, `｜DSML｜`), so grammars may match
+    them by text or, through `TokenFormat`, by id. Ids beyond the tokenizer's vocabulary are
+    empty strings, which xgrammar never allows.
+    """
+    encoded = [""] * vocab_size
+    for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items():
+        if token_id < vocab_size:
+            encoded[token_id] = token
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_str())
+    return xgr.TokenizerInfo(
+        encoded,
+        metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=metadata["add_prefix_space"],
+    )
+
+
+class GrammarCompiler:
+    """Compiles `GrammarSpec`s for one tokenizer; an LRU of `cache_size` compiled grammars.
+
+    `compile` blocks; `compile_async` runs the compilation in a daemon worker thread so the
+    event loop keeps serving, and joins an identical compilation already in flight.
+    Thread-safe.
+
+    NOTE: a compilation that times out cannot be interrupted (xgrammar has no cancellation); it
+    finishes in its thread and its result still enters the cache. Requests for the same spec
+    meanwhile wait on that one compilation instead of starting another.
+    """
+
+    def __init__(
+        self, tokenizer_info: xgr.TokenizerInfo, *, cache_size: int = DEFAULT_CACHE_SIZE
+    ) -> None:
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        self.tokenizer_info = tokenizer_info
+        self._compiler = xgr.GrammarCompiler(tokenizer_info, cache_enabled=False)
+        self._cache_size = cache_size
+        self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
+        self._in_flight: dict[GrammarSpec, threading.Event] = {}
+        self._errors: dict[GrammarSpec, GrammarError] = {}
+        self._guards: dict[str, MarkerGuard] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(
+        cls, tokenizer: Tokenizer, vocab_size: int, eos_token_id: int, **kwargs: int
+    ) -> GrammarCompiler:
+        """A compiler for `tokenizer` with logits width `vocab_size` and EOS as the stop token."""
+        return cls(build_tokenizer_info(tokenizer, vocab_size, [eos_token_id]), **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer_info.vocab_size
+
+    def guard_for(self, spec: GrammarSpec) -> MarkerGuard | None:
+        """The `MarkerGuard` a matcher of `spec` needs, or None (computed once per marker).
+
+        Raises:
+            GrammarError: the spec's marker is not a single token of this vocabulary.
+        """
+        if spec.token_marker is None:
+            return None
+        with self._lock:
+            guard = self._guards.get(spec.token_marker)
+        if guard is None:
+            guard = MarkerGuard.for_marker(self.tokenizer_info, spec.token_marker)
+            with self._lock:
+                self._guards[spec.token_marker] = guard
+        return guard
+
+    def cached(self, spec: GrammarSpec) -> xgr.CompiledGrammar | None:
+        """The cached grammar for `spec` (marking it recently used), or None. Mutates LRU order."""
+        with self._lock:
+            grammar = self._cache.get(spec)
+            if grammar is not None:
+                self._cache.move_to_end(spec)
+            return grammar
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar for `spec`, from the cache or compiled now (blocking).
+
+        Raises:
+            GrammarError: the source is invalid or uses an unsupported feature.
+        """
+        grammar = self.cached(spec)
+        if grammar is not None:
+            return grammar
+        grammar = self._compile_uncached(spec)
+        with self._lock:
+            self._cache[spec] = grammar
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    async def compile_async(
+        self, spec: GrammarSpec, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    ) -> xgr.CompiledGrammar:
+        """`compile` in a worker thread, waiting at most `timeout_s` seconds.
+
+        Raises:
+            GrammarError: invalid source, or compilation took longer than `timeout_s`.
+        """
+        grammar = self.cached(spec)
+        if grammar is not None:
+            return grammar
+        with self._lock:
+            done = self._in_flight.get(spec)
+            if done is None:
+                done = threading.Event()
+                self._in_flight[spec] = done
+                threading.Thread(
+                    target=self._compile_in_thread, args=(spec, done), daemon=True
+                ).start()
+        loop = asyncio.get_running_loop()
+        waiter = loop.run_in_executor(None, done.wait, timeout_s)
+        if not await waiter:
+            raise GrammarError(
+                f"{spec.kind} grammar compilation exceeded the {timeout_s:g} s timeout; "
+                "simplify the schema"
+            )
+        with self._lock:
+            error = self._errors.get(spec)
+        if error is not None:
+            raise error
+        return self.compile(spec)
+
+    def _compile_in_thread(self, spec: GrammarSpec, done: threading.Event) -> None:
+        try:
+            self.compile(spec)
+        except GrammarError as exc:
+            with self._lock:
+                self._errors[spec] = exc
+                while len(self._errors) > self._cache_size:
+                    del self._errors[next(iter(self._errors))]
+        finally:
+            with self._lock:
+                del self._in_flight[spec]
+            done.set()
+
+    def _compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        compile_fn = _COMPILE_BY_KIND[spec.kind]
+        try:
+            return compile_fn(self._compiler, spec.source)
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError/pydantic errors
+            raise GrammarError(f"invalid {_KIND_NAMES[spec.kind]}: {_clean_message(exc)}") from exc
+
+
+def _compile_json(compiler: xgr.GrammarCompiler, source: str) -> xgr.CompiledGrammar:
+    if not source:
+        # json_object: any object, extra properties allowed.
+        return compiler.compile_json_schema(
+            _ANY_JSON_OBJECT, strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE
+        )
+    return compiler.compile_json_schema(source, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+
+
+def _compile_structural_tag(compiler: xgr.GrammarCompiler, source: str) -> xgr.CompiledGrammar:
+    return compiler.compile_structural_tag(st.StructuralTag.model_validate_json(source))
+
+
+_COMPILE_BY_KIND = {
+    "json": _compile_json,
+    "regex": lambda compiler, source: compiler.compile_regex(source),
+    "ebnf": lambda compiler, source: compiler.compile_grammar(source),
+    "structural_tag": _compile_structural_tag,
+}
+_KIND_NAMES = {
+    "json": "JSON schema",
+    "regex": "regular expression",
+    "ebnf": "EBNF grammar",
+    "structural_tag": "structural tag",
+}
+
+
+def _clean_message(exc: Exception) -> str:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _NATIVE_ERROR_PREFIX.sub("", first_line)

@@ -1,0 +1,206 @@
+"""Grammar compilation: every kind, the cache, errors, the timeout, tool-call structural tags."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from tokenizers import Tokenizer
+
+from engine.structured import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarSpec,
+    RequestMatcher,
+    spec_for_constraint,
+)
+from tests.engine.structured.conftest import EOS_ID, V41_VOCAB_SIZE
+
+DSML_TOKEN_ID = 128825
+THINK_END_ID = 128822
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": None,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city", "days"],
+            },
+            "strict": None,
+        },
+    }
+]
+
+
+def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _accepts_text(compiler: GrammarCompiler, spec: GrammarSpec, ids: list[int]) -> bool:
+    matcher = RequestMatcher(compiler.compile(spec))
+    return matcher.accept([*ids, EOS_ID]) and matcher.is_terminated
+
+
+def test_tokenizer_info_matches_the_model(compiler: GrammarCompiler) -> None:
+    info = compiler.tokenizer_info
+    assert info.vocab_size == V41_VOCAB_SIZE
+    assert info.stop_token_ids == [EOS_ID]
+    assert info.vocab_type.name == "BYTE_LEVEL"
+    decoded = info.decoded_vocab
+    assert decoded[THINK_END_ID] == b"</think>"
+    assert decoded[DSML_TOKEN_ID] == "｜DSML｜".encode()
+    assert decoded[1000] == " в".encode()  # byte-level "Ġ" decodes to a space
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (GrammarSpec("json", '{"type":'), "invalid JSON schema"),
+        (GrammarSpec("json", '{"type": "nope"}'), 'Unsupported type "nope"'),
+        (GrammarSpec("regex", "(ab"), "parenthesis is not closed"),
+        (GrammarSpec("ebnf", "root ::= foo"), 'Rule "foo" is not defined'),
+        (GrammarSpec("structural_tag", "{}"), "invalid structural tag"),
+    ],
+)
+def test_invalid_sources_raise_grammar_error(
+    compiler: GrammarCompiler, spec: GrammarSpec, message: str
+) -> None:
+    with pytest.raises(GrammarError, match=message) as info:
+        compiler.compile(spec)
+    assert "/project/cpp" not in str(info.value)
+    with pytest.raises(GrammarError, match=message):
+        asyncio.run(compiler.compile_async(spec, timeout_s=5.0))
+
+
+def test_unknown_kinds_are_rejected() -> None:
+    with pytest.raises(GrammarError, match="unknown grammar kind"):
+        GrammarSpec("xml", "")
+    with pytest.raises(GrammarError, match="unknown output constraint kind"):
+        spec_for_constraint("yaml", "")
+
+
+def test_cache_returns_the_same_object(compiler: GrammarCompiler) -> None:
+    spec = GrammarSpec("regex", "[a-c]{2,4}")
+    first = compiler.compile(spec)
+    assert compiler.compile(GrammarSpec("regex", "[a-c]{2,4}")) is first
+    assert asyncio.run(compiler.compile_async(spec, timeout_s=1.0)) is first
+
+
+def test_lru_evicts_the_least_recently_used(v41_tokenizer: Tokenizer) -> None:
+    small = GrammarCompiler(
+        GrammarCompiler.for_tokenizer(v41_tokenizer, V41_VOCAB_SIZE, EOS_ID).tokenizer_info,
+        cache_size=2,
+    )
+    a, b, c = (GrammarSpec("regex", pattern) for pattern in ("a+", "b+", "c+"))
+    grammar_a = small.compile(a)
+    small.compile(b)
+    assert small.compile(a) is grammar_a  # a is now the most recent
+    small.compile(c)  # evicts b
+    assert small.cached(b) is None
+    assert small.cached(a) is grammar_a
+
+
+def _nested_one_of(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {
+            "oneOf": [
+                {"type": "object", "properties": {"a": schema, "b": {"type": "integer"}}},
+                {"type": "array", "items": schema},
+                schema,
+            ]
+        }
+    return schema
+
+
+def test_pathological_schema_times_out_quickly(compiler: GrammarCompiler) -> None:
+    spec = GrammarSpec("json", json.dumps(_nested_one_of(10)))
+    start = time.perf_counter()
+    with pytest.raises(GrammarError, match="exceeded the 0.2 s timeout"):
+        asyncio.run(compiler.compile_async(spec, timeout_s=0.2))
+    assert time.perf_counter() - start < 2.0
+
+
+def test_json_object_accepts_any_object_only(
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer
+) -> None:
+    spec = spec_for_constraint("json", "")
+    assert _accepts_text(compiler, spec, _ids(v41_tokenizer, '{"x": [1, {"y": null}], "z": "w"}'))
+    assert not _accepts_text(compiler, spec, _ids(v41_tokenizer, "[1, 2]"))
+
+
+def test_thinking_applies_the_constraint_after_the_think_end_token(
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer
+) -> None:
+    spec = spec_for_constraint("regex", "(yes|no)", thinking=True)
+    reasoning = _ids(v41_tokenizer, "Let me think: maybe {not json}.")
+    assert _accepts_text(compiler, spec, [*reasoning, THINK_END_ID, *_ids(v41_tokenizer, "yes")])
+    # The textual spelling of </think> from ordinary tokens does not end reasoning.
+    spelled = _ids(v41_tokenizer, "</") + _ids(v41_tokenizer, "think>")
+    assert THINK_END_ID not in spelled
+    assert not _accepts_text(compiler, spec, [*reasoning, *spelled, *_ids(v41_tokenizer, "yes")])
+    assert not _accepts_text(compiler, spec, [*reasoning, *_ids(v41_tokenizer, "yes")])
+    json_spec = spec_for_constraint("json", "", thinking=True)
+    answer = _ids(v41_tokenizer, '{"a": 1}')
+    assert _accepts_text(compiler, json_spec, [*reasoning, THINK_END_ID, *answer])
+
+
+def _dsml_call(city: str, days: int) -> str:
+    return (
+        "<｜DSML｜ calls>\n"
+        '<｜DSML｜ invoke name="get_weather">\n'
+        f'<｜DSML｜ parameter name="city" string="true">{city}</｜DSML｜ parameter>\n'
+        f'<｜DSML｜ parameter name="days" string="false">{days}</｜DSML｜ parameter>\n'
+        "</｜DSML｜ invoke>\n"
+        "</｜DSML｜ calls>"
+    )
+
+
+def test_tool_call_auto_allows_text_and_valid_calls(
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer
+) -> None:
+    spec = spec_for_constraint("tool_call", json.dumps(WEATHER_TOOLS))
+    assert spec.kind == "structural_tag"
+    assert _accepts_text(compiler, spec, _ids(v41_tokenizer, "It is sunny today."))
+    call = _ids(v41_tokenizer, "Checking.\n\n" + _dsml_call("Paris", 3))
+    assert DSML_TOKEN_ID in call
+    assert _accepts_text(compiler, spec, call)
+    bad_args = _ids(v41_tokenizer, "Checking.\n\n" + _dsml_call("Paris", 3).replace(">3<", ">x<"))
+    assert not _accepts_text(compiler, spec, bad_args)
+    unknown_tool = _dsml_call("Paris", 3).replace("get_weather", "get_time")
+    assert not _accepts_text(compiler, spec, _ids(v41_tokenizer, unknown_tool))
+
+
+def test_tool_call_required_forces_a_call(
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer
+) -> None:
+    spec = spec_for_constraint("tool_call_required", json.dumps(WEATHER_TOOLS))
+    assert not _accepts_text(compiler, spec, _ids(v41_tokenizer, "It is sunny today."))
+    assert _accepts_text(compiler, spec, _ids(v41_tokenizer, "\n\n" + _dsml_call("Oslo", 1)))
+
+
+def test_tool_call_in_thinking_mode_starts_inside_reasoning(
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer
+) -> None:
+    spec = spec_for_constraint("tool_call_required", json.dumps(WEATHER_TOOLS), thinking=True)
+    text = "I should call the tool.</think>\n\n" + _dsml_call("Rome", 2)
+    ids = _ids(v41_tokenizer, text)
+    assert THINK_END_ID in ids
+    assert _accepts_text(compiler, spec, ids)
+    spelled = _ids(v41_tokenizer, "I should call the tool.</") + _ids(v41_tokenizer, "think>")
+    assert THINK_END_ID not in spelled
+    call = _ids(v41_tokenizer, "\n\n" + _dsml_call("Rome", 2))
+    assert not _accepts_text(compiler, spec, spelled + call)
+
+
+def test_invalid_tool_list_is_a_grammar_error() -> None:
+    with pytest.raises(GrammarError, match="invalid tool list"):
+        spec_for_constraint("tool_call", "[{")
+    with pytest.raises(GrammarError, match="invalid tool list"):
+        spec_for_constraint("tool_call_required", "[]")
