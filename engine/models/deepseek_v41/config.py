@@ -199,22 +199,17 @@ class DeepseekV41Config:
 
     def kv_source_of(self, layer_id: int) -> int | None:
         """Nearest KV source at or before `layer_id` with the same ratio (None for ratio 0)."""
-        r = self.compress_ratios[layer_id]
-        if r == 0:
-            return None
-        found = [
-            s for s in self.kv_source_layer_ids if s <= layer_id and self.compress_ratios[s] == r
-        ]
-        return max(found) if found else None
+        return self._latest_of_same_ratio(self.kv_source_layer_ids, layer_id)
 
     def index_source_of(self, layer_id: int) -> int | None:
         """Index source whose selection `layer_id` attends to (the latest one of its ratio)."""
-        r = self.compress_ratios[layer_id]
-        if r == 0:
+        return self._latest_of_same_ratio(self.index_source_layer_ids, layer_id)
+
+    def _latest_of_same_ratio(self, candidates: tuple[int, ...], layer_id: int) -> int | None:
+        ratio = self.compress_ratios[layer_id]
+        if ratio == 0:
             return None
-        found = [
-            s for s in self.index_source_layer_ids if s <= layer_id and self.compress_ratios[s] == r
-        ]
+        found = [s for s in candidates if s <= layer_id and self.compress_ratios[s] == ratio]
         return max(found) if found else None
 
     def is_candidate_consumer(self, layer_id: int) -> bool:
