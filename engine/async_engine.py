@@ -20,8 +20,7 @@ from engine.core import EngineCore
 from engine.kv_cache import CacheConfig, KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.models import DeepseekV41ForCausalLM, load_model
-from engine.models.deepseek_v41.config import preset_names
-from engine.models.embedded import ensure_embedded_checkpoint
+from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
@@ -71,7 +70,7 @@ class AsyncEngine:
         self.eos_token_id = eos_token_id
         self._streams: dict[str, asyncio.Queue[Delta]] = {}  # engine request id → its stream
         self._groups: dict[str, list[str]] = {}  # user request id → engine ids (n choices)
-        self._pending: list[Callable[[], list[Delta]]] = []
+        self._pending: list[Callable[[], None]] = []  # applied between steps
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._accepting = True
@@ -190,23 +189,21 @@ class AsyncEngine:
 
     # ---- loop ---------------------------------------------------------------------------------
 
-    def _submit(self, action: Callable[[], list[Delta]]) -> None:
+    def _submit(self, action: Callable[[], None]) -> None:
         self._pending.append(action)
         self._wakeup.set()
 
-    def _add_all(self, requests: list[Request]) -> list[Delta]:
+    def _add_all(self, requests: list[Request]) -> None:
         for request in requests:
             self.core.add_request(request)
-        return []
 
-    def _abort_one(self, request_id: str) -> list[Delta]:
+    def _abort_one(self, request_id: str) -> None:
         self.core.abort(request_id)
-        return []
 
     def _apply_pending(self) -> None:
         actions, self._pending = self._pending, []
         for action in actions:
-            self._dispatch(action())
+            action()
 
     def _dispatch(self, deltas: list[Delta]) -> None:
         for delta in deltas:
@@ -255,7 +252,6 @@ class AsyncEngine:
 
 
 def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
-    folder = (
-        ensure_embedded_checkpoint(config.model) if config.model in preset_names() else config.model
+    return load_model(
+        resolve_model_source(config.model), device=config.device, dtype=getattr(torch, config.dtype)
     )
-    return load_model(folder, device=config.device, dtype=getattr(torch, config.dtype))

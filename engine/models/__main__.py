@@ -15,8 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.models import load_model, sequential_batch
-from engine.models.deepseek_v41.config import preset_names
-from engine.models.embedded import ensure_embedded_checkpoint
+from engine.models.embedded import resolve_model_source
 
 
 def main() -> None:
@@ -25,7 +24,7 @@ def main() -> None:
     parser.add_argument("--prompt", default="Hello, world")
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
-    folder = ensure_embedded_checkpoint(args.model) if args.model in preset_names() else args.model
+    folder = resolve_model_source(args.model)
     model = load_model(folder)
     tokenizer = Tokenizer.from_file(str(model.checkpoint_path / "tokenizer.json"))
     ids = [model.config.bos_token_id] + tokenizer.encode(args.prompt, add_special_tokens=False).ids

@@ -6,8 +6,15 @@ from pathlib import Path
 
 from engine import envs
 from engine.models.deepseek_v41.checkpoint_writer import write_random_checkpoint
+from engine.models.deepseek_v41.config import preset_names
 
 EMBEDDED_SEED = 0
+
+
+def resolve_model_source(model: str) -> Path | str:
+    """A preset name → its embedded checkpoint folder (written once); anything else unchanged
+    (a checkpoint folder or hub id for `load_model`)."""
+    return ensure_embedded_checkpoint(model) if model in preset_names() else model
 
 
 def ensure_embedded_checkpoint(preset: str = "default", cache_dir: Path | None = None) -> Path:

@@ -32,7 +32,7 @@ from server.dependencies import (
 from server.disconnect import run_until_disconnect
 from server.errors import APIError, ErrorKind
 from server.metrics import ServerMetrics
-from server.sse import data_stream, event_stream
+from server.sse import anthropic_error_event, data_stream, event_stream
 
 router = APIRouter()
 
@@ -159,8 +159,6 @@ async def _named(events: AsyncIterator[StreamEvent]) -> AsyncIterator[tuple[str,
 
 
 def _error_event(protocol: Protocol):
-    from server.sse import anthropic_error_event
-
     if protocol is Protocol.MESSAGES:
         return anthropic_error_event
 

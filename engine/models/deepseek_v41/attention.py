@@ -275,7 +275,7 @@ class Attention(nn.Module):
         batch = ctx.batch
         kv = apply_rope(lat, group_pos, self.freqs)
         ik = self.indexer.k_norm(self.indexer.wk(lat))
-        ik = apply_rope(ik, group_pos, self.freqs[: self.cfg.qk_rope_head_dim // 2])
+        ik = apply_rope(ik, group_pos, self.freqs)
         seq = batch.seq_of_token[token_idx]
         block, row = _global_row_address(batch, seq, group_pos // self.ratio, self.ratio)
         ctx.state.global_kv[self.layer_id][block, row] = ctx.codecs.global_kv.encode(kv)
@@ -288,7 +288,7 @@ class Attention(nn.Module):
         cfg, batch, r = self.cfg, ctx.batch, self.ratio
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
         iq = self.indexer.wq_b(qa).view(-1, heads, dim)
-        iq = apply_rope(iq, batch.positions, self.freqs[: cfg.qk_rope_head_dim // 2])
+        iq = apply_rope(iq, batch.positions, self.freqs)
         iq = ctx.codecs.index.decode(ctx.codecs.index.encode(iq))
         hw = (x.float() @ self.indexer.weights_proj.weight.float().t()) * (dim**-0.5 * heads**-0.5)
         ends = batch.end_positions()
