@@ -13,6 +13,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from engine.outputs import Delta
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from engine.structured import CompiledConstraint
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +49,7 @@ class EngineConfig:
     kv_cache_tokens: global-KV capacity in tokens (pool of 128-token blocks) shared by all
         running sequences; max_num_seqs also sizes the per-sequence window slots.
     max_model_len: context limit (default: the model's max_position_embeddings).
+    overlap_grammar_mask: fill a step's grammar bitmask while its forward runs.
     """
 
     model: str = "default"
@@ -54,6 +59,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 32768
     kv_cache_tokens: int = 262144
     max_model_len: int | None = None
+    overlap_grammar_mask: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -102,7 +108,12 @@ class AsyncEngine:
             ),
             KVCacheManager(cache),
         )
-        runner = ModelRunner(model, cache.num_slots, cache.num_blocks)
+        runner = ModelRunner(
+            model,
+            cache.num_slots,
+            cache.num_blocks,
+            overlap_grammar_mask=config.overlap_grammar_mask,
+        )
         return cls(EngineCore(scheduler, runner), model.config.eos_token_id)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -137,15 +148,28 @@ class AsyncEngine:
     # ---- requests -----------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        constraint: CompiledConstraint | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream the deltas of one user request (n choices, `Delta.index` tells which).
 
+        constraint: a compiled grammar every choice's output must follow (its stop token must
+        be the model's EOS); the grammar, not `min_tokens`, decides when an output may end.
         Leaving the iteration early (the consumer stops, is cancelled or disconnects) aborts
         every unfinished choice and frees what it held.
+
+        Raises:
+            EngineClosedError: the engine is shutting down.
+            ValueError: a duplicate request id, or a constraint that does not fit the model
+                (vocabulary size) or the request (`ignore_eos`).
         """
         if not self._accepting:
             raise EngineClosedError("the engine is shutting down")
+        if constraint is not None:
+            self._check_constraint(constraint, params)
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self._groups or any(rid in self._streams for rid in ids):
             raise ValueError(f"request id {request_id!r} is already running")
@@ -161,6 +185,7 @@ class AsyncEngine:
                 arrival_time=now,
                 eos_token_id=self.eos_token_id,
                 index=i,
+                constraint=constraint,
             )
             for i, rid in enumerate(ids)
         ]
@@ -181,6 +206,16 @@ class AsyncEngine:
                 self._submit(lambda rid=rid: self._abort_one(rid))
             for rid in ids:  # late deltas of aborted choices are dropped by _dispatch
                 self._streams.pop(rid, None)
+
+    def _check_constraint(self, constraint: CompiledConstraint, params: SamplingParams) -> None:
+        vocab_size = self.core.runner.model.config.vocab_size
+        if constraint.vocab_size != vocab_size:
+            raise ValueError(
+                f"the grammar's vocabulary ({constraint.vocab_size}) differs from the model's "
+                f"({vocab_size})"
+            )
+        if params.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a grammar (it ends at EOS)")
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (or each choice `{id}-{i}` of an n > 1 request) at any stage."""

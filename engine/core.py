@@ -28,4 +28,6 @@ class EngineCore:
         """Run one batch; returns the deltas of every request that advanced or finished."""
         scheduled = self.scheduler.schedule()
         model_output = self.runner.execute(scheduled)
-        return self.scheduler.update(scheduled, model_output)
+        deltas = self.scheduler.update(scheduled, model_output)
+        self.runner.release([d.request_id for d in deltas if d.finish_reason is not None])
+        return deltas

@@ -1,27 +1,62 @@
 """ModelRunner: a `SchedulerOutput` → tensors → model forward → sampling → a `ModelOutput`.
 
 The runner owns the device state (`ModelState`: window rings, paged global KV, pending pairs,
-token history) sized by the cache config, and nothing about request lifecycles: slots and block
-ids come from the scheduler's plain-data output.
+token history) sized by the cache config, and the grammar state of constrained requests
+(`GrammarTracker`, created at the first constrained request so that unconstrained serving never
+imports xgrammar); nothing about request lifecycles: slots and block ids come from the
+scheduler's plain-data output, and `release` is told which requests finished.
+
+One step: build the batch → start the grammar mask fill → forward → apply the mask → sample →
+advance the matchers.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.models import DeepseekV41ForCausalLM, StepBatch
-from engine.outputs import ModelOutput, SchedulerOutput, TokenLogprob
+from engine.outputs import ModelOutput, SamplingInfo, SchedulerOutput, TokenLogprob
 from engine.sampler import Sampler, SamplingBatch
+
+if TYPE_CHECKING:
+    from engine.structured.tracker import GrammarTracker
 
 LOGPROB_FLOOR = -9999.0
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV41ForCausalLM, num_slots: int, num_blocks: int) -> None:
+    def __init__(
+        self,
+        model: DeepseekV41ForCausalLM,
+        num_slots: int,
+        num_blocks: int,
+        *,
+        overlap_grammar_mask: bool = True,
+    ) -> None:
+        """overlap_grammar_mask: fill a step's grammar bitmask on a worker thread while the
+        forward runs (False: fill it after the forward, on the step's thread)."""
         self.model = model
         self.device = model.device
         self.state = model.allocate_state(num_slots, num_blocks)
         self.sampler = Sampler()
+        self.overlap_grammar_mask = overlap_grammar_mask
+        self.grammar: GrammarTracker | None = None
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget what the runner holds for finished requests (their grammar matchers)."""
+        if self.grammar is not None:
+            self.grammar.release(request_ids)
+
+    def _grammar_for(self, infos: list[SamplingInfo]) -> GrammarTracker | None:
+        if self.grammar is None and any(info.constraint is not None for info in infos):
+            from engine.structured.tracker import GrammarTracker
+
+            self.grammar = GrammarTracker(
+                self.model.config.vocab_size, overlap=self.overlap_grammar_mask
+            )
+        return self.grammar
 
     def build_batch(self, output: SchedulerOutput) -> StepBatch:
         """Flat token ids, per-chunk offsets, positions, slots, block tables, logit rows."""
@@ -52,11 +87,20 @@ class ModelRunner:
         if output.is_empty:
             return ModelOutput(sampled={}, logprobs={})
         batch = self.build_batch(output)
-        step = self.model.forward_step(batch, self.state)
         sampled_chunks = [c for c in output.chunks if c.sampling is not None]
+        infos = [c.sampling for c in sampled_chunks]
+        request_ids = [c.request_id for c in sampled_chunks]
+        grammar = self._grammar_for(infos)
+        pending_mask = None
+        if grammar is not None and self.overlap_grammar_mask:
+            pending_mask = grammar.start_mask(request_ids, infos)
+        step = self.model.forward_step(batch, self.state)
         if not sampled_chunks:
             return ModelOutput(sampled={}, logprobs={})
-        infos = [c.sampling for c in sampled_chunks]
+        if grammar is not None:
+            if not self.overlap_grammar_mask:
+                pending_mask = grammar.start_mask(request_ids, infos)
+            grammar.apply_mask(pending_mask, step.logits)
         sampling = SamplingBatch.from_infos(
             infos,
             self.model.config.vocab_size,
@@ -65,6 +109,8 @@ class ModelRunner:
         )
         result = self.sampler.sample(step.logits, sampling)
         token_ids = result.token_ids.tolist()  # the step's one device → host sync
+        if grammar is not None:
+            grammar.commit(request_ids, infos, token_ids)
         sampled = {c.request_id: [t] for c, t in zip(sampled_chunks, token_ids, strict=True)}
         logprobs: dict[str, list[TokenLogprob]] = {}
         if result.logprobs is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -15,6 +16,7 @@ class SamplingInfo:
     output_index: index of the token being sampled among the request's outputs (its absolute
     position is prompt length + output_index); randomness is keyed by (seed, position).
     history: prompt + output token ids so far, present only when a penalty needs them.
+    constraint: the request's `CompiledConstraint` (opaque here), or None.
     """
 
     params: SamplingParams
@@ -22,6 +24,7 @@ class SamplingInfo:
     output_index: int
     num_prompt_tokens: int
     history: tuple[int, ...] | None = None
+    constraint: Any = None
 
 
 @dataclass(frozen=True)

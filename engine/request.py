@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -43,6 +44,9 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None
     first_scheduled_time: float | None = None  # time.monotonic() at first admission
+    # The `engine.structured.CompiledConstraint` every output token must follow, or None. Opaque
+    # to the scheduler (which never imports torch); the model runner holds the matcher.
+    constraint: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

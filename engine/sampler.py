@@ -247,7 +247,7 @@ class SamplingBatch:
         """Build the batch for `infos` (row i samples for `infos[i]`) on `device`.
 
         eos_token_id: suppressed (with the row's `stop_token_ids`) while a row's output index is
-        below `params.min_tokens`, unless the row has `ignore_eos`.
+        below `params.min_tokens`, unless the row has `ignore_eos` or a grammar constraint.
         Raises ValueError when a logit-bias or stop token id is outside the vocabulary or when a
         row with a penalty has no `history`. History token ids must be < vocab_size (not checked).
         """
@@ -367,14 +367,16 @@ def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def _bias_entries(
     infos: Sequence[SamplingInfo], vocab_size: int, eos_token_id: int | None
 ) -> tuple[list[int], list[int], list[float]]:
-    """(rows, tokens, values) of the logit bias, with −inf on stop ids before min_tokens."""
+    """(rows, tokens, values) of the logit bias, with −inf on banned ids and on stop ids before
+    min_tokens (except on grammar-constrained rows: their grammar decides when they may end)."""
     rows: list[int] = []
     tokens: list[int] = []
     values: list[float] = []
     for row, info in enumerate(infos):
         params = info.params
         entries = dict(params.logit_bias)
-        if info.output_index < params.min_tokens:
+        entries.update(dict.fromkeys(params.banned_token_ids, -math.inf))
+        if info.output_index < params.min_tokens and info.constraint is None:
             stops = set(params.stop_token_ids)
             if eos_token_id is not None and not params.ignore_eos:
                 stops.add(eos_token_id)

@@ -20,6 +20,8 @@ class SamplingParams:
     n: independent completions of the same prompt.
     logprobs: return the sampled token's logprob; top_logprobs: that many alternatives (≤ 20).
     stop_token_ids: extra ids that end generation (the id is kept in the output).
+    banned_token_ids: ids that are never generated (e.g. tool-call markup when no tools may be
+    called).
     ignore_eos: do not stop at the model's EOS id.
     max_tokens: generated tokens at most (None = up to the context length).
     seed: makes sampling reproducible for this request whatever else is in the batch.
@@ -38,6 +40,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    banned_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0

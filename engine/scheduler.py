@@ -476,6 +476,7 @@ def _sampling_info(request: Request) -> SamplingInfo:
         output_index=request.num_output_tokens,
         num_prompt_tokens=request.num_prompt_tokens,
         history=history,
+        constraint=request.constraint,
     )
 
 

@@ -3,7 +3,9 @@ batch token bitmask (`issues` #5, engine side)."""
 
 from engine.structured.grammar import (
     GRAMMAR_KINDS,
+    CompiledConstraint,
     GrammarCompiler,
+    GrammarCompilerBusyError,
     GrammarError,
     GrammarSpec,
     MarkerGuard,
@@ -23,7 +25,9 @@ from engine.structured.matcher import (
 __all__ = [
     "GRAMMAR_KINDS",
     "BatchBitmask",
+    "CompiledConstraint",
     "GrammarCompiler",
+    "GrammarCompilerBusyError",
     "GrammarError",
     "GrammarSpec",
     "MarkerGuard",

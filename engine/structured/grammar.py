@@ -24,19 +24,29 @@ import asyncio
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xgrammar as xgr
 from tokenizers import Tokenizer
 from xgrammar import structural_tag as st
 
+if TYPE_CHECKING:
+    from engine.structured.matcher import RequestMatcher
+
 GRAMMAR_KINDS = ("json", "regex", "ebnf", "structural_tag")
 
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+# Compilations running at once, abandoned (timed-out) ones included: xgrammar cannot cancel a
+# compilation, so this bounds the CPU a stream of pathological schemas can take from the engine.
+DEFAULT_MAX_COMPILATIONS = 2
+DEFAULT_COMPILE_THREADS = 2
 
 DSML_MARKER = "｜DSML｜"
+CALLS_OPENING = "<｜DSML｜ calls>\n"
 THINK_BEGIN = "<think>"
 THINK_END = "</think>"
 _TOOL_STRUCTURAL_TAG_MODEL = "deepseek_v4_1"
@@ -50,6 +60,11 @@ _NATIVE_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is f
 
 class GrammarError(ValueError):
     """A grammar that cannot be used: invalid source, unsupported feature, or compile timeout."""
+
+
+class GrammarCompilerBusyError(GrammarError):
+    """Every compilation slot stayed taken for the whole timeout (retry later; not the
+    request's fault)."""
 
 
 @dataclass(frozen=True)
@@ -78,19 +93,33 @@ class GrammarSpec:
 # ----------------------------------------------------------------------------------------------
 
 
-def spec_for_constraint(kind: str, schema: str, *, thinking: bool = False) -> GrammarSpec:
+def spec_for_constraint(
+    kind: str,
+    schema: str,
+    *,
+    thinking: bool = False,
+    parallel_tool_calls: bool = True,
+    starts_in_tool_calls: bool = False,
+) -> GrammarSpec:
     """The spec enforcing a recipe `OutputConstraint(kind, schema)` (`recipe.md` §5.4).
 
     kind: `json` (schema or "" for json_object), `regex`, `ebnf`, `tool_call` (tools offered,
     tool_choice auto) or `tool_call_required` (schema: compact JSON array of Chat-style tools).
     thinking: the prompt ends in `<think>`; free reasoning is allowed up to the `</think>` token
     and the constraint applies after it.
+    parallel_tool_calls, starts_in_tool_calls: see `tool_call_spec` (tool-call kinds only).
 
     Raises:
         GrammarError: unknown kind, or a tool list that is not valid JSON / not accepted.
     """
     if kind in ("tool_call", "tool_call_required"):
-        return tool_call_spec(schema, is_required=kind == "tool_call_required", thinking=thinking)
+        return tool_call_spec(
+            schema,
+            is_required=kind == "tool_call_required",
+            thinking=thinking,
+            parallel_tool_calls=parallel_tool_calls,
+            starts_in_tool_calls=starts_in_tool_calls,
+        )
     if kind not in ("json", "regex", "ebnf"):
         raise GrammarError(f"unknown output constraint kind {kind!r}")
     if not thinking:
@@ -98,7 +127,14 @@ def spec_for_constraint(kind: str, schema: str, *, thinking: bool = False) -> Gr
     return GrammarSpec("structural_tag", _after_reasoning(_content_format(kind, schema)))
 
 
-def tool_call_spec(tools_json: str, *, is_required: bool, thinking: bool) -> GrammarSpec:
+def tool_call_spec(
+    tools_json: str,
+    *,
+    is_required: bool,
+    thinking: bool,
+    parallel_tool_calls: bool = True,
+    starts_in_tool_calls: bool = False,
+) -> GrammarSpec:
     """The DSML tool-call structural tag for a compact JSON array of Chat-style tools.
 
     is_required: at least one call must be made (tool_choice required or a named tool; the
@@ -106,6 +142,10 @@ def tool_call_spec(tools_json: str, *, is_required: bool, thinking: bool) -> Gra
     block that starts must complete validly against the tools' parameter schemas.
     thinking: the structural tag starts inside reasoning (the prompt ends in `<think>`); the
     tool-call format applies after the `</think>` token.
+    parallel_tool_calls: False allows one call at most (exactly one when required).
+    starts_in_tool_calls: the prompt already ends with the opening of the calls block (the
+    recipe prefills `\n\n<｜DSML｜ calls>\n` for a required or named tool_choice), so the
+    output starts with the first invoke.
 
     NOTE: xgrammar's builtin tag matches the DSML markers (`<｜DSML｜ calls>`, `invoke`,
     `parameter`) as text, so a marker could also be spelled from ordinary byte-level tokens
@@ -115,6 +155,8 @@ def tool_call_spec(tools_json: str, *, is_required: bool, thinking: bool) -> Gra
     Raises:
         GrammarError: the tool list is not JSON or xgrammar rejects it.
     """
+    if starts_in_tool_calls and not is_required:
+        raise GrammarError("a prefilled tool-call block requires a required tool choice")
     try:
         tools = json.loads(tools_json)
         tag = xgr.get_model_structural_tag(
@@ -122,13 +164,29 @@ def tool_call_spec(tools_json: str, *, is_required: bool, thinking: bool) -> Gra
             tools=tools,
             tool_choice="required" if is_required else "auto",
             reasoning="disabled",
+            parallel_tool_calls=parallel_tool_calls,
+            max_whitespace_cnt=JSON_MAX_WHITESPACE,
         )
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"invalid tool list for tool-call grammar: {exc}") from exc
+    if starts_in_tool_calls:
+        tag = st.StructuralTag(format=_without_calls_opening(tag.format))
     # In thinking mode, our own reasoning prefix: the builtin one ends reasoning at the *text*
     # "</think>", not at its token.
     source = _after_reasoning(tag.format) if thinking else tag.model_dump_json()
     return GrammarSpec("structural_tag", source, token_marker=DSML_MARKER)
+
+
+def _without_calls_opening(required: st.Format) -> st.Format:
+    """The required-call format minus its leading `...<｜DSML｜ calls>\n` constant."""
+    elements = getattr(required, "elements", None)
+    opening = elements[0] if elements else None
+    if not isinstance(opening, st.ConstStringFormat) or not opening.value.endswith(CALLS_OPENING):
+        raise GrammarError(
+            "unexpected deepseek_v4_1 structural tag layout: a required tool call does not "
+            f"start with {CALLS_OPENING!r}"
+        )
+    return st.SequenceFormat(elements=elements[1:])
 
 
 def _content_format(kind: str, source: str) -> st.Format:
@@ -237,6 +295,28 @@ def build_tokenizer_info(
     )
 
 
+@dataclass(frozen=True, eq=False)
+class CompiledConstraint:
+    """A compiled grammar ready for requests: what `AsyncEngine.generate` takes as `constraint`.
+
+    Immutable and shared by every request of the same spec; each request gets its own
+    `RequestMatcher` from `new_matcher`.
+    """
+
+    spec: GrammarSpec
+    grammar: xgr.CompiledGrammar
+    guard: MarkerGuard | None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.grammar.tokenizer_info.vocab_size
+
+    def new_matcher(self) -> RequestMatcher:
+        from engine.structured.matcher import RequestMatcher
+
+        return RequestMatcher(self.grammar, self.guard)
+
+
 class GrammarCompiler:
     """Compiles `GrammarSpec`s for one tokenizer; an LRU of `cache_size` compiled grammars.
 
@@ -244,23 +324,37 @@ class GrammarCompiler:
     event loop keeps serving, and joins an identical compilation already in flight.
     Thread-safe.
 
-    NOTE: a compilation that times out cannot be interrupted (xgrammar has no cancellation); it
-    finishes in its thread and its result still enters the cache. Requests for the same spec
-    meanwhile wait on that one compilation instead of starting another.
+    At most `max_compilations` compilations run at once (each on `compile_threads` xgrammar
+    threads). A compilation that times out cannot be interrupted (xgrammar has no
+    cancellation): it finishes in its thread, keeping its slot, and its result still enters the
+    cache. Requests for the same spec meanwhile wait on that one compilation instead of
+    starting another; a request that finds no free slot within its timeout gets
+    `GrammarCompilerBusyError`.
     """
 
     def __init__(
-        self, tokenizer_info: xgr.TokenizerInfo, *, cache_size: int = DEFAULT_CACHE_SIZE
+        self,
+        tokenizer_info: xgr.TokenizerInfo,
+        *,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        max_compilations: int = DEFAULT_MAX_COMPILATIONS,
+        compile_threads: int = DEFAULT_COMPILE_THREADS,
     ) -> None:
-        if cache_size < 1:
-            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        if cache_size < 1 or max_compilations < 1 or compile_threads < 1:
+            raise ValueError(
+                "cache_size, max_compilations and compile_threads must be >= 1, got "
+                f"{cache_size}, {max_compilations}, {compile_threads}"
+            )
         self.tokenizer_info = tokenizer_info
-        self._compiler = xgr.GrammarCompiler(tokenizer_info, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(
+            tokenizer_info, max_threads=compile_threads, cache_enabled=False
+        )
         self._cache_size = cache_size
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
         self._in_flight: dict[GrammarSpec, threading.Event] = {}
         self._errors: dict[GrammarSpec, GrammarError] = {}
         self._guards: dict[str, MarkerGuard] = {}
+        self._slots = threading.BoundedSemaphore(max_compilations)
         self._lock = threading.Lock()
 
     @classmethod
@@ -299,7 +393,8 @@ class GrammarCompiler:
             return grammar
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """The compiled grammar for `spec`, from the cache or compiled now (blocking).
+        """The compiled grammar for `spec`, from the cache or compiled now (blocking; does not
+        take a compilation slot).
 
         Raises:
             GrammarError: the source is invalid or uses an unsupported feature.
@@ -315,37 +410,77 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return grammar
 
+    def constraint(self, spec: GrammarSpec) -> CompiledConstraint:
+        """`compile` plus the spec's guard, bundled for the engine (blocking).
+
+        Raises:
+            GrammarError: as `compile` and `guard_for`.
+        """
+        return CompiledConstraint(spec, self.compile(spec), self.guard_for(spec))
+
+    async def constraint_async(
+        self, spec: GrammarSpec, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    ) -> CompiledConstraint:
+        """`compile_async` plus the spec's guard, bundled for the engine.
+
+        Raises:
+            GrammarError: as `compile_async` (GrammarCompilerBusyError included).
+        """
+        grammar = await self.compile_async(spec, timeout_s)
+        return CompiledConstraint(spec, grammar, self.guard_for(spec))
+
     async def compile_async(
         self, spec: GrammarSpec, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
     ) -> xgr.CompiledGrammar:
-        """`compile` in a worker thread, waiting at most `timeout_s` seconds.
+        """`compile` in a worker thread, waiting at most `timeout_s` seconds in all.
 
         Raises:
+            GrammarCompilerBusyError: no compilation slot came free within `timeout_s`.
             GrammarError: invalid source, or compilation took longer than `timeout_s`.
         """
         grammar = self.cached(spec)
         if grammar is not None:
             return grammar
         with self._lock:
-            done = self._in_flight.get(spec)
-            if done is None:
-                done = threading.Event()
-                self._in_flight[spec] = done
-                threading.Thread(
-                    target=self._compile_in_thread, args=(spec, done), daemon=True
-                ).start()
-        loop = asyncio.get_running_loop()
-        waiter = loop.run_in_executor(None, done.wait, timeout_s)
+            error = self._errors.get(spec)
+        if error is not None:
+            raise error
+        deadline = time.monotonic() + timeout_s
+        done = await self._join_or_start(spec, timeout_s)
+        waiter = asyncio.get_running_loop().run_in_executor(
+            None, done.wait, max(0.0, deadline - time.monotonic())
+        )
         if not await waiter:
             raise GrammarError(
-                f"{spec.kind} grammar compilation exceeded the {timeout_s:g} s timeout; "
-                "simplify the schema"
+                f"{_KIND_NAMES[spec.kind]} compilation exceeded the {timeout_s:g} s timeout; "
+                "simplify it"
             )
         with self._lock:
             error = self._errors.get(spec)
         if error is not None:
             raise error
         return self.compile(spec)
+
+    async def _join_or_start(self, spec: GrammarSpec, timeout_s: float) -> threading.Event:
+        """The event of `spec`'s compilation in flight, or of one started now in a free slot."""
+        with self._lock:
+            done = self._in_flight.get(spec)
+        if done is not None:
+            return done
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self._slots.acquire, True, timeout_s):
+            raise GrammarCompilerBusyError(
+                "the grammar compiler is busy with other compilations; retry later"
+            )
+        with self._lock:
+            done = self._in_flight.get(spec)
+            if done is not None:  # started by another request while this one waited
+                self._slots.release()
+                return done
+            done = threading.Event()
+            self._in_flight[spec] = done
+        threading.Thread(target=self._compile_in_thread, args=(spec, done), daemon=True).start()
+        return done
 
     def _compile_in_thread(self, spec: GrammarSpec, done: threading.Event) -> None:
         try:
@@ -358,6 +493,7 @@ class GrammarCompiler:
         finally:
             with self._lock:
                 del self._in_flight[spec]
+            self._slots.release()
             done.set()
 
     def _compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:

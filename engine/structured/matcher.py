@@ -34,6 +34,7 @@ class RequestMatcher:
         self._matcher = xgr.GrammarMatcher(grammar)
         self.vocab_size = grammar.tokenizer_info.vocab_size
         self.guard = guard
+        self.num_accepted = 0  # tokens accepted and not rolled back
 
     @property
     def is_terminated(self) -> bool:
@@ -52,14 +53,16 @@ class RequestMatcher:
                 if num_accepted:
                     self._matcher.rollback(num_accepted)
                 return False
+        self.num_accepted += len(token_ids)
         return True
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (e.g. rejected speculative drafts)."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if not 0 <= num_tokens <= self.num_accepted:
+            raise ValueError(f"num_tokens must be in [0, {self.num_accepted}], got {num_tokens}")
         if num_tokens:
             self._matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed next tokens into `bitmask[row]` (host int32). Does not mutate state.
