@@ -2,7 +2,8 @@
 three protocols, injection-safe prompt encoding, and the engine-to-protocol stream bridge."""
 
 from recipe.bridge import DONE, BridgeStep, ResponseBridge, StreamEvent
-from recipe.convert import OutputConstraint, PreparedRequest, Recipe, RecipeConfig
+from recipe.constraints import OutputConstraint
+from recipe.convert import PreparedRequest, Recipe, RecipeConfig
 from recipe.errors import Protocol, RecipeError
 from recipe.tokenizer import ModelTokenizer, load_tokenizer
 

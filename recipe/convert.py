@@ -3,8 +3,9 @@
 The package parses, validates and renders; around it this module closes the gaps of §9/§10:
 Chat `developer` -> system, `max_completion_tokens` honoured, `n` > 1 run as n engine choices,
 `logit_bias` / penalties forwarded, Responses `stop` honoured and `previous_response_id` /
-`store` / `background` refused, Messages `top_k` forwarded and `tool_choice: any` refused (it
-needs constrained decoding), images and unenforceable output constraints refused with a 400.
+`store` / `background` refused, Messages `top_k` forwarded, output constraints turned into a
+grammar (`recipe/constraints.py`: Messages `tool_choice: any` and `output_config.format`, Chat
+grammar extensions, `parallel_tool_calls`), images refused with a 400.
 """
 
 from __future__ import annotations
@@ -12,13 +13,24 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import deepseek_recipe as dr
 import numpy as np
 
 from engine.sampling_params import SamplingParams
+from engine.structured.grammar import GrammarSpec
+from recipe.constraints import (
+    ConstraintOptions,
+    OutputConstraint,
+    effective_constraint,
+    grammar_spec,
+    messages_options,
+    pop_chat_extensions,
+    pop_responses_options,
+    response_schema,
+)
 from recipe.errors import Protocol, RecipeError
 from recipe.tokenizer import ModelTokenizer
 
@@ -43,15 +55,6 @@ class RecipeConfig:
 
 
 @dataclass(frozen=True)
-class OutputConstraint:
-    """What constrained decoding would enforce (`recipe.md` §5.4): kind `json` | `regex` |
-    `tool_call` | `tool_call_required`, and the schema / pattern / tool list."""
-
-    kind: str
-    schema: str
-
-
-@dataclass(frozen=True)
 class PreparedRequest:
     """Everything the server and the bridge need from one protocol request.
 
@@ -59,8 +62,8 @@ class PreparedRequest:
     include_usage: Chat `stream_options.include_usage` (a final usage chunk);
     conversation_request: the package's converted request (chunk generators are made from it);
     parsing_options: the stream parser settings, stop sequences included (Responses too);
-    echo / namespace_tool_map: Responses only; output_constraint: None or `tool_call` with
-    tool_choice auto (tool calls are parsed but not constrained).
+    echo / namespace_tool_map: Responses only; output_constraint: what the output must
+    follow, and grammar: its compiled form's spec (both None when unconstrained).
     """
 
     protocol: Protocol
@@ -73,6 +76,7 @@ class PreparedRequest:
     include_usage: bool
     thinking: bool
     output_constraint: OutputConstraint | None = None
+    grammar: GrammarSpec | None = None
     echo: dr.ResponsesEcho | None = None
     namespace_tool_map: dict[str, tuple[str, str]] | None = None
 
@@ -92,6 +96,7 @@ class _Extras:
     include_usage: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    constraints: ConstraintOptions = field(default_factory=ConstraintOptions)
 
 
 class Recipe:
@@ -131,8 +136,14 @@ class Recipe:
             converted = request.convert(self._options)
         except dr.ConversionError as exc:
             raise _conversion_error(exc, protocol) from exc
-        constraint = _check_constraint(converted, protocol)
-        rendered = self._encoding.render_conversation(converted.conversation)
+        options = extras.constraints
+        constraint = effective_constraint(
+            converted.inference_options.output_constraint, options, protocol
+        )
+        conversation = converted.conversation
+        if options.extension is not None and options.extension.kind == "json":
+            conversation = _with_response_format(conversation, options.extension)
+        rendered = self._encoding.render_conversation(conversation)
         if rendered.image_sources:
             raise RecipeError(
                 400,
@@ -147,17 +158,20 @@ class Recipe:
         parsing = converted.parsing_options
         if extras.stop is not None:
             parsing.stop_sequences = extras.stop
+        # No tools may be called: the marker token that opens tool markup is never sampled.
+        banned = () if parsing.parse_tool_calls else (self.tokenizer.dsml_token_id,)
         return PreparedRequest(
             protocol=protocol,
             model=str(body.get("model")),
             prompt_token_ids=prompt_ids,
-            sampling_params=_sampling_params(converted, extras, max_tokens, protocol),
+            sampling_params=_sampling_params(converted, extras, max_tokens, banned, protocol),
             parsing_options=parsing,
             conversation_request=converted,
             stream=converted.stream,
             include_usage=extras.include_usage and converted.stream,
             thinking=parsing.thinking_initial_stage is not None,
             output_constraint=constraint,
+            grammar=grammar_spec(constraint, parsing, options, protocol),
             echo=echo,
             namespace_tool_map=namespace_map,
         )
@@ -171,29 +185,28 @@ def _conversion_error(exc: dr.ConversionError, protocol: Protocol) -> RecipeErro
     return RecipeError(exc.status_code, message, protocol)
 
 
-def _check_constraint(
-    converted: dr.ConversationRequest, protocol: Protocol
-) -> OutputConstraint | None:
-    native = converted.inference_options.output_constraint
-    if native is None:
-        return None
-    constraint = OutputConstraint(kind=native.kind, schema=native.schema)
-    if constraint.kind != "tool_call":
-        what = {
-            "json": "response_format / text.format json_object and json_schema",
-            "regex": "response_format regex",
-            "tool_call_required": "a required or named tool_choice",
-        }.get(constraint.kind, constraint.kind)
-        raise RecipeError(
-            400, f"{what} is not supported yet (needs constrained decoding).", protocol
-        )
-    return constraint
+def _with_response_format(
+    conversation: dr.Conversation, constraint: OutputConstraint
+) -> dr.Conversation:
+    """`conversation` asking for a JSON answer (the template's Response Format section), for
+    JSON constraints that do not come from the package (grammar extensions, Messages)."""
+    schema = response_schema(constraint)
+    return dr.Conversation(
+        conversation.messages,
+        thinking_mode=conversation.thinking_mode,
+        tools=conversation.tools,
+        tool_choice=conversation.tool_choice,
+        reasoning_effort=conversation.reasoning_effort,
+        response_format="json_object" if schema == {} else "text",
+        response_schema=None if schema == {} else schema,
+    )
 
 
 def _sampling_params(
     converted: dr.ConversationRequest,
     extras: _Extras,
     max_tokens: int,
+    banned_token_ids: tuple[int, ...],
     protocol: Protocol,
 ) -> SamplingParams:
     options = converted.inference_options
@@ -210,6 +223,7 @@ def _sampling_params(
             top_logprobs=(options.top_logprobs or 0) if options.logprobs else 0,
             max_tokens=max_tokens,
             seed=options.seed,
+            banned_token_ids=banned_token_ids,
         )
     except (TypeError, ValueError) as exc:
         raise RecipeError(400, str(exc), protocol) from exc
@@ -239,10 +253,6 @@ def _refuse_unsupported(body: dict[str, Any], protocol: Protocol, rules: dict) -
 
 
 _CHAT_UNSUPPORTED = {
-    "parallel_tool_calls": (
-        (True,),
-        "several tool calls may be returned (no constrained decoding yet)",
-    ),
     "store": ((False,), "this server does not store completions"),
     "service_tier": (("auto", "default"), "this server has one service tier"),
 }
@@ -255,7 +265,7 @@ _RESPONSES_UNSUPPORTED = {
 
 def _preprocess_chat(body: dict[str, Any], protocol: Protocol) -> _Extras:
     _refuse_unsupported(body, protocol, _CHAT_UNSUPPORTED)
-    extras = _Extras()
+    extras = _Extras(constraints=pop_chat_extensions(body, protocol))
     messages = body.get("messages")
     if isinstance(messages, list):
         for message in messages:
@@ -285,13 +295,13 @@ def _preprocess_chat(body: dict[str, Any], protocol: Protocol) -> _Extras:
 
 
 def _preprocess_responses(body: dict[str, Any], protocol: Protocol) -> _Extras:
-    for field, refused in (("previous_response_id", None), ("background", False)):
-        if body.get(field, refused) not in (refused, None):
+    for name, refused in (("previous_response_id", None), ("background", False)):
+        if body.get(name, refused) not in (refused, None):
             raise RecipeError(
                 400,
-                f"'{field}' is not supported: this server does not store responses.",
+                f"'{name}' is not supported: this server does not store responses.",
                 protocol,
-                field,
+                name,
             )
     if body.get("store") is True:
         raise RecipeError(
@@ -302,7 +312,7 @@ def _preprocess_responses(body: dict[str, Any], protocol: Protocol) -> _Extras:
             "store",
         )
     _refuse_unsupported(body, protocol, _RESPONSES_UNSUPPORTED)
-    extras = _Extras()
+    extras = _Extras(constraints=pop_responses_options(body, protocol))
     stop = body.pop("stop", None)
     if stop is not None:
         extras.stop = _parse_stop(stop, protocol)
@@ -310,16 +320,7 @@ def _preprocess_responses(body: dict[str, Any], protocol: Protocol) -> _Extras:
 
 
 def _preprocess_messages(body: dict[str, Any], protocol: Protocol) -> _Extras:
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "any":
-        raise RecipeError(
-            400,
-            'tool_choice {"type": "any"} is not supported yet (a required tool call '
-            'needs constrained decoding); use "auto".',
-            protocol,
-            "tool_choice",
-        )
-    extras = _Extras()
+    extras = _Extras(constraints=messages_options(body, protocol))
     top_k = body.pop("top_k", None)
     if top_k is not None:
         if not _is_int(top_k) or top_k < 0:

@@ -62,6 +62,11 @@ class ModelTokenizer:
     special_ids: MappingProxyType[str, int]
     eos_token_id: int
 
+    @property
+    def dsml_token_id(self) -> int:
+        """The `｜DSML｜` marker token that opens every piece of tool-call markup."""
+        return self.special_ids[self.special_tokens.token(dr.SpecialToken.Dsml)]
+
     def encode_prompt(self, rendered: dr.RenderedPrompt) -> list[int]:
         """Token ids of a rendered prompt: special ids only for `rendered.special_ranges`.
 

@@ -47,3 +47,14 @@ def v41_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("v41_tokenizer")
     write_v41_tokenizer(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def v41_grammar_compiler(v41_tokenizer_dir: Path):
+    """A grammar compiler for the V4.1 vocabulary (129,280 logits, EOS 1)."""
+    from tokenizers import Tokenizer
+
+    from engine.structured import GrammarCompiler
+
+    tokenizer = Tokenizer.from_file(str(v41_tokenizer_dir / "tokenizer.json"))
+    return GrammarCompiler.for_tokenizer(tokenizer, 129280, 1)

@@ -180,19 +180,6 @@ BAD = [
         ),
         "Invalid schema",
     ),
-    (
-        Protocol.CHAT,
-        chat(
-            response_format={"type": "json_object"},
-            messages=[{"role": "user", "content": "json please"}],
-        ),
-        "not supported yet",
-    ),
-    (
-        Protocol.CHAT,
-        chat(tools=TOOLS, tool_choice="required", thinking={"type": "disabled"}),
-        "not supported yet",
-    ),
     (Protocol.CHAT, chat(tools=TOOLS, tool_choice="required"), "Thinking mode"),
     (
         Protocol.CHAT,
@@ -231,17 +218,6 @@ BAD = [
     ),
     (Protocol.MESSAGES, {"model": "default", "messages": USER_MSG, "max_tokens": 0}, "max_tokens"),
     (Protocol.MESSAGES, {"model": "default", "messages": [], "max_tokens": 5}, "at least one"),
-    (
-        Protocol.MESSAGES,
-        {
-            "model": "default",
-            "max_tokens": 5,
-            "messages": USER_MSG,
-            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
-            "tool_choice": {"type": "any"},
-        },
-        "not supported yet",
-    ),
     (
         Protocol.MESSAGES,
         {
@@ -318,7 +294,6 @@ def test_penalty_type_checked(recipe: Recipe) -> None:
 @pytest.mark.parametrize(
     ("protocol", "field", "value"),
     [
-        (Protocol.CHAT, "parallel_tool_calls", False),
         (Protocol.CHAT, "store", True),
         (Protocol.CHAT, "service_tier", "flex"),
         (Protocol.RESPONSES, "truncation", "auto"),
@@ -336,7 +311,6 @@ def test_fields_asking_for_missing_behaviour_are_refused(recipe, protocol, field
         recipe.prepare(protocol, {**base, field: value})
     assert err.value.status_code == 400 and field in str(err.value)
     fine = {
-        "parallel_tool_calls": True,
         "store": False,
         "service_tier": "auto",
         "truncation": "disabled",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from tokenizers import Tokenizer
 
@@ -12,14 +14,10 @@ EOS_ID = 1
 
 
 @pytest.fixture(scope="session")
-def v41_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    from engine.models.deepseek_v41.tokenizer_files import write_v41_tokenizer
-
-    folder = tmp_path_factory.mktemp("v41_tokenizer")
-    write_v41_tokenizer(folder)
-    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+def v41_tokenizer(v41_tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(v41_tokenizer_dir / "tokenizer.json"))
 
 
 @pytest.fixture(scope="session")
-def compiler(v41_tokenizer: Tokenizer) -> GrammarCompiler:
-    return GrammarCompiler.for_tokenizer(v41_tokenizer, V41_VOCAB_SIZE, EOS_ID)
+def compiler(v41_grammar_compiler: GrammarCompiler) -> GrammarCompiler:
+    return v41_grammar_compiler
