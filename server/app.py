@@ -4,7 +4,8 @@
     app = create_app(config, engine=engine)     # tests: a prebuilt (not yet started) engine
 
 The lifespan builds the engine unless one is given, loads the tokenizer from the model's
-checkpoint folder unless one is given, starts the engine, and on shutdown lets in-flight
+checkpoint folder unless one is given, builds the protocol layer and the grammar compiler for
+the model's vocabulary, starts the engine, and on shutdown lets in-flight
 requests drain (bounded) before stopping it. Routes reach everything through
 `server.dependencies`.
 """
@@ -21,6 +22,7 @@ from fastapi import FastAPI
 from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
+from engine.structured import GrammarCompiler
 from recipe.convert import Recipe, RecipeConfig
 from recipe.errors import RecipeError
 from recipe.tokenizer import load_tokenizer as load_model_tokenizer
@@ -60,6 +62,14 @@ def build_recipe(engine: AsyncEngine, config: ServerConfig) -> Recipe:
     )
 
 
+def build_grammar_compiler(engine: AsyncEngine, recipe: Recipe) -> GrammarCompiler:
+    """The grammar compiler for the model's vocabulary (logits width) with EOS as the stop."""
+    model_config = engine.core.runner.model.config
+    return GrammarCompiler.for_tokenizer(
+        recipe.tokenizer.full, model_config.vocab_size, model_config.eos_token_id
+    )
+
+
 def create_app(
     config: ServerConfig,
     engine: AsyncEngine | None = None,
@@ -87,6 +97,10 @@ def create_app(
             state.recipe = await asyncio.to_thread(build_recipe, built, config)
         except Exception as exc:  # e.g. `tiny`: its tokenizer has no chat-template tokens
             logger.warning("protocol routes disabled: %s", exc)
+        else:
+            state.grammar_compiler = await asyncio.to_thread(
+                build_grammar_compiler, built, state.recipe
+            )
         await built.start()
         state.engine = built
         try:

@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=_SERVER_DEFAULTS.max_queued_requests,
         help="requests admitted at once; more get 429 (OpenAI) / 529 (Anthropic)",
     )
+    add(
+        "--grammar-compile-timeout",
+        type=float,
+        default=_SERVER_DEFAULTS.grammar_compile_timeout_s,
+        help="seconds a JSON schema / regex / EBNF / tool list may take to compile (else 400)",
+    )
     return parser
 
 
@@ -58,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
         engine=engine,
     )
 

@@ -20,6 +20,8 @@ class ServerConfig:
         engine); one more is answered 429 (OpenAI routes) or 529 (Messages routes).
     served_model_names: names accepted in a request's `model` field; the first is the one
         `/v1/models` lists first and responses report.
+    grammar_compile_timeout_s: longest wait for a grammar (JSON schema, regex, EBNF, tool
+        list) to compile; a request whose grammar takes longer is answered 400.
     engine: handed to `AsyncEngine.from_config` when the app builds its own engine.
     """
 
@@ -28,6 +30,7 @@ class ServerConfig:
     api_key: str | None = None
     max_queued_requests: int = 256
     served_model_names: tuple[str, ...] = (API_MODEL_NAME,)
+    grammar_compile_timeout_s: float = 10.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -37,6 +40,8 @@ class ServerConfig:
             raise ValueError("host must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be blank (leave it unset for an open server)")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0")
         if self.max_queued_requests < 1:
             raise ValueError("max_queued_requests must be >= 1")
         if not self.served_model_names or not all(self.served_model_names):

@@ -12,6 +12,7 @@ from fastapi import Request
 from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
+from engine.structured import GrammarCompiler
 from recipe.convert import Recipe
 from server.admission import AdmissionController
 from server.config import ServerConfig
@@ -29,6 +30,7 @@ class ServerState:
     engine: AsyncEngine | None = None
     tokenizer: Tokenizer | None = None
     recipe: Recipe | None = None
+    grammar_compiler: GrammarCompiler | None = None
 
 
 def get_state(request: Request) -> ServerState:

@@ -33,6 +33,8 @@ import xgrammar as xgr
 from tokenizers import Tokenizer
 from xgrammar import structural_tag as st
 
+from engine.structured.formats import strict_formats
+
 if TYPE_CHECKING:
     from engine.structured.matcher import RequestMatcher
 
@@ -53,7 +55,7 @@ _TOOL_STRUCTURAL_TAG_MODEL = "deepseek_v4_1"
 _ANY_JSON_OBJECT = '{"type": "object"}'
 # Longest whitespace run allowed between JSON tokens: room for pretty-printing, but a degenerate
 # model cannot loop on whitespace forever.
-JSON_MAX_WHITESPACE = 64
+JSON_MAX_WHITESPACE = 16
 # xgrammar prefixes C++ errors with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed check.
 _NATIVE_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -122,6 +124,8 @@ def spec_for_constraint(
         )
     if kind not in ("json", "regex", "ebnf"):
         raise GrammarError(f"unknown output constraint kind {kind!r}")
+    if kind == "json" and schema:
+        schema = _strict_schema_text(schema)
     if not thinking:
         return GrammarSpec(kind, schema)
     return GrammarSpec("structural_tag", _after_reasoning(_content_format(kind, schema)))
@@ -158,7 +162,7 @@ def tool_call_spec(
     if starts_in_tool_calls and not is_required:
         raise GrammarError("a prefilled tool-call block requires a required tool choice")
     try:
-        tools = json.loads(tools_json)
+        tools = _with_strict_formats(json.loads(tools_json))
         tag = xgr.get_model_structural_tag(
             _TOOL_STRUCTURAL_TAG_MODEL,
             tools=tools,
@@ -175,6 +179,30 @@ def tool_call_spec(
     # "</think>", not at its token.
     source = _after_reasoning(tag.format) if thinking else tag.model_dump_json()
     return GrammarSpec("structural_tag", source, token_marker=DSML_MARKER)
+
+
+def _strict_schema_text(schema: str) -> str:
+    """`schema` with `strict_formats` applied (unchanged if it is not valid JSON: the compiler
+    reports that)."""
+    try:
+        parsed = json.loads(schema)
+    except ValueError:
+        return schema
+    return json.dumps(strict_formats(parsed), ensure_ascii=False, separators=(",", ":"))
+
+
+def _with_strict_formats(tools: object) -> object:
+    """Chat-style tools with `strict_formats` applied to each function's parameters."""
+    if not isinstance(tools, list):
+        return tools
+    fixed = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("parameters"), dict):
+            function = {**function, "parameters": strict_formats(function["parameters"])}
+            tool = {**tool, "function": function}
+        fixed.append(tool)
+    return fixed
 
 
 def _without_calls_opening(required: st.Format) -> st.Format:

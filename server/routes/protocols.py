@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from engine.async_engine import AsyncEngine
+from engine.structured import CompiledConstraint, GrammarCompilerBusyError, GrammarError
 from recipe.bridge import ResponseBridge, StreamEvent
 from recipe.convert import PreparedRequest, Recipe
 from recipe.errors import Protocol, RecipeError
@@ -59,13 +60,38 @@ async def _json_body(request: Request) -> Any:
         raise APIError(ErrorKind.INVALID_REQUEST, f"malformed JSON body: {exc}") from exc
 
 
+async def _compile_constraint(
+    prepared: PreparedRequest, state: ServerState
+) -> CompiledConstraint | None:
+    """The compiled grammar of the request, or None. A grammar that fails or times out is a 400
+    in the protocol's envelope; a compiler busy with other compilations is a 429 / 529."""
+    if prepared.grammar is None:
+        return None
+    if state.grammar_compiler is None:
+        raise APIError(ErrorKind.UNAVAILABLE, "the grammar compiler is not loaded")
+    try:
+        return await state.grammar_compiler.constraint_async(
+            prepared.grammar, state.config.grammar_compile_timeout_s
+        )
+    except GrammarCompilerBusyError as exc:
+        raise APIError(ErrorKind.OVERLOADED, str(exc)) from exc
+    except GrammarError as exc:
+        raise RecipeError(400, str(exc), prepared.protocol) from exc
+
+
 class _Call:
-    """One protocol request in flight: its prepared form, bridge, engine and metrics."""
+    """One protocol request in flight: its prepared form, grammar, bridge, engine and metrics."""
 
     def __init__(
-        self, prepared: PreparedRequest, recipe: Recipe, engine: AsyncEngine, metrics: Metrics
+        self,
+        prepared: PreparedRequest,
+        constraint: CompiledConstraint | None,
+        recipe: Recipe,
+        engine: AsyncEngine,
+        metrics: Metrics,
     ) -> None:
         self.prepared = prepared
+        self.constraint = constraint
         self.engine = engine
         self.metrics = metrics
         self.request_id = _ID_PREFIX[prepared.protocol] + uuid.uuid4().hex
@@ -75,7 +101,10 @@ class _Call:
     async def events(self) -> AsyncIterator[StreamEvent]:
         """Protocol events until the bridge closes; aborts choices ended by a stop sequence."""
         stream = self.engine.generate(
-            self.prepared.prompt_token_ids, self.prepared.sampling_params, self.request_id
+            self.prepared.prompt_token_ids,
+            self.prepared.sampling_params,
+            self.request_id,
+            self.constraint,
         )
         try:
             for event in self.bridge.start():
@@ -117,7 +146,8 @@ async def _serve(
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         resolve_model_name(get_config(request), body["model"])  # unknown model: 404
     prepared = recipe.prepare(protocol, body)
-    call = _Call(prepared, recipe, engine, metrics)
+    constraint = await _compile_constraint(prepared, get_state(request))
+    call = _Call(prepared, constraint, recipe, engine, metrics)
     metrics.on_request_start(call.request_id)
     if not prepared.stream:
         try:

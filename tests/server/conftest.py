@@ -193,7 +193,7 @@ def live_server(app: FastAPI) -> Iterator[str]:
 
 DEFAULT_ENGINE = EngineConfig(
     model="default",
-    max_num_seqs=8,
+    max_num_seqs=16,
     kv_cache_tokens=16384,
     max_model_len=4096,
     max_num_batched_tokens=2048,
@@ -208,6 +208,8 @@ def default_server(tmp_path_factory: pytest.TempPathFactory):
 
     folder = write_random_checkpoint("default", tmp_path_factory.mktemp("default") / "ckpt")
     engine = AsyncEngine.from_model(load_model(folder), DEFAULT_ENGINE)
-    app = create_app(ServerConfig(engine=DEFAULT_ENGINE), engine=engine)
+    # A short grammar timeout keeps the pathological-schema test quick.
+    config = ServerConfig(engine=DEFAULT_ENGINE, grammar_compile_timeout_s=2.0)
+    app = create_app(config, engine=engine)
     with live_server(app) as url:
         yield url, app, engine
