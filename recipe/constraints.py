@@ -107,6 +107,7 @@ def effective_constraint(
 
 def grammar_spec(
     constraint: OutputConstraint | None,
+    conversation: dr.Conversation,
     parsing: dr.ParsingOptions,
     options: ConstraintOptions,
     protocol: Protocol,
@@ -117,12 +118,24 @@ def grammar_spec(
     reasoning stage) and after the prefilled calls block when the prompt ends in one.
 
     Raises:
-        RecipeError: 400 naming the problem (e.g. a tool list xgrammar rejects).
+        RecipeError: 400 naming the problem (e.g. a tool list xgrammar rejects, or an answer
+            format for the continuation of a partial answer).
     """
     if constraint is None:
         return None
     stage = parsing.thinking_initial_stage
-    thinking = stage is not None and stage != dr.ThinkingInitialStage.ContentContinuation
+    messages = conversation.messages
+    is_prefix = bool(messages) and messages[-1].role == "assistant" and messages[-1].prefix
+    continues_content = is_prefix and stage != dr.ThinkingInitialStage.ReasoningContinuation
+    if continues_content and constraint.kind in ("json", "regex", "ebnf"):
+        raise RecipeError(
+            400,
+            "a JSON, regex or grammar constraint cannot continue a partial assistant answer "
+            "(prefix continuation): the whole answer must follow it",
+            protocol,
+            options.param,
+        )
+    thinking = stage is not None and not continues_content
     try:
         return spec_for_constraint(
             constraint.kind,

@@ -171,7 +171,7 @@ class Recipe:
             include_usage=extras.include_usage and converted.stream,
             thinking=parsing.thinking_initial_stage is not None,
             output_constraint=constraint,
-            grammar=grammar_spec(constraint, parsing, options, protocol),
+            grammar=grammar_spec(constraint, conversation, parsing, options, protocol),
             echo=echo,
             namespace_tool_map=namespace_map,
         )

@@ -231,3 +231,18 @@ def test_messages_any_requires_a_call_and_output_format_is_json(
     assert '"additionalProperties"' in tokenizer.decode(prepared.prompt_token_ids)
     with pytest.raises(RecipeError, match="output_config.format"):
         recipe.prepare(Protocol.MESSAGES, messages(output_config={"format": {"type": "xml"}}))
+
+
+def test_answer_formats_cannot_continue_a_partial_answer(recipe: Recipe) -> None:
+    partial = [*USER, {"role": "assistant", "content": '{"city": ', "prefix": True}]
+    with pytest.raises(RecipeError, match="prefix continuation"):
+        recipe.prepare(
+            Protocol.CHAT,
+            chat(messages=partial, structured_outputs={"regex": "a+"}, **NO_THINKING),
+        )
+    with pytest.raises(RecipeError, match="prefix continuation"):
+        recipe.prepare(Protocol.CHAT, chat(messages=partial, ebnf='root ::= "a"'))
+    # Continuing the reasoning is fine: the grammar starts after `</think>`.
+    reasoning = {"role": "assistant", "content": "", "reasoning_content": "So", "prefix": True}
+    prepared = recipe.prepare(Protocol.CHAT, chat(messages=[*USER, reasoning], ebnf='root ::= "a"'))
+    assert prepared.grammar is not None and prepared.grammar.kind == "structural_tag"

@@ -337,6 +337,7 @@ def test_required_and_named_tool_calls_validate_in_every_api(oai, claude) -> Non
                 s,
                 tools=responses_tools,
                 tool_choice={"type": "function", "name": "get_weather"},
+                parallel_tool_calls=False,
             ),
             weather_only,
         )

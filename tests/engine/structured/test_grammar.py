@@ -206,3 +206,24 @@ def test_invalid_tool_list_is_a_grammar_error() -> None:
         spec_for_constraint("tool_call", "[{")
     with pytest.raises(GrammarError, match="invalid tool list"):
         spec_for_constraint("tool_call_required", "[]")
+
+
+def test_a_busy_compiler_refuses_instead_of_piling_up(v41_tokenizer: Tokenizer) -> None:
+    from engine.structured import GrammarCompilerBusyError
+
+    compiler = GrammarCompiler.for_tokenizer(
+        v41_tokenizer, V41_VOCAB_SIZE, EOS_ID, max_compilations=1
+    )
+    slow = GrammarSpec("json", json.dumps({"type": "string", "pattern": "^([a-z]{1,30}-){1,30}$"}))
+
+    async def scenario() -> None:
+        with pytest.raises(GrammarError, match="exceeded"):
+            await compiler.compile_async(slow, timeout_s=0.1)
+        # The abandoned compilation still holds the only slot.
+        with pytest.raises(GrammarCompilerBusyError):
+            await compiler.compile_async(GrammarSpec("regex", "a+"), timeout_s=0.1)
+        # A cached grammar needs no slot; once the slot frees, compilation works again.
+        assert await compiler.compile_async(slow, timeout_s=30.0) is compiler.cached(slow)
+        assert await compiler.compile_async(GrammarSpec("regex", "a+"), timeout_s=5.0)
+
+    asyncio.run(scenario())
