@@ -49,7 +49,9 @@ class EngineConfig:
     kv_cache_tokens: global-KV capacity in tokens (pool of 128-token blocks) shared by all
         running sequences; max_num_seqs also sizes the per-sequence window slots.
     max_model_len: context limit (default: the model's max_position_embeddings).
-    overlap_grammar_mask: fill a step's grammar bitmask while its forward runs.
+    overlap_grammar_mask: fill a step's grammar bitmask on a worker thread while its forward
+        runs; None = only when the model is not on the CPU (a CPU forward already uses every
+        core, so the fill would compete with it instead of hiding behind it).
     """
 
     model: str = "default"
@@ -59,7 +61,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 32768
     kv_cache_tokens: int = 262144
     max_model_len: int | None = None
-    overlap_grammar_mask: bool = True
+    overlap_grammar_mask: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -112,7 +114,11 @@ class AsyncEngine:
             model,
             cache.num_slots,
             cache.num_blocks,
-            overlap_grammar_mask=config.overlap_grammar_mask,
+            overlap_grammar_mask=(
+                model.device.type != "cpu"
+                if config.overlap_grammar_mask is None
+                else config.overlap_grammar_mask
+            ),
         )
         return cls(EngineCore(scheduler, runner), model.config.eos_token_id)
 
