@@ -1,7 +1,8 @@
 """Cost of grammar-constrained decoding: per-step mask work and its effect on the step time.
 
     python benchmarks/structured.py [--model default] [--device cpu] [--mask-rows 1 32 256]
-                                    [--step-rows 1 32] [--steps 8] [--repeats 3] [--json out.json]
+                                    [--dtype float32] [--step-rows 1 32] [--steps 8] [--repeats 3]
+                                    [--json out.json]
 
 Part 1, mask cost (no model): N matchers of a realistic JSON schema, each advanced along its own
 random valid path so the rows are in different states, then per step: the batched bitmask fill
@@ -139,13 +140,16 @@ def _decode_step_ms(
     return statistics.median(times) * 1e3
 
 
-def build_engines(model_name: str, device: str, max_rows: int) -> dict[bool, AsyncEngine]:
+def build_engines(
+    model_name: str, device: str, dtype: str, max_rows: int
+) -> dict[bool, AsyncEngine]:
     """Two engines over the same weights: mask fill after the forward (False) or overlapped."""
     engines: dict[bool, AsyncEngine] = {}
     for overlap in (False, True):
         config = EngineConfig(
             model=model_name,
             device=device,
+            dtype=dtype,
             max_num_seqs=max_rows,
             kv_cache_tokens=max_rows * 256 + 4096,
             max_model_len=4096,
@@ -190,6 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     parser.add_argument("--mask-rows", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--step-rows", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=8)
@@ -197,14 +202,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
-    engines = build_engines(args.model, args.device, max(args.step_rows))
+    engines = build_engines(args.model, args.device, args.dtype, max(args.step_rows))
     model = engines[False].core.runner.model
     tokenizer = Tokenizer.from_file(str(Path(model.checkpoint_path) / "tokenizer.json"))
     vocab = model.config.vocab_size
     compiler = GrammarCompiler.for_tokenizer(tokenizer, vocab, model.config.eos_token_id)
     constraint = compiler.constraint(spec_for_constraint("json", json.dumps(SCHEMA)))
     threads = torch.get_num_threads()
-    print(f"device {args.device}, torch threads {threads}, vocab {vocab}")
+    print(f"device {args.device} {args.dtype}, torch threads {threads}, vocab {vocab}")
 
     print("\nmask cost per step (median of 20)")
     print(f"{'rows':>6} {'fill ms':>10} {'apply ms':>10} {'per row µs':>11}")

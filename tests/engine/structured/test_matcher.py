@@ -151,6 +151,19 @@ def test_apply_matches_the_torch_reference(vocab: int, rows: list[int]) -> None:
         assert torch.isneginf(fast[row][~allowed]).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_rows", "rows"), [(6, [0, 2, 5]), (256, list(range(0, 256, 3)))])
+def test_cuda_apply_matches_the_torch_reference(num_rows: int, rows: list[int], dtype) -> None:
+    mask = _random_mask(num_rows, rows, V41_VOCAB_SIZE, seed=num_rows)
+    logits = torch.randn(num_rows, V41_VOCAB_SIZE, dtype=dtype)
+    fast = logits.cuda()
+    apply_bitmask(fast, mask)
+    reference = logits.clone()
+    apply_bitmask_reference(reference, mask)
+    assert torch.equal(fast.cpu(), reference)
+
+
 def test_terminated_matcher_allows_only_eos(compiler: GrammarCompiler) -> None:
     matcher = RequestMatcher(compiler.compile(GrammarSpec("regex", "")))
     assert matcher.accept([EOS_ID]) and matcher.is_terminated
