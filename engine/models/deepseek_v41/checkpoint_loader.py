@@ -258,12 +258,14 @@ def _materialise(
     parts: dict[str, torch.Tensor],
     fp8_block: int,
     dtype: torch.dtype,
+    stored_kinds: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
-    """Entries of `LoadedCheckpoint.tensors` made from one spec's stored parts."""
+    """Entries of `LoadedCheckpoint.tensors` made from one spec's stored parts (kept as stored
+    for the kinds in `stored_kinds`)."""
     target = torch.float32 if keeps_fp32(spec.name) else dtype
     if spec.kind in ("bf16", "f32"):
         return {spec.name: parts[spec.name].to(target)}
-    if spec.kind == "fp8_rows":
+    if spec.kind == "fp8_rows" or spec.kind in stored_kinds:
         return parts
     weight, scale = parts[spec.name], parts[spec.scale_name]
     if spec.kind == "fp8":
@@ -281,8 +283,12 @@ def load_checkpoint(
     include_dspark: bool = True,
     progress: bool = True,
     keep_quantized: bool = False,
+    stored_kinds: tuple[str, ...] = (),
 ) -> LoadedCheckpoint:
     """Validate then load a checkpoint folder or hub id (see the module docstring).
+
+    stored_kinds: storage kinds (e.g. `("mxfp4",)`) whose tensors enter `tensors` as stored
+    (weight and `.scale`), not dequantised.
 
     Raises `CheckpointError` for: an unreachable/unknown hub id, a missing `config.json` or index,
     a missing, truncated or corrupted shard (naming the shard), and — all in one error — missing,
@@ -321,7 +327,7 @@ def load_checkpoint(
                     if len(parts) < len(spec.stored_shapes(block)):
                         continue
                     del pending[spec.name]
-                    result.tensors.update(_materialise(spec, parts, block, dtype))
+                    result.tensors.update(_materialise(spec, parts, block, dtype, stored_kinds))
                     if keep_quantized and spec.kind in ("fp8", "mxfp4"):
                         result.quantized[spec.name] = (parts[spec.name], parts[spec.scale_name])
                     bar.update()

@@ -82,7 +82,13 @@ def _stage_attention(
 class DSpark(nn.ModuleList):
     """The drafter: a list of stages registered on the target as `mtp` (names `mtp.{s}.…`)."""
 
-    def __init__(self, cfg: DeepseekV41Config, freqs: Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: DeepseekV41Config,
+        freqs: Tensor,
+        dtype: torch.dtype,
+        quantized_experts: bool = False,
+    ) -> None:
         from engine.models.deepseek_v41.model import Block
 
         super().__init__(
@@ -93,6 +99,7 @@ class DSpark(nn.ModuleList):
                 cfg.dspark_n_routed_experts,
                 cfg.dspark_num_experts_per_tok,
                 dtype,
+                quantized_experts,
             )
             for s in range(cfg.num_nextn_predict_layers)
         )

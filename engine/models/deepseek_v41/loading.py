@@ -59,8 +59,10 @@ def load_model(
     numerics: Numerics | None = None,
     include_dspark: bool = True,
     progress: bool = True,
+    quantized_experts: bool = False,
 ) -> DeepseekV41ForCausalLM:
-    """Load a released-format checkpoint; FP8/MXFP4 weights are dequantised to `dtype`.
+    """Load a released-format checkpoint; FP8/MXFP4 weights are dequantised to `dtype`, except
+    routed experts with `quantized_experts` (kept MXFP4, a quarter of the bf16 bytes).
 
     A progress bar is shown on a terminal (`progress=False` silences it).
 
@@ -68,11 +70,16 @@ def load_model(
     missing, unexpected or mis-shaped tensor, an unreadable shard, or a mismatching tokenizer.
     """
     loaded = load_checkpoint(
-        path_or_hub_id, dtype=dtype, device="cpu", include_dspark=include_dspark, progress=progress
+        path_or_hub_id,
+        dtype=dtype,
+        device="cpu",
+        include_dspark=include_dspark,
+        progress=progress,
+        stored_kinds=("mxfp4",) if quantized_experts else (),
     )
     cfg = loaded.config
     with torch.device("meta"):
-        model = DeepseekV41ForCausalLM(cfg, dtype, numerics, include_dspark)
+        model = DeepseekV41ForCausalLM(cfg, dtype, numerics, include_dspark, quantized_experts)
     missing, unexpected = model.load_state_dict(loaded.tensors, strict=False, assign=True)
     if missing or unexpected:
         raise CheckpointError(

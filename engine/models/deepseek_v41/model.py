@@ -105,6 +105,7 @@ class Block(nn.Module):
         num_experts: int,
         top_k: int,
         dtype: torch.dtype,
+        quantized_experts: bool = False,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -126,6 +127,7 @@ class Block(nn.Module):
             cfg.routed_scaling_factor,
             cfg.swiglu_limit,
             dtype,
+            quantized_experts,
         )
         if layer_id in cfg.engram_layer_ids:
             rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer_id)]
@@ -169,7 +171,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         numerics: Numerics | None = None,
         include_dspark: bool = True,
+        quantized_experts: bool = False,
     ) -> None:
+        """quantized_experts: routed experts keep the checkpoint's MXFP4 storage (`MXFP4Linear`)."""
         super().__init__()
         self.config = cfg
         self.checkpoint_path: Path | None = None  # set by `load_model`
@@ -199,12 +203,13 @@ class DeepseekV41ForCausalLM(nn.Module):
                 cfg.n_routed_experts,
                 cfg.num_experts_per_tok,
                 dtype,
+                quantized_experts,
             )
             for lid in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=dtype)
-        self.mtp = DSpark(cfg, main, dtype) if include_dspark else None
+        self.mtp = DSpark(cfg, main, dtype, quantized_experts) if include_dspark else None
         for module in self.modules():
             if isinstance(module, MoE):
                 module.weight_before_down = self.numerics.moe_weight_before_down

@@ -1,0 +1,28 @@
+"""Routed experts kept in their MXFP4 checkpoint storage compute what dequantised ones do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.models import load_model
+from engine.models.deepseek_v41.moe import MXFP4Linear
+
+
+def test_mxfp4_experts_give_the_dequantised_logits(tiny_checkpoint: Path, tiny_model) -> None:
+    quantized = load_model(tiny_checkpoint, quantized_experts=True, progress=False)
+    expert = quantized.layers[0].ffn.experts[0]
+    assert isinstance(expert.w1, MXFP4Linear) and expert.w1.weight.dtype == torch.int8
+    assert not isinstance(quantized.layers[0].ffn.shared_experts.w1, MXFP4Linear)
+    dense_bytes = sum(p.numel() * p.element_size() for p in tiny_model.parameters())
+    held = sum(
+        t.numel() * t.element_size()
+        for t in [*quantized.parameters(), *quantized.buffers()]
+        if t.dtype != torch.long
+    )
+    assert held < dense_bytes
+    prompts = [[0, *range(5, 70)], [0, 9, 8, 7]]
+    assert torch.equal(quantized.logits(prompts), tiny_model.logits(prompts))
+    drafts = quantized.mtp[0].ffn.experts[0].w2
+    assert isinstance(drafts, MXFP4Linear)
