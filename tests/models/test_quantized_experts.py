@@ -26,3 +26,14 @@ def test_mxfp4_experts_give_the_dequantised_logits(tiny_checkpoint: Path, tiny_m
     assert torch.equal(quantized.logits(prompts), tiny_model.logits(prompts))
     drafts = quantized.mtp[0].ffn.experts[0].w2
     assert isinstance(drafts, MXFP4Linear)
+
+
+def test_random_model_on_a_device_runs(tiny_model) -> None:
+    from engine.models.deepseek_v41.random_init import random_model
+
+    model = random_model(tiny_model.config, "cpu", torch.float32, seed=3)
+    assert isinstance(model.layers[1].ffn.experts[2].w3, MXFP4Linear)
+    logits = model.logits([[0, 5, 6, 7, 8]])
+    assert logits.shape == (1, 5, tiny_model.config.vocab_size) and torch.isfinite(logits).all()
+    again = random_model(tiny_model.config, "cpu", torch.float32, seed=3)
+    assert torch.equal(again.logits([[0, 5, 6, 7, 8]]), logits)

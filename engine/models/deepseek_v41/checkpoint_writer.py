@@ -282,7 +282,8 @@ _SMALL_STD = 0.02  # embeddings and anything else marked "small"
 _ONES_NOISE_STD = 0.02
 
 
-def _init_mean_std(spec: TensorSpec) -> tuple[float, float]:
+def init_mean_std(spec: TensorSpec) -> tuple[float, float]:
+    """(mean, std) of the normal distribution a random weight is drawn from."""
     fan_in_std = spec.shape[-1] ** -0.5
     if spec.init == "normal":
         return 0.0, fan_in_std
@@ -297,7 +298,7 @@ def _init_mean_std(spec: TensorSpec) -> tuple[float, float]:
 
 
 def _draw(spec: TensorSpec, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    mean, std = _init_mean_std(spec)
+    mean, std = init_mean_std(spec)
     values = torch.randn(shape, generator=generator, dtype=torch.float32)
     return values.mul_(std).add_(mean)
 

@@ -301,7 +301,7 @@ def _is_plain(value: Any) -> bool:
     return isinstance(value, (int, float, str, bool, type(None)))
 
 
-def _engram_rows(config_like: dict[str, Any]) -> tuple[int, ...]:
+def engram_rows(config_like: dict[str, Any]) -> tuple[int, ...]:
     """Table rows per Engram layer by the prime rule (`model.md` §3.9)."""
     from engine.models.deepseek_v41.engram_hash import engram_primes
 
@@ -415,7 +415,7 @@ def preset_config(name: str, **overrides: Any) -> DeepseekV41Config:
                 "engram_n_heads",
             )
         }
-        values["engram_num_embeddings"] = _engram_rows(probe)
+        values["engram_num_embeddings"] = engram_rows(probe)
     return DeepseekV41Config(**values)
 
 

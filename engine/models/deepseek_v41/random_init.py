@@ -1,0 +1,94 @@
+"""A model with random weights drawn directly on a device (benchmarks of full-width configs).
+
+The checkpoint writer draws on the CPU so that bytes are reproducible everywhere; that is far too
+slow for the ~50 GB of one EP8 rank. Here every tensor of the inventory is drawn on `device` with
+the writer's distributions (`init_mean_std`) and put into a model built on `meta`:
+
+    bf16 / f32 / fp8 (dense)   drawn in the model dtype (fp32 where the model keeps fp32)
+    mxfp4 (routed experts)     random e2m1 codes, scale 2^-8 (std ≈ 0.012, like 1/sqrt(5120));
+                               kept packed with `quantized_experts`, else dequantised
+    fp8_rows (Engram tables)   drawn then row-quantised to FP8 (as stored)
+
+The values differ from the writer's (other generator) but have the same distributions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.deepseek_v41.checkpoint_loader import keeps_fp32
+from engine.models.deepseek_v41.checkpoint_writer import init_mean_std
+from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.inventory import TensorSpec, full_inventory, text_inventory
+from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from engine.models.deepseek_v41.weight_formats import (
+    MXFP4_BLOCK,
+    fp8_row_quantize,
+    mxfp4_dequantize,
+)
+
+MXFP4_RANDOM_SCALE_EXPONENT = -8
+_ENGRAM_CHUNK_ROWS = 1 << 20
+
+
+def random_model(
+    cfg: DeepseekV41Config,
+    device: str | torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    quantized_experts: bool = True,
+    include_dspark: bool = True,
+    seed: int = 0,
+) -> DeepseekV41ForCausalLM:
+    """`cfg`'s model with random weights drawn on `device` (see the module docstring)."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    specs = full_inventory(cfg) if include_dspark else text_inventory(cfg)
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(
+            cfg, dtype, include_dspark=include_dspark, quantized_experts=quantized_experts
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        tensors.update(_draw(spec, device, dtype, quantized_experts, generator))
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    if missing or unexpected:
+        raise RuntimeError(f"random weights do not match the model: {missing[:5]} {unexpected[:5]}")
+    model = model.to(device)
+    vocab = torch.arange(cfg.vocab_size, device=device)
+    model.set_engram_token_map(vocab % cfg.engram_compressed_vocab_size)
+    return model.eval()
+
+
+def _draw(
+    spec: TensorSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantized_experts: bool,
+    generator: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    if spec.kind == "mxfp4":
+        n, k = spec.shape
+        packed = torch.randint(-128, 128, (n, k // 2), generator=generator, device=device)
+        scale_bytes = torch.full(
+            (n, k // MXFP4_BLOCK), 127 + MXFP4_RANDOM_SCALE_EXPONENT, dtype=torch.uint8
+        )
+        scale = scale_bytes.to(device).view(torch.float8_e8m0fnu)
+        packed = packed.to(torch.int8)
+        if quantized_experts:
+            return {spec.name: packed, spec.scale_name: scale}
+        return {spec.name: mxfp4_dequantize(packed, scale, dtype=dtype)}
+    mean, std = init_mean_std(spec)
+    if spec.kind == "fp8_rows":
+        rows, width = spec.shape
+        weights, scales = [], []
+        for start in range(0, rows, _ENGRAM_CHUNK_ROWS):
+            shape = (min(_ENGRAM_CHUNK_ROWS, rows - start), width)
+            values = torch.randn(shape, generator=generator, device=device) * std + mean
+            weight, scale = fp8_row_quantize(values)
+            weights.append(weight)
+            scales.append(scale)
+        return {spec.name: torch.cat(weights), spec.scale_name: torch.cat(scales)}
+    target = torch.float32 if keeps_fp32(spec.name) else dtype
+    values = torch.randn(spec.shape, generator=generator, device=device, dtype=torch.float32)
+    return {spec.name: values.mul_(std).add_(mean).to(target)}
