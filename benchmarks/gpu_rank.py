@@ -1,0 +1,430 @@
+"""One EP8 rank of DeepSeek-V4.1-Flash on one GPU: ceilings, prefill, decode, roofline, profile.
+
+    python3 benchmarks/gpu_rank.py [--prefill 4096 16384 32768] [--decode 16 64 256]
+                                   [--context 8192] [--steps 5] [--profile] [--out DIR]
+    python3 benchmarks/gpu_rank.py --smoke            # the `tiny` preset on the CPU, seconds
+
+The configuration is `shared/design/performance.md`'s: all 40 layers at real widths, 48 routed
+experts per layer with top-6 routing, Engram tables for a 2 M vocabulary, DSpark stages with 16
+experts; random weights drawn on the GPU (`random_model`), routed experts kept MXFP4, the rest
+bf16. It measures the two ceilings (device copy bandwidth; bf16 and fp8 matmul rates), then:
+
+* prefill: one sequence, one chunk of N tokens from position 0 (exact mode: every layer runs on
+  every token), step time and tokens/s;
+* decode: S sequences at `--context` tokens each (one sequence is prefilled, its state copied to
+  the others), one new token each per step, step time (forward + greedy pick) and tokens/s;
+
+each as a percentage of the roofline: max(FLOPs / fp8 rate, bytes / bandwidth) with FLOPs and
+bytes counted from the configuration (`count_work`). `--profile` adds a `torch.profiler` summary
+of one decode step and one prefill chunk: top kernels by GPU time and GPU time per model part.
+Prints one table; writes `gpu_rank.json` (and `profile_*.txt`) under `--out` (default `$OUT`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from engine.models import DeepseekV41Config, StepBatch, preset_config
+from engine.models.deepseek_v41.config import engram_rows
+from engine.models.deepseek_v41.random_init import random_model
+
+RANK_EXPERTS = 48
+RANK_DSPARK_EXPERTS = 16
+RANK_ENGRAM_VOCAB = 2_000_000
+SWA_ROW_BYTES = 528
+GLOBAL_ROW_BYTES = 288
+INDEX_ROW_BYTES = 68
+
+
+def rank_config() -> DeepseekV41Config:
+    base = DeepseekV41Config()
+    values = {
+        "n_routed_experts": RANK_EXPERTS,
+        "dspark_n_routed_experts": RANK_DSPARK_EXPERTS,
+        "engram_vocab_size": RANK_ENGRAM_VOCAB,
+    }
+    probe = {
+        key: values.get(key, getattr(base, key))
+        for key in (
+            "engram_layer_ids",
+            "engram_vocab_size",
+            "engram_max_ngram_size",
+            "engram_n_heads",
+        )
+    }
+    return replace(base, **values, engram_num_embeddings=engram_rows(probe))
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
+    """Median wall time of `fn()` in ms, synchronised (CUDA events would miss host syncs)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def ceilings(device: torch.device) -> dict[str, float]:
+    """Copy bandwidth (GB/s, read + write) and bf16 / fp8 matmul rates (TFLOP/s) at 8192³."""
+    if device.type != "cuda":
+        return {"copy_gbs": float("nan"), "bf16_tflops": float("nan"), "fp8_tflops": float("nan")}
+    n_bytes = 2 << 30
+    src = torch.randn(n_bytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src), device, 3, 20)
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    bf16_ms = time_ms(lambda: a @ b, device, 3, 20)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    scale_a = torch.ones(n, 1, device=device)
+    scale_b = torch.ones(1, n, device=device)
+    fp8_ms = time_ms(
+        lambda: torch._scaled_mm(a8, b8, scale_a, scale_b, out_dtype=torch.bfloat16),
+        device,
+        3,
+        20,
+    )
+    flops = 2 * n**3
+    return {
+        "copy_gbs": 2 * n_bytes / copy_ms / 1e6,
+        "bf16_tflops": flops / bf16_ms / 1e9,
+        "fp8_tflops": flops / fp8_ms / 1e9,
+    }
+
+
+# ---------------------------------------------------------------- counting
+
+
+@dataclass(frozen=True)
+class Work:
+    flops: float
+    bytes: float
+
+
+def _weight_bytes(model) -> tuple[float, float]:
+    """(bytes of the weights a target step reads, bytes of routed experts among them); the
+    embedding (a gather), Engram tables (gathers) and DSpark (off) are excluded."""
+    total = experts = 0.0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.startswith("mtp.") or name.startswith("embed.") or ".engram." in name:
+            continue
+        if tensor.dtype == torch.long:
+            continue
+        size = tensor.numel() * tensor.element_size()
+        total += size
+        if ".ffn.experts." in name:
+            experts += size
+    return total, experts
+
+
+def _active_params_per_token(cfg: DeepseekV41Config, model) -> float:
+    per_token = 0.0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.startswith("mtp.") or name.startswith("embed.") or ".engram." in name:
+            continue
+        if tensor.dim() < 2 or tensor.dtype == torch.long or name.endswith(".scale"):
+            continue
+        count = tensor.numel() * (2 if tensor.dtype == torch.int8 else 1)  # two e2m1 per byte
+        if ".ffn.experts." in name:
+            count *= cfg.num_experts_per_tok / cfg.n_routed_experts
+        per_token += count
+    return per_token
+
+
+def _attention_flops(cfg: DeepseekV41Config, context: int) -> float:
+    """Per token: QK and PV over window + selected rows, plus the indexers' scoring."""
+    heads, dim = cfg.num_attention_heads, cfg.head_dim
+    total = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        rows = min(cfg.sliding_window, context)
+        if cfg.ratio(layer):
+            rows += min(cfg.index_topk, context // cfg.ratio(layer))
+        total += 4 * heads * dim * rows
+    for layer in cfg.index_source_layer_ids:
+        total += 2 * cfg.index_n_heads * cfg.index_head_dim * context // cfg.ratio(layer)
+    return total
+
+
+def count_work(cfg: DeepseekV41Config, model, tokens: int, context: int, seqs: int) -> Work:
+    """FLOPs and fewest bytes of one step computing `tokens` new tokens of `seqs` sequences whose
+    attention sees about `context` positions (weights read once; KV rows read once per token)."""
+    flops = tokens * (2 * _active_params_per_token(cfg, model) + _attention_flops(cfg, context))
+    weights, _ = _weight_bytes(model)
+    kv = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        kv += min(cfg.sliding_window, context) * SWA_ROW_BYTES
+        if cfg.ratio(layer):
+            kv += min(cfg.index_topk, context // cfg.ratio(layer)) * GLOBAL_ROW_BYTES
+    for layer in cfg.index_source_layer_ids:
+        kv += context // cfg.ratio(layer) * INDEX_ROW_BYTES
+    return Work(flops=flops, bytes=weights + seqs * kv)
+
+
+# ---------------------------------------------------------------- steps
+
+
+def _batch(
+    device: torch.device,
+    tokens_per_seq: int,
+    seqs: int,
+    start: int,
+    blocks_per_seq: int,
+    vocab: int,
+) -> StepBatch:
+    n = tokens_per_seq * seqs
+    return StepBatch(
+        token_ids=torch.randint(3, min(vocab, 100000), (n,), device=device),
+        starts=[i * tokens_per_seq for i in range(seqs + 1)],
+        start_positions=[start] * seqs,
+        slots=torch.arange(seqs, device=device),
+        block_tables=torch.arange(seqs * blocks_per_seq, device=device).view(seqs, blocks_per_seq),
+        logits_indices=torch.arange(1, seqs + 1, device=device) * tokens_per_seq - 1,
+    )
+
+
+@torch.inference_mode()
+def prefill(model, chunk: int, device: torch.device, steps: int) -> float:
+    blocks = chunk // 128 + 1
+    state = model.allocate_state(1, blocks)
+    batch = _batch(device, chunk, 1, 0, blocks, model.config.vocab_size)
+    return time_ms(lambda: model.forward_step(batch, state), device, 1, steps)
+
+
+@torch.inference_mode()
+def decode_state(model, seqs: int, context: int, device: torch.device):
+    """State for `seqs` sequences at `context` tokens: one real prefill, copied to every slot."""
+    blocks = context // 128 + 1
+    state = model.allocate_state(seqs, seqs * blocks)
+    model.forward_step(_batch(device, context, 1, 0, blocks, model.config.vocab_size), state)
+    for rings in (state.swa, state.draft_swa):
+        for ring in rings:
+            ring[1:] = ring[0]
+    for pending in state.pending.values():
+        pending[1:] = pending[0]
+    state.tokens[1:] = state.tokens[0]
+    for pool in (*state.global_kv.values(), *state.index_keys.values()):
+        per_seq = pool.view(seqs, blocks, *pool.shape[1:])
+        per_seq[1:] = per_seq[0]
+    return state, blocks
+
+
+@torch.inference_mode()
+def decode(model, seqs: int, context: int, device: torch.device, steps: int) -> float:
+    state, blocks = decode_state(model, seqs, context, device)
+    batch = _batch(device, 1, seqs, context, blocks, model.config.vocab_size)
+
+    def step() -> None:
+        model.forward_step(batch, state).logits.argmax(-1)
+
+    return time_ms(step, device, 2, steps)
+
+
+# ---------------------------------------------------------------- profile
+
+_PARTS = {"attn": "attention", "ffn": "moe", "engram": "engram"}
+
+
+@contextlib.contextmanager
+def _part_ranges(model):
+    """Profiler ranges around each block's attention, MoE and Engram (hooks, no model change)."""
+    handles, open_ranges = [], []
+    for block in model.layers:
+        for attr, part in _PARTS.items():
+            module = getattr(block, attr, None)
+            if module is None:
+                continue
+
+            def enter(_m, _args, part=part) -> None:
+                context = torch.profiler.record_function(f"part:{part}")
+                context.__enter__()
+                open_ranges.append(context)
+
+            def leave(_m, _args, _out) -> None:
+                open_ranges.pop().__exit__(None, None, None)
+
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def profile(model, fn, device: torch.device, title: str, out: Path | None) -> str:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    fn()
+    _sync(device)
+    with _part_ranges(model), torch.profiler.profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    events = prof.key_averages()
+    attr = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    kernels = [e for e in events if getattr(e, attr, 0) > 0 and not e.key.startswith("part:")]
+    if device.type == "cuda":
+        kernels = [e for e in kernels if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in kernels) or 1.0
+    lines = [f"## {title}: top kernels by {'GPU' if device.type == 'cuda' else 'CPU'} time"]
+    lines.append(f"{'ms':>9} {'share':>6} {'calls':>6}  kernel")
+    for e in kernels[:10]:
+        t = getattr(e, attr)
+        lines.append(f"{t / 1e3:>9.2f} {t / total:>6.1%} {e.count:>6}  {e.key[:90]}")
+    parts = sorted(
+        (e for e in events if e.key.startswith("part:")),
+        key=lambda e: getattr(e, attr),
+        reverse=True,
+    )
+    lines.append(f"## {title}: time inside model parts (total {total / 1e3:.2f} ms)")
+    for e in parts:
+        lines.append(f"{getattr(e, attr) / 1e3:>9.2f} {getattr(e, attr) / total:>6.1%}  {e.key}")
+    text = "\n".join(lines)
+    if out is not None:
+        (out / f"profile_{title.replace(' ', '_')}.txt").write_text(text + "\n")
+    return text
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384, 32768])
+    parser.add_argument("--decode", type=int, nargs="*", default=[16, 64, 256])
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny preset on the CPU")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = parser.parse_args()
+    if args.smoke:
+        cfg, device, dtype = preset_config("tiny"), torch.device("cpu"), torch.float32
+    else:
+        cfg, device, dtype = rank_config(), torch.device("cuda"), torch.bfloat16
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"config": "tiny (smoke)" if args.smoke else "EP8 rank", "device": str(device)}
+
+    def save() -> None:
+        (args.out / "gpu_rank.json").write_text(json.dumps(results, indent=2))
+
+    start = time.perf_counter()
+    limits = results["ceilings"] = ceilings(device)
+    print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in limits.items()})}", flush=True)
+    model = random_model(cfg, device, dtype, quantized_experts=True)
+    weights, experts = _weight_bytes(model)
+    results["weights_gb"] = weights / 1e9
+    results["expert_weights_gb"] = experts / 1e9
+    if device.type == "cuda":
+        results["memory_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+    print(
+        f"model built in {time.perf_counter() - start:.0f} s: weights read per step "
+        f"{weights / 1e9:.1f} GB (experts {experts / 1e9:.1f} GB)",
+        flush=True,
+    )
+    save()
+    fp8 = limits["fp8_tflops"] * 1e12
+    bandwidth = limits["copy_gbs"] * 1e9
+
+    def roofline(work: Work) -> float:
+        return max(work.flops / fp8, work.bytes / bandwidth) * 1e3
+
+    rows = []
+    for chunk in args.prefill:
+        try:
+            ms = prefill(model, chunk, device, args.steps)
+        except torch.OutOfMemoryError:
+            rows.append(("prefill", chunk, None, None, None))
+            torch.cuda.empty_cache()
+            continue
+        floor = roofline(count_work(cfg, model, chunk, chunk // 2, 1))
+        rows.append(("prefill", chunk, ms, chunk / ms * 1e3, floor / ms))
+        print(f"prefill {chunk}: {ms:.1f} ms", flush=True)
+        results.setdefault("prefill", []).append(
+            {"chunk": chunk, "step_ms": ms, "tokens_s": chunk / ms * 1e3, "roofline_ms": floor}
+        )
+        save()
+    for seqs in args.decode:
+        try:
+            ms = decode(model, seqs, args.context, device, args.steps)
+        except torch.OutOfMemoryError:
+            rows.append(("decode", seqs, None, None, None))
+            torch.cuda.empty_cache()
+            continue
+        floor = roofline(count_work(cfg, model, seqs, args.context, seqs))
+        rows.append(("decode", seqs, ms, seqs / ms * 1e3, floor / ms))
+        print(f"decode {seqs}: {ms:.1f} ms", flush=True)
+        results.setdefault("decode", []).append(
+            {
+                "seqs": seqs,
+                "context": args.context,
+                "step_ms": ms,
+                "tokens_s": seqs / ms * 1e3,
+                "roofline_ms": floor,
+            }
+        )
+        save()
+    if args.profile:
+        seqs = args.decode[len(args.decode) // 2] if args.decode else 16
+        state, blocks = decode_state(model, seqs, args.context, device)
+        batch = _batch(device, 1, seqs, args.context, blocks, cfg.vocab_size)
+        with torch.inference_mode():
+            print(
+                profile(
+                    model,
+                    lambda: model.forward_step(batch, state),
+                    device,
+                    f"decode {seqs} seqs",
+                    args.out,
+                )
+            )
+        chunk = args.prefill[0] if args.prefill else 4096
+        blocks = chunk // 128 + 1
+        state = model.allocate_state(1, blocks)
+        batch = _batch(device, chunk, 1, 0, blocks, cfg.vocab_size)
+        with torch.inference_mode():
+            print(
+                profile(
+                    model,
+                    lambda: model.forward_step(batch, state),
+                    device,
+                    f"prefill {chunk}",
+                    args.out,
+                )
+            )
+    ceiling_text = json.dumps({k: round(v, 1) for k, v in limits.items()})
+    print(f"\n{results['config']} on {device}: {ceiling_text}")
+    print(f"{'phase':<8} {'size':>6} {'step ms':>10} {'tokens/s':>10} {'% roofline':>11}")
+    for phase, size, ms, rate, share in rows:
+        if ms is None:
+            print(f"{phase:<8} {size:>6} {'OOM':>10}")
+            continue
+        print(f"{phase:<8} {size:>6} {ms:>10.1f} {rate:>10.0f} {share:>10.2%}")
+
+
+if __name__ == "__main__":
+    main()
