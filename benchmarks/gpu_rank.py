@@ -24,17 +24,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.models import DeepseekV41Config, StepBatch, preset_config
-from engine.models.deepseek_v41.config import engram_rows
+from engine.models.deepseek_v41.config import config_with
 from engine.models.deepseek_v41.random_init import random_model
 
 RANK_EXPERTS = 48
@@ -46,22 +47,11 @@ INDEX_ROW_BYTES = 68
 
 
 def rank_config() -> DeepseekV41Config:
-    base = DeepseekV41Config()
-    values = {
-        "n_routed_experts": RANK_EXPERTS,
-        "dspark_n_routed_experts": RANK_DSPARK_EXPERTS,
-        "engram_vocab_size": RANK_ENGRAM_VOCAB,
-    }
-    probe = {
-        key: values.get(key, getattr(base, key))
-        for key in (
-            "engram_layer_ids",
-            "engram_vocab_size",
-            "engram_max_ngram_size",
-            "engram_n_heads",
-        )
-    }
-    return replace(base, **values, engram_num_embeddings=engram_rows(probe))
+    return config_with(
+        n_routed_experts=RANK_EXPERTS,
+        dspark_n_routed_experts=RANK_DSPARK_EXPERTS,
+        engram_vocab_size=RANK_ENGRAM_VOCAB,
+    )
 
 
 # ---------------------------------------------------------------- timing
@@ -391,31 +381,24 @@ def main() -> None:
     if args.profile:
         seqs = args.decode[len(args.decode) // 2] if args.decode else 16
         state, blocks = decode_state(model, seqs, args.context, device)
-        batch = _batch(device, 1, seqs, args.context, blocks, cfg.vocab_size)
-        with torch.inference_mode():
-            print(
-                profile(
-                    model,
-                    lambda: model.forward_step(batch, state),
-                    device,
-                    f"decode {seqs} seqs",
-                    args.out,
-                )
-            )
         chunk = args.prefill[0] if args.prefill else 4096
-        blocks = chunk // 128 + 1
-        state = model.allocate_state(1, blocks)
-        batch = _batch(device, chunk, 1, 0, blocks, cfg.vocab_size)
-        with torch.inference_mode():
-            print(
-                profile(
-                    model,
-                    lambda: model.forward_step(batch, state),
-                    device,
-                    f"prefill {chunk}",
-                    args.out,
-                )
-            )
+        chunk_blocks = chunk // 128 + 1
+        cases = [
+            (
+                f"decode {seqs} seqs",
+                _batch(device, 1, seqs, args.context, blocks, cfg.vocab_size),
+                state,
+            ),
+            (
+                f"prefill {chunk}",
+                _batch(device, chunk, 1, 0, chunk_blocks, cfg.vocab_size),
+                model.allocate_state(1, chunk_blocks),
+            ),
+        ]
+        for title, batch, case_state in cases:
+            with torch.inference_mode():
+                step = functools.partial(model.forward_step, batch, case_state)
+                print(profile(model, step, device, title, args.out))
     ceiling_text = json.dumps({k: round(v, 1) for k, v in limits.items()})
     print(f"\n{results['config']} on {device}: {ceiling_text}")
     print(f"{'phase':<8} {'size':>6} {'step ms':>10} {'tokens/s':>10} {'% roofline':>11}")

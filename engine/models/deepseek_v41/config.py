@@ -403,8 +403,13 @@ def preset_config(name: str, **overrides: Any) -> DeepseekV41Config:
     """One of the shipped configurations (`tiny`, `default`, `medium`), with optional overrides."""
     if name not in _PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(_PRESETS)}")
-    values = {**_PRESETS[name], **overrides}
-    if "engram_num_embeddings" not in overrides:
+    return config_with(**{**_PRESETS[name], **overrides})
+
+
+def config_with(**values: Any) -> DeepseekV41Config:
+    """The released configuration with `values` replaced; Engram table rows follow the prime
+    rule for the resulting vocabulary and heads unless `engram_num_embeddings` is given."""
+    if "engram_num_embeddings" not in values:
         base = DeepseekV41Config()
         probe = {
             k: values.get(k, getattr(base, k))
