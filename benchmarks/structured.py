@@ -9,9 +9,10 @@ random valid path so the rows are in different states, then per step: the batche
 (xgrammar, host threads) and the apply on `[N, vocab]` fp32 logits on --device. Median of 20.
 
 Part 2, step time (the model on --device): N decoding requests through `EngineCore.step()`,
-(a) unconstrained, (b) constrained with the mask filled after the forward, (c) constrained with
-the fill overlapping the forward (the default). Median decode step time over --steps steps after
-warm-up, best of --repeats interleaved runs; the overhead columns are relative to (a).
+(a) unconstrained, (b) constrained with the mask filled on the step's thread, (c) constrained
+with the fill overlapping the forward (the default on a GPU). Median decode step time over
+--steps steps after warm-up, best of --repeats interleaved runs; the overhead columns are
+relative to (a).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _decode_step_ms(
 def build_engines(
     model_name: str, device: str, dtype: str, max_rows: int
 ) -> dict[bool, AsyncEngine]:
-    """Two engines over the same weights: mask fill after the forward (False) or overlapped."""
+    """Two engines over the same weights: mask fill on the step's thread (False) or overlapped."""
     engines: dict[bool, AsyncEngine] = {}
     for overlap in (False, True):
         config = EngineConfig(

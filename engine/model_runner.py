@@ -36,7 +36,7 @@ class ModelRunner:
         overlap_grammar_mask: bool = True,
     ) -> None:
         """overlap_grammar_mask: fill a step's grammar bitmask on a worker thread while the
-        forward runs (False: fill it after the forward, on the step's thread)."""
+        forward runs (False: fill it on the step's thread before the forward)."""
         self.model = model
         self.device = model.device
         self.state = model.allocate_state(num_slots, num_blocks)
@@ -91,15 +91,11 @@ class ModelRunner:
         infos = [c.sampling for c in sampled_chunks]
         request_ids = [c.request_id for c in sampled_chunks]
         grammar = self._grammar_for(infos)
-        pending_mask = None
-        if grammar is not None and self.overlap_grammar_mask:
-            pending_mask = grammar.start_mask(request_ids, infos)
+        pending_mask = grammar.start_mask(request_ids, infos) if grammar is not None else None
         step = self.model.forward_step(batch, self.state)
         if not sampled_chunks:
             return ModelOutput(sampled={}, logprobs={})
         if grammar is not None:
-            if not self.overlap_grammar_mask:
-                pending_mask = grammar.start_mask(request_ids, infos)
             grammar.apply_mask(pending_mask, step.logits)
         sampling = SamplingBatch.from_infos(
             infos,

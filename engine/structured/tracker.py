@@ -34,7 +34,6 @@ class GrammarTracker:
     runner's step calls it from one thread (the fill itself may run on the tracker's worker)."""
 
     def __init__(self, vocab_size: int, *, overlap: bool = True) -> None:
-        self.vocab_size = vocab_size
         self._matchers: dict[str, RequestMatcher] = {}
         self._bitmask = BatchBitmask(vocab_size)
         self._pool = None
@@ -106,12 +105,7 @@ class GrammarTracker:
         if info.constraint is None:
             return None
         matcher = self._matchers.get(request_id)
-        if matcher is None:
-            if info.constraint.vocab_size != self.vocab_size:
-                raise ValueError(
-                    f"request {request_id!r}: grammar vocabulary {info.constraint.vocab_size} "
-                    f"differs from the model's {self.vocab_size}"
-                )
+        if matcher is None:  # (its vocabulary was checked by `AsyncEngine.generate`)
             matcher = self._matchers[request_id] = info.constraint.new_matcher()
         surplus = matcher.num_accepted - info.output_index
         if surplus < 0:
