@@ -11,6 +11,7 @@ import torch
 from engine.async_engine import AsyncEngine, EngineClosedError, EngineConfig
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from tests.engine.engine_checks import assert_all_released
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -47,21 +48,12 @@ async def _run_all(engine: AsyncEngine, jobs: list[tuple[list[int], SamplingPara
         await engine.shutdown()
 
 
-def _check_clean(engine: AsyncEngine) -> None:
-    scheduler = engine.core.scheduler
-    scheduler.check_integrity()
-    assert not scheduler.has_unfinished_requests()
-    kv = scheduler.kv_manager
-    assert kv.num_free_blocks == kv.config.num_blocks
-    assert kv.num_free_slots == kv.config.num_slots
-
-
 def test_concurrent_greedy_requests_match_running_alone(tiny_model_exact_kv) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = _prompts(32)
     engine = _engine(tiny_model_exact_kv, max_num_batched_tokens=512)
     together = asyncio.run(_run_all(engine, [(p, greedy) for p in prompts]))
-    _check_clean(engine)
+    assert_all_released(engine)
     assert engine.step_count > 12  # prompts were chunked and batched with decodes
     for prompt, (tokens, finish) in zip(prompts, together, strict=True):
         alone_engine = _engine(tiny_model_exact_kv, max_num_seqs=1)
@@ -80,7 +72,7 @@ def test_preempted_request_produces_the_same_tokens(tiny_model_exact_kv) -> None
     squeezed = asyncio.run(_run_all(tight, [(p, params) for p in prompts]))
     assert tight.core.scheduler.num_preemptions > 0
     assert squeezed == reference
-    _check_clean(tight)
+    assert_all_released(tight)
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_model) -> None:
@@ -122,7 +114,7 @@ def test_cancelling_a_stream_frees_everything(tiny_model) -> None:
         await engine.shutdown()
 
     asyncio.run(scenario())
-    _check_clean(engine)
+    assert_all_released(engine)
 
 
 def test_shutdown_refuses_new_requests(tiny_model) -> None:
@@ -143,7 +135,7 @@ def test_impossible_request_is_rejected_not_left_waiting(tiny_model) -> None:
     params = SamplingParams(temperature=0, max_tokens=10)
     tokens, finish = asyncio.run(_run_all(engine, [(list(range(100)), params)]))[0]
     assert finish == {0: FinishReason.ABORT} and tokens[0] == []
-    _check_clean(engine)
+    assert_all_released(engine)
 
 
 def test_event_loop_stays_responsive_during_a_long_prefill(tiny_model) -> None:
@@ -222,7 +214,7 @@ def test_shutdown_without_drain_aborts_in_flight_requests(tiny_model) -> None:
     deltas = asyncio.run(scenario())
     assert deltas[-1].finish_reason is FinishReason.ABORT
     assert deltas[-1].num_output_tokens < 10_000
-    _check_clean(engine)
+    assert_all_released(engine)
 
 
 def test_a_cache_smaller_than_the_context_is_refused_at_startup(tiny_model) -> None:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Annotated
 
+import anthropic
+import openai
 import pytest
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -213,3 +215,15 @@ def default_server(tmp_path_factory: pytest.TempPathFactory):
     app = create_app(config, engine=engine)
     with live_server(app) as url:
         yield url, app, engine
+
+
+@pytest.fixture(scope="session")
+def oai(default_server) -> openai.OpenAI:
+    """The OpenAI SDK pointed at the live `default` server."""
+    return openai.OpenAI(base_url=default_server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def claude(default_server) -> anthropic.Anthropic:
+    """The Anthropic SDK pointed at the live `default` server."""
+    return anthropic.Anthropic(base_url=default_server[0], api_key="unused", max_retries=0)

@@ -19,16 +19,6 @@ from recipe.errors import Protocol
 MODEL = "DeepSeek-V4.1-Flash"
 
 
-@pytest.fixture(scope="module")
-def oai(default_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=default_server[0] + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(default_server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=default_server[0], api_key="unused", max_retries=0)
-
-
 def _prompt_tokens(app, protocol: Protocol, body: dict) -> int:
     return app.state.server.recipe.prepare(protocol, body).num_prompt_tokens
 

@@ -128,16 +128,6 @@ class Answer:
     finish: str | None = None
 
 
-@pytest.fixture(scope="module")
-def oai(default_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=default_server[0] + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(default_server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=default_server[0], api_key="unused", max_retries=0)
-
-
 # ---------------------------------------------------------------- one request per protocol
 
 

@@ -18,6 +18,7 @@ from engine.async_engine import AsyncEngine, EngineConfig
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.structured import CompiledConstraint, GrammarCompiler, GrammarSpec
+from tests.engine.engine_checks import assert_all_released
 
 TINY_VOCAB = 1024
 EOS_ID = 1
@@ -62,16 +63,6 @@ async def _run_all(engine: AsyncEngine, jobs) -> list[tuple[list[int], FinishRea
         await engine.shutdown()
 
 
-def _check_clean(engine: AsyncEngine) -> None:
-    scheduler = engine.core.scheduler
-    scheduler.check_integrity()
-    assert not scheduler.has_unfinished_requests()
-    kv = scheduler.kv_manager
-    assert kv.num_free_blocks == kv.config.num_blocks
-    grammar = engine.core.runner.grammar
-    assert grammar is None or grammar.num_matchers == 0
-
-
 def _words(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
     return [tokenizer.id_to_token(i) for i in ids]
 
@@ -96,7 +87,7 @@ def test_constrained_and_free_requests_share_a_batch(
     ]
     engine = _engine(tiny_model, overlap_grammar_mask=overlap)
     results = asyncio.run(_run_all(engine, jobs))
-    _check_clean(engine)
+    assert_all_released(engine)
     for (tokens, finish), job in zip(results, jobs, strict=True):
         if len(job) == 2:
             continue
@@ -138,7 +129,7 @@ def test_preemption_keeps_the_grammar_state(tiny_model_exact_kv, tiny_compiler) 
     assert squeezed == reference
     for tokens, finish in squeezed:
         assert len(tokens) == 101 and tokens[-1] == EOS_ID and finish is FinishReason.STOP
-    _check_clean(tight)
+    assert_all_released(tight)
 
 
 def test_max_tokens_cuts_a_grammar_short_and_aborts_free_matchers(
@@ -159,7 +150,7 @@ def test_max_tokens_cuts_a_grammar_short_and_aborts_free_matchers(
         await engine.shutdown()
 
     asyncio.run(scenario())
-    _check_clean(engine)
+    assert_all_released(engine)
 
 
 def test_constraint_must_fit_the_model(tiny_model, tiny_compiler) -> None:
