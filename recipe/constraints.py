@@ -227,14 +227,6 @@ def messages_options(body: dict[str, Any], protocol: Protocol) -> ConstraintOpti
     return options
 
 
-def response_schema(constraint: OutputConstraint | None) -> Any | None:
-    """The JSON Schema an extension asks for, to render in the prompt's Response Format section
-    (None: nothing to render). `{}` stands for json_object."""
-    if constraint is None or constraint.kind != "json":
-        return None
-    return json.loads(constraint.schema) if constraint.schema else {}
-
-
 def _pop_parallel(body: dict[str, Any], protocol: Protocol) -> bool:
     value = body.pop("parallel_tool_calls", None)
     if value is None:

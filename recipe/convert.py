@@ -29,7 +29,6 @@ from recipe.constraints import (
     messages_options,
     pop_chat_extensions,
     pop_responses_options,
-    response_schema,
 )
 from recipe.errors import Protocol, RecipeError
 from recipe.tokenizer import ModelTokenizer
@@ -189,8 +188,9 @@ def _with_response_format(
     conversation: dr.Conversation, constraint: OutputConstraint
 ) -> dr.Conversation:
     """`conversation` asking for a JSON answer (the template's Response Format section), for
-    JSON constraints that do not come from the package (grammar extensions, Messages)."""
-    schema = response_schema(constraint)
+    JSON constraints that do not come from the package (grammar extensions, Messages); an
+    empty schema (json_object) or `{}` renders as json_object."""
+    schema = json.loads(constraint.schema) if constraint.schema else {}
     return dr.Conversation(
         conversation.messages,
         thinking_mode=conversation.thinking_mode,
