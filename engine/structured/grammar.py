@@ -21,7 +21,9 @@ Kinds and sources:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
+import logging
 import re
 import threading
 import time
@@ -46,6 +48,8 @@ DEFAULT_COMPILE_TIMEOUT_S = 10.0
 # compilation, so this bounds the CPU a stream of pathological schemas can take from the engine.
 DEFAULT_MAX_COMPILATIONS = 2
 DEFAULT_COMPILE_THREADS = 2
+# At interpreter exit, abandoned compilations get this long to finish (see `_join_compilations`).
+EXIT_COMPILE_WAIT_S = 120.0
 
 DSML_MARKER = "｜DSML｜"
 CALLS_OPENING = "<｜DSML｜ calls>\n"
@@ -58,6 +62,25 @@ _ANY_JSON_OBJECT = '{"type": "object"}'
 JSON_MAX_WHITESPACE = 16
 # xgrammar prefixes C++ errors with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed check.
 _NATIVE_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+logger = logging.getLogger(__name__)
+
+# Compilation threads still running. A daemon thread that returns from xgrammar while the
+# interpreter finalises is unwound by pthread_exit through C++ frames, and the process aborts
+# ("terminate called without an active exception"), so exit waits for them.
+_compile_threads: set[threading.Thread] = set()
+_compile_threads_lock = threading.Lock()
+
+
+@atexit.register
+def _join_compilations() -> None:
+    deadline = time.monotonic() + EXIT_COMPILE_WAIT_S
+    with _compile_threads_lock:
+        running = list(_compile_threads)
+    if running:
+        logger.warning("waiting for %d grammar compilation(s) to finish before exit", len(running))
+    for thread in running:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class GrammarError(ValueError):
@@ -507,7 +530,10 @@ class GrammarCompiler:
                 return done
             done = threading.Event()
             self._in_flight[spec] = done
-        threading.Thread(target=self._compile_in_thread, args=(spec, done), daemon=True).start()
+        thread = threading.Thread(target=self._compile_in_thread, args=(spec, done), daemon=True)
+        with _compile_threads_lock:
+            _compile_threads.add(thread)
+        thread.start()
         return done
 
     def _compile_in_thread(self, spec: GrammarSpec, done: threading.Event) -> None:
@@ -523,6 +549,8 @@ class GrammarCompiler:
                 del self._in_flight[spec]
             self._slots.release()
             done.set()
+            with _compile_threads_lock:
+                _compile_threads.discard(threading.current_thread())
 
     def _compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         compile_fn = _COMPILE_BY_KIND[spec.kind]

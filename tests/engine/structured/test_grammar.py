@@ -227,3 +227,43 @@ def test_a_busy_compiler_refuses_instead_of_piling_up(v41_tokenizer: Tokenizer) 
         assert await compiler.compile_async(GrammarSpec("regex", "a+"), timeout_s=5.0)
 
     asyncio.run(scenario())
+
+
+_EXIT_SCRIPT = """
+import asyncio, atexit, json
+import xgrammar as xgr
+
+compiled_before_finalising = []
+# Registered before the grammar module's own hook, so it runs after that hook.
+atexit.register(lambda: print("compiled at exit:", compiled_before_finalising[0]()))
+
+from engine.structured import GrammarCompiler, GrammarError, GrammarSpec
+
+vocab = [chr(c) for c in range(32, 127)] + [a + b for a in "abcdefghij-" for b in "abcdefghij-"]
+info = xgr.TokenizerInfo(vocab, vocab_size=len(vocab) + 1, stop_token_ids=[len(vocab)])
+compiler = GrammarCompiler(info)
+slow = GrammarSpec("json", json.dumps({"type": "string", "pattern": "^([a-z]{1,200}-){1,200}$"}))
+compiled_before_finalising.append(lambda: compiler.cached(slow) is not None)
+try:
+    asyncio.run(compiler.compile_async(slow, timeout_s=0.01))
+except GrammarError:
+    print("timed out")
+"""
+
+
+def test_exit_waits_for_abandoned_compilations() -> None:
+    # A compilation thread finishing while the interpreter finalises aborts the process (its
+    # C++ frames are unwound by pthread_exit), so exit must wait for it.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[3],
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["timed out", "compiled at exit: True"]
