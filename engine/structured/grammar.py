@@ -72,8 +72,21 @@ _compile_threads: set[threading.Thread] = set()
 _compile_threads_lock = threading.Lock()
 
 
-@atexit.register
-def _join_compilations() -> None:
+def _start_compile_thread(thread: threading.Thread) -> None:
+    with _compile_threads_lock:
+        if not _compile_threads:
+            atexit.unregister(_join_compile_threads)
+            atexit.register(_join_compile_threads)
+        _compile_threads.add(thread)
+    thread.start()
+
+
+def _compile_thread_done() -> None:
+    with _compile_threads_lock:
+        _compile_threads.discard(threading.current_thread())
+
+
+def _join_compile_threads() -> None:
     deadline = time.monotonic() + EXIT_COMPILE_WAIT_S
     with _compile_threads_lock:
         running = list(_compile_threads)
@@ -531,9 +544,7 @@ class GrammarCompiler:
             done = threading.Event()
             self._in_flight[spec] = done
         thread = threading.Thread(target=self._compile_in_thread, args=(spec, done), daemon=True)
-        with _compile_threads_lock:
-            _compile_threads.add(thread)
-        thread.start()
+        _start_compile_thread(thread)
         return done
 
     def _compile_in_thread(self, spec: GrammarSpec, done: threading.Event) -> None:
@@ -549,8 +560,7 @@ class GrammarCompiler:
                 del self._in_flight[spec]
             self._slots.release()
             done.set()
-            with _compile_threads_lock:
-                _compile_threads.discard(threading.current_thread())
+            _compile_thread_done()
 
     def _compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         compile_fn = _COMPILE_BY_KIND[spec.kind]

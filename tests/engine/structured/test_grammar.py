@@ -234,7 +234,7 @@ import asyncio, atexit, json
 import xgrammar as xgr
 
 compiled_before_finalising = []
-# Registered before the grammar module's own hook, so it runs after that hook.
+# Registered before the compile thread starts (and with it the grammar exit hook): runs last.
 atexit.register(lambda: print("compiled at exit:", compiled_before_finalising[0]()))
 
 from engine.structured import GrammarCompiler, GrammarError, GrammarSpec
