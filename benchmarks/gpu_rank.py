@@ -234,29 +234,39 @@ def decode(model, seqs: int, context: int, device: torch.device, steps: int) -> 
 
 # ---------------------------------------------------------------- profile
 
-_PARTS = {"attn": "attention", "ffn": "moe", "engram": "engram"}
+# Model parts by submodule path (per block, and of the whole model); innermost wins. Only
+# modules whose forward runs can be parts (the indexer's scoring is inside `attention`).
+_BLOCK_PARTS = {
+    "attn": "attention",
+    "attn.compressor": "attention.compressor",
+    "ffn": "moe",
+    "ffn.shared_experts": "moe.shared",
+    "engram": "engram",
+}
+_MODEL_PARTS = {"embed": "embedding"}
 
 
 @contextlib.contextmanager
 def _part_ranges(model):
-    """Profiler ranges around each block's attention, MoE and Engram (hooks, no model change)."""
-    handles, open_ranges = [], []
+    """Profiler ranges around each model part (forward hooks, no model change)."""
+    modules = [(model.get_submodule(path), part) for path, part in _MODEL_PARTS.items()]
     for block in model.layers:
-        for attr, part in _PARTS.items():
-            module = getattr(block, attr, None)
-            if module is None:
-                continue
+        for path, part in _BLOCK_PARTS.items():
+            with contextlib.suppress(AttributeError):
+                modules.append((block.get_submodule(path), part))
+    handles, open_ranges = [], []
+    for module, part in modules:
 
-            def enter(_m, _args, part=part) -> None:
-                context = torch.profiler.record_function(f"part:{part}")
-                context.__enter__()
-                open_ranges.append(context)
+        def enter(_m, _args, part=part) -> None:
+            context = torch.profiler.record_function(f"part:{part}")
+            context.__enter__()
+            open_ranges.append(context)
 
-            def leave(_m, _args, _out) -> None:
-                open_ranges.pop().__exit__(None, None, None)
+        def leave(_m, _args, _out) -> None:
+            open_ranges.pop().__exit__(None, None, None)
 
-            handles.append(module.register_forward_pre_hook(enter))
-            handles.append(module.register_forward_hook(leave))
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave))
     try:
         yield
     finally:
@@ -264,35 +274,69 @@ def _part_ranges(model):
             handle.remove()
 
 
+def _part_of(event) -> str:
+    """The innermost `part:` range around a profiler event, or "other"."""
+    while event is not None:
+        if event.name.startswith("part:"):
+            return event.name.removeprefix("part:")
+        event = event.cpu_parent
+    return "other"
+
+
+def _kernel_times(prof, on_cuda: bool) -> list[tuple[str, str, float]]:
+    """(kernel, model part, µs) for every kernel of the trace: GPU kernels attributed through
+    the CPU op that launched them; on the CPU, each op's self time."""
+    times = []
+    for event in prof.events():
+        if on_cuda:
+            for kernel in event.kernels:
+                times.append((kernel.name, _part_of(event), kernel.duration))
+        elif event.self_cpu_time_total > 0 and not event.name.startswith("part:"):
+            times.append((event.name, _part_of(event), event.self_cpu_time_total))
+    return times
+
+
 def profile(model, fn, device: torch.device, title: str, out: Path | None) -> str:
+    """Profile one call of `fn`: the top ten kernels (with the model parts they ran in) and the
+    kernel time per model part; written to `out` too."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     fn()
     _sync(device)
     with _part_ranges(model), torch.profiler.profile(activities=activities) as prof:
+        wall = time.perf_counter()
         fn()
         _sync(device)
-    events = prof.key_averages()
-    attr = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-    kernels = [e for e in events if getattr(e, attr, 0) > 0 and not e.key.startswith("part:")]
-    if device.type == "cuda":
-        kernels = [e for e in kernels if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels.sort(key=lambda e: getattr(e, attr), reverse=True)
-    total = sum(getattr(e, attr) for e in kernels) or 1.0
-    lines = [f"## {title}: top kernels by {'GPU' if device.type == 'cuda' else 'CPU'} time"]
-    lines.append(f"{'ms':>9} {'share':>6} {'calls':>6}  kernel")
-    for e in kernels[:10]:
-        t = getattr(e, attr)
-        lines.append(f"{t / 1e3:>9.2f} {t / total:>6.1%} {e.count:>6}  {e.key[:90]}")
-    parts = sorted(
-        (e for e in events if e.key.startswith("part:")),
-        key=lambda e: getattr(e, attr),
-        reverse=True,
-    )
-    lines.append(f"## {title}: time inside model parts (total {total / 1e3:.2f} ms)")
-    for e in parts:
-        lines.append(f"{getattr(e, attr) / 1e3:>9.2f} {getattr(e, attr) / total:>6.1%}  {e.key}")
+        wall = time.perf_counter() - wall
+    times = _kernel_times(prof, device.type == "cuda")
+    total = sum(us for _, _, us in times) or 1.0
+    by_kernel: dict[str, dict[str, float]] = {}
+    calls: dict[str, int] = {}
+    for name, part, us in times:
+        by_kernel.setdefault(name, {}).setdefault(part, 0.0)
+        by_kernel[name][part] += us
+        calls[name] = calls.get(name, 0) + 1
+    unit = "GPU" if device.type == "cuda" else "CPU"
+    lines = [
+        f"## {title}: {len(times)} kernels, {total / 1e3:.2f} ms of {unit} time, "
+        f"{wall * 1e3:.2f} ms wall (profiled)",
+        f"{'ms':>9} {'share':>6} {'calls':>6}  kernel  [parts]",
+    ]
+    ranked = sorted(by_kernel.items(), key=lambda item: sum(item[1].values()), reverse=True)
+    for name, parts in ranked[:10]:
+        us = sum(parts.values())
+        where = ", ".join(
+            f"{part} {t / us:.0%}" for part, t in sorted(parts.items(), key=lambda i: -i[1])
+        )
+        share = us / total
+        lines.append(f"{us / 1e3:>9.2f} {share:>6.1%} {calls[name]:>6}  {name[:80]}  [{where}]")
+    per_part: dict[str, float] = {}
+    for _, part, us in times:
+        per_part[part] = per_part.get(part, 0.0) + us
+    lines.append(f"## {title}: {unit} time per model part")
+    for part, us in sorted(per_part.items(), key=lambda i: -i[1]):
+        lines.append(f"{us / 1e3:>9.2f} {us / total:>6.1%}  {part}")
     text = "\n".join(lines)
     if out is not None:
         (out / f"profile_{title.replace(' ', '_')}.txt").write_text(text + "\n")

@@ -16,12 +16,17 @@ def test_mxfp4_experts_give_the_dequantised_logits(tiny_checkpoint: Path, tiny_m
     assert isinstance(expert.w1, MXFP4Linear) and expert.w1.weight.dtype == torch.int8
     assert not isinstance(quantized.layers[0].ffn.shared_experts.w1, MXFP4Linear)
     dense_bytes = sum(p.numel() * p.element_size() for p in tiny_model.parameters())
-    held = sum(
-        t.numel() * t.element_size()
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for t in [*quantized.parameters(), *quantized.buffers()]
         if t.dtype != torch.long
-    )
-    assert held < dense_bytes
+    }
+    assert sum(storages.values()) < dense_bytes
+    # The kernel's stacked experts are the experts' storage, not a second copy.
+    ffn = quantized.layers[0].ffn
+    for stack, linear in ((ffn.w13_codes, expert.w3), (ffn.w2_scales, ffn.experts[-1].w2)):
+        tensor = linear.weight if stack.dtype == torch.int8 else linear.scale
+        assert tensor.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
     prompts = [[0, *range(5, 70)], [0, 9, 8, 7]]
     assert torch.equal(quantized.logits(prompts), tiny_model.logits(prompts))
     drafts = quantized.mtp[0].ffn.experts[0].w2

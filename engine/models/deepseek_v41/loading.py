@@ -89,4 +89,7 @@ def load_model(
     if cfg.engram_layer_ids:
         model.set_engram_token_map(torch.from_numpy(engram_token_map(loaded.path, cfg)))
     model.checkpoint_path = loaded.path
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if quantized_experts:
+        model.pack_routed_experts()
+    return model

@@ -210,6 +210,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=dtype)
         self.mtp = DSpark(cfg, main, dtype, quantized_experts) if include_dspark else None
+        self.quantized_experts = quantized_experts
         for module in self.modules():
             if isinstance(module, MoE):
                 module.weight_before_down = self.numerics.moe_weight_before_down
@@ -226,6 +227,17 @@ class DeepseekV41ForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+    def pack_routed_experts(self) -> None:
+        """`MoE.pack_experts` on every MoE whose routed experts are MXFP4 (their kernel layout).
+
+        Call it once the model is on its device (see the NOTE there).
+        """
+        if not self.quantized_experts:
+            raise ValueError("the routed experts are dense (built without quantized_experts)")
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.pack_experts()
 
     def set_engram_token_map(self, token_map: Tensor) -> None:
         cfg = self.config

@@ -3,6 +3,14 @@
 Routed experts hold their weights either dequantised (`nn.Linear` in the model dtype) or as
 stored in the checkpoint (`MXFP4Linear`: e2m1 codes + e8m0 scales, a quarter of the bf16 bytes),
 which is what lets the full-width model fit one GPU; the shared expert is always dense.
+
+Two paths compute the routed experts:
+
+    reference (any device)   sort the (token, slot) pairs by expert, one `Expert` call per
+                             expert that has rows (reads the per-expert counts on the host)
+    grouped (CUDA, bf16,     `MoE.pack_experts` stacks the MXFP4 storage; two launches of
+    packed MXFP4 experts)    `kernels.grouped_mxfp4_gemm` (gate/up + SwiGLU, down) and a sum
+                             over the top-k slots; no host sync
 """
 
 from __future__ import annotations
@@ -101,6 +109,37 @@ class MoE(nn.Module):
             Expert(dim, inter, limit, dtype, quantized_experts) for _ in range(num_experts)
         )
 
+    def pack_experts(self) -> None:
+        """Stack the MXFP4 routed experts into the grouped kernel's layout (non-persistent
+        buffers `w13_codes` [E, 2I, D/2], `w13_scales`, `w2_codes` [E, D, I/2], `w2_scales`);
+        each expert's buffers become views of them, so memory does not grow.
+
+        NOTE: call it once the model is on its device: `.to()` copies every buffer separately,
+        after which the stacks and the experts hold equal values in twice the memory.
+        """
+        first = self.experts[0]
+        if not isinstance(first.w1, MXFP4Linear):
+            raise ValueError("pack_experts needs MXFP4 routed experts (quantized_experts=True)")
+        for name, parts in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+            for field, suffix in (("weight", "codes"), ("scale", "scales")):
+                stacked = torch.stack(
+                    [
+                        torch.cat([getattr(getattr(expert, part), field) for part in parts])
+                        for expert in self.experts
+                    ]
+                )
+                self.register_buffer(f"{name}_{suffix}", stacked, persistent=False)
+                for index, expert in enumerate(self.experts):
+                    lo = 0
+                    for part in parts:
+                        linear = getattr(expert, part)
+                        rows = getattr(linear, field).shape[0]
+                        setattr(linear, field, stacked[index, lo : lo + rows])
+                        lo += rows
+
+    def _use_grouped_kernel(self, x: Tensor) -> bool:
+        return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(self, "w13_codes")
+
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(expert ids [T, k], fp32 weights [T, k]); gate logits are computed in fp32."""
         logits = x.float() @ self.gate.weight.float().t()
@@ -109,11 +148,18 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         ids, weights = self.route(x)
         out = self.shared_experts(x).float()
+        if self._use_grouped_kernel(x):
+            routed = self._routed_grouped(x, ids, weights)
+        else:
+            routed = self._routed_reference(x, ids, weights)
+        return (out + routed).to(x.dtype)
+
+    def _routed_reference(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
         token_of = order // self.top_k
-        routed = torch.zeros_like(out)
+        routed = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         lo = 0
         for expert, count in zip(self.experts, counts, strict=True):
             if count:
@@ -125,4 +171,37 @@ class MoE(nn.Module):
                     y = expert(x[rows]).float() * w
                 routed.index_add_(0, rows, y)
             lo += count
-        return (out + routed).to(x.dtype)
+        return routed
+
+    def _routed_grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        from kernels.grouped_mxfp4_gemm import align_to_experts, grouped_mxfp4_gemm
+
+        num_tokens = x.shape[0]
+        if num_tokens == 0:
+            return torch.zeros_like(x, dtype=torch.float32)
+        num_experts = len(self.experts)
+        blocks = align_to_experts(ids, num_experts, _block_m(num_tokens * self.top_k, num_experts))
+        pair_weight = weights.flatten().float().contiguous()
+        act = grouped_mxfp4_gemm(
+            x.contiguous(),
+            blocks,
+            self.w13_codes,
+            self.w13_scales,
+            gate_limit=self.experts[0].limit,
+            row_weight=pair_weight if self.weight_before_down else None,
+        )
+        per_slot = grouped_mxfp4_gemm(
+            act,
+            blocks,
+            self.w2_codes,
+            self.w2_scales,
+            row_weight=None if self.weight_before_down else pair_weight,
+            out_dtype=torch.float32,
+        )
+        return per_slot.view(num_tokens, self.top_k, -1).sum(1)
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per expert block: small blocks when few rows reach each expert (decode)."""
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64

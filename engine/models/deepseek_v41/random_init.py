@@ -54,7 +54,10 @@ def random_model(
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if missing or unexpected:
         raise RuntimeError(f"random weights do not match the model: {missing[:5]} {unexpected[:5]}")
+    del tensors  # the model holds them; packing the experts must not hold two copies
     model = model.to(device)
+    if quantized_experts:
+        model.pack_routed_experts()
     vocab = torch.arange(cfg.vocab_size, device=device)
     model.set_engram_token_map(vocab % cfg.engram_compressed_vocab_size)
     return model.eval()

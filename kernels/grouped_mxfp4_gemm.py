@@ -1,0 +1,341 @@
+"""Grouped GEMM over MXFP4 experts: each row block multiplies by its expert's weight, dequantised
+in registers (the weights are read from HBM once, as 4.25 bits per value).
+
+Layouts (the checkpoint's, `model.md` §5.3, stacked over experts):
+
+    codes   int8  [E, N_w, K/2]   byte c of a row: code of column 2c (low nibble) | 2c+1 (high)
+    scales  uint8 / float8_e8m0fnu [E, N_w, K/32]   value = e2m1(code) * 2^(scale - 127)
+
+Rows reach their expert through `ExpertBlocks` (`align_to_experts`): the (token, slot) pairs of
+a routing sorted by expert, each expert's run padded to a multiple of `block_m`, so every block of
+`block_m` positions belongs to one expert. Nothing is read back to the host.
+
+    position p:  0 ......... block_m ........ 2·block_m ......
+    expert:      [ e0 e0 e0 -1 | e1 e1 e1 e1 | e1 -1 -1 -1 | (unused: block_expert = -1) ]
+    pair_of_pos: [ 7  2  9  -1 | 0  4  ...              ]     (-1 = padding)
+
+One kernel, two uses (the routed half of `MoE.forward`):
+
+    gate/up   out[p]    = swiglu_L(x[pair // top_k] · W1ᵀ, x[pair // top_k] · W3ᵀ) (· w[pair])
+              (W13 = [W1; W3] stacked along N_w = 2N; `gate_limit` = L)
+    down      out[pair] = act[p] · W2ᵀ (· w[pair])
+
+`grouped_mxfp4_gemm` is the launcher; `grouped_mxfp4_gemm_reference` the torch reference.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MXFP4_BLOCK = 32
+# e2m1 magnitudes by 3-bit code (sign is bit 3).
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """A routing laid out in expert-pure blocks (see the module docstring).
+
+    pair_of_pos: int32 [num_blocks · block_m], the flat (token · top_k + slot) index at each
+        position, -1 for padding.
+    block_expert: int32 [num_blocks], the expert of each block, -1 for unused blocks.
+    """
+
+    pair_of_pos: Tensor
+    block_expert: Tensor
+    block_m: int
+    top_k: int
+    num_tokens: int
+
+    @property
+    def num_positions(self) -> int:
+        return self.pair_of_pos.numel()
+
+    @property
+    def num_pairs(self) -> int:
+        """T · top_k: the rows of the down GEMM's output."""
+        return self.num_tokens * self.top_k
+
+
+def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Lay the routing `expert_ids` [T, top_k] out in expert-pure blocks of `block_m` positions.
+
+    The block count is the bound T·top_k // block_m + min(E, T·top_k), so no count is read back
+    to the host; blocks past the used ones get expert -1 and cost one load each.
+    """
+    if expert_ids.dim() != 2:
+        raise ValueError(f"expert_ids must be [T, top_k], got {tuple(expert_ids.shape)}")
+    device = expert_ids.device
+    flat = expert_ids.flatten().long()
+    num_pairs = flat.numel()
+    num_blocks = num_pairs // block_m + min(num_experts, num_pairs)
+    # (not bincount: on CUDA it reads the largest id back to size its output)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=device) - start[sorted_experts]
+    positions = (padded_end - padded)[sorted_experts] + rank
+    pair_of_pos = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=device)
+    pair_of_pos[positions] = order.to(torch.int32)
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    num_tokens, top_k = expert_ids.shape
+    return ExpertBlocks(pair_of_pos, block_expert, block_m, top_k, num_tokens)
+
+
+@triton.jit
+def _dequantize_tile(
+    codes_ptr,
+    scales_ptr,
+    offs_n,
+    n_mask,
+    k0,
+    stride_cn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[BLOCK_N, BLOCK_K] bf16 weights of rows `offs_n`, columns k0 .. k0 + BLOCK_K."""
+    offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    code_ptrs = codes_ptr + offs_n[:, None] * stride_cn + offs_byte[None, :]
+    packed = tl.load(code_ptrs, mask=n_mask[:, None], other=0).to(tl.uint8, bitcast=True)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
+    # fp16 bits with the 3-bit magnitude code at the exponent's low bits: code (e, m) reads as
+    # 2^(e-15)·(1 + m/2), or m·2^-15 when e = 0 (subnormal) — e2m1 times 2^-14 in both cases.
+    codes = codes.to(tl.uint16)
+    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+    values = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    offs_scale = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale_ptrs = scales_ptr + offs_n[:, None] * stride_sn + offs_scale[None, :]
+    exponent = tl.load(scale_ptrs, mask=n_mask[:, None], other=0).to(tl.uint8, bitcast=True)
+    multiplier = tl.exp2(exponent.to(tl.float32) - (127.0 - 14.0))
+    values = tl.reshape(values, (BLOCK_N, BLOCK_K // 32, 32)) * multiplier[:, :, None]
+    return tl.reshape(values, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+
+
+@triton.jit
+def _grouped_mxfp4_gemm_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    pair_of_pos_ptr,
+    block_expert_ptr,
+    row_weight_ptr,
+    N,
+    K,
+    gate_limit,
+    stride_xm,
+    stride_ce,
+    stride_cn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_ROW_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    offs_pos = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_of_pos_ptr + offs_pos)
+    is_row = pair >= 0
+    if GATED:  # input rows: tokens; output rows: positions
+        in_row = pair // TOP_K
+        out_row = offs_pos
+    else:  # input rows: positions; output rows: (token, slot) pairs
+        in_row = offs_pos
+        out_row = pair
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_up = offs_n + N  # W3's rows follow W1's (gated only)
+    codes_ptr += expert.to(tl.int64) * stride_ce
+    scales_ptr += expert.to(tl.int64) * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + in_row[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+            mask=is_row[:, None],
+            other=0.0,
+        )
+        w = _dequantize_tile(
+            codes_ptr, scales_ptr, offs_n, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
+        )
+        acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            w_up = _dequantize_tile(
+                codes_ptr, scales_ptr, offs_up, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
+            )
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    if GATED:
+        gate = tl.minimum(acc, gate_limit)
+        acc = gate * tl.sigmoid(gate) * tl.clamp(acc_up, -gate_limit, gate_limit)
+    if HAS_ROW_WEIGHT:
+        weight = tl.load(row_weight_ptr + tl.where(is_row, pair, 0), mask=is_row, other=0.0)
+        acc = acc * weight[:, None]
+    tl.store(
+        out_ptr + out_row[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=is_row[:, None] & n_mask[None, :],
+    )
+
+
+def _check_weights(codes: Tensor, scales: Tensor, k: int) -> tuple[int, int]:
+    if codes.dtype != torch.int8 or codes.dim() != 3 or codes.stride(-1) != 1:
+        raise ValueError(f"codes must be int8 [E, N, K/2] with unit column stride, got {codes}")
+    num_experts, n_weight, half_k = codes.shape
+    if half_k * 2 != k or k % MXFP4_BLOCK:
+        raise ValueError(f"codes hold K = {half_k * 2} columns, x has {k} (a multiple of 32)")
+    if scales.dtype not in (torch.uint8, torch.float8_e8m0fnu) or scales.stride(-1) != 1:
+        raise ValueError(f"scales must be uint8/e8m0 with unit column stride, got {scales.dtype}")
+    if tuple(scales.shape) != (num_experts, n_weight, k // MXFP4_BLOCK):
+        expected = (num_experts, n_weight, k // MXFP4_BLOCK)
+        raise ValueError(f"scales shape {tuple(scales.shape)} != {expected}")
+    return num_experts, n_weight
+
+
+def _block_k(k: int) -> int:
+    for block_k in (128, 64, 32):
+        if k % block_k == 0:
+            return block_k
+    raise AssertionError("K is a multiple of 32")
+
+
+def grouped_mxfp4_gemm(
+    x: Tensor,
+    blocks: ExpertBlocks,
+    codes: Tensor,
+    scales: Tensor,
+    *,
+    gate_limit: float | None = None,
+    row_weight: Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """The routed GEMM of `blocks` (see the module docstring).
+
+    gate_limit None (down): x is [num_positions, K] (rows at positions); returns
+        [T·top_k, N] rows at (token, slot) pairs.
+    gate_limit L (gate/up): x is [T, K] (token rows), codes hold [W1; W3] (N_w = 2N); returns
+        the clamped SwiGLU [num_positions, N] at positions (padding rows uninitialised).
+    row_weight: fp32 [T·top_k] routing weights multiplied into each output row.
+
+    Raises:
+        ValueError: a shape, dtype or stride the kernel does not take.
+    """
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be bf16 [rows, K], unit column stride; got {x.dtype} {x.shape}")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("grouped_mxfp4_gemm runs on CUDA (or Triton's CPU interpreter)")
+    k = x.shape[1]
+    _, n_weight = _check_weights(codes, scales, k)
+    gated = gate_limit is not None
+    if gated and n_weight % 2:
+        raise ValueError(f"gate/up weights need an even N_w (W1; W3), got {n_weight}")
+    n = n_weight // 2 if gated else n_weight
+    expected_rows = blocks.num_tokens if gated else blocks.num_positions
+    if x.shape[0] != expected_rows:
+        raise ValueError(f"x has {x.shape[0]} rows, the routing needs {expected_rows}")
+    if row_weight is not None and (
+        row_weight.dtype != torch.float32
+        or not row_weight.is_contiguous()
+        or row_weight.numel() != blocks.num_pairs
+    ):
+        raise ValueError(f"row_weight must be contiguous fp32 [{blocks.num_pairs}]")
+    out_rows = blocks.num_positions if gated else blocks.num_pairs
+    out = torch.empty(out_rows, n, dtype=out_dtype, device=x.device)
+    block_n = 64
+    grid = (blocks.block_expert.numel(), triton.cdiv(n, block_n))
+    _grouped_mxfp4_gemm_kernel[grid](
+        x,
+        codes,
+        scales.view(torch.uint8),
+        out,
+        blocks.pair_of_pos,
+        blocks.block_expert,
+        row_weight if row_weight is not None else x,
+        n,
+        k,
+        float(gate_limit or 0.0),
+        x.stride(0),
+        codes.stride(0),
+        codes.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        out.stride(0),
+        TOP_K=blocks.top_k,
+        GATED=gated,
+        HAS_ROW_WEIGHT=row_weight is not None,
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=_block_k(k),
+        num_warps=4,
+    )
+    return out
+
+
+def dequantize_reference(codes: Tensor, scales: Tensor) -> Tensor:
+    """fp32 [..., N, K] of MXFP4 `codes` [..., N, K/2] and `scales` [..., N, K/32]."""
+    table = torch.tensor(_E2M1_VALUES, device=codes.device)
+    table = torch.cat([table, -table])
+    packed = codes.view(torch.uint8).long()
+    values = torch.stack([table[packed & 0xF], table[packed >> 4]], dim=-1).flatten(-2)
+    exponent = scales.view(torch.uint8).float() - 127.0
+    return (values.unflatten(-1, (-1, MXFP4_BLOCK)) * torch.exp2(exponent)[..., None]).flatten(-2)
+
+
+def grouped_mxfp4_gemm_reference(
+    x: Tensor,
+    blocks: ExpertBlocks,
+    codes: Tensor,
+    scales: Tensor,
+    *,
+    gate_limit: float | None = None,
+    row_weight: Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """`grouped_mxfp4_gemm` in plain torch (fp32 maths, same rounding points); padding and unused
+    rows are zero here."""
+    pair_of_pos = blocks.pair_of_pos.long()
+    block_expert = blocks.block_expert.long().repeat_interleave(blocks.block_m)
+    is_row = pair_of_pos >= 0
+    gated = gate_limit is not None
+    n = codes.shape[1] // 2 if gated else codes.shape[1]
+    acc = torch.zeros(blocks.num_positions, n, device=x.device)
+    positions = torch.arange(blocks.num_positions, device=x.device)
+    in_rows = pair_of_pos // blocks.top_k if gated else positions
+    for expert in torch.unique(block_expert[is_row]).tolist():
+        mine = is_row & (block_expert == expert)
+        weight = dequantize_reference(codes[expert], scales[expert]).to(torch.bfloat16).float()
+        rows = x[in_rows[mine]].float()
+        if gated:
+            gate = (rows @ weight[:n].t()).clamp(max=gate_limit)
+            up = (rows @ weight[n:].t()).clamp(-gate_limit, gate_limit)
+            acc[mine] = torch.nn.functional.silu(gate) * up
+        else:
+            acc[mine] = rows @ weight.t()
+    if row_weight is not None:
+        acc[is_row] *= row_weight[pair_of_pos[is_row]][:, None]
+    if gated:
+        return acc.to(out_dtype)
+    out = torch.zeros(blocks.num_pairs, n, device=x.device)
+    out[pair_of_pos[is_row]] = acc[is_row]
+    return out.to(out_dtype)

@@ -1,0 +1,172 @@
+"""The grouped MXFP4 expert GEMM: routing layout and reference on the CPU, kernel on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.deepseek_v41.moe import MoE
+from engine.models.deepseek_v41.weight_formats import mxfp4_dequantize
+from kernels.grouped_mxfp4_gemm import (
+    align_to_experts,
+    dequantize_reference,
+    grouped_mxfp4_gemm,
+    grouped_mxfp4_gemm_reference,
+)
+
+
+def _routing(num_tokens: int, num_experts: int, top_k: int, seed: int, device="cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    # Skewed: a few experts get most rows, some none (as real routings do).
+    scores = torch.rand(num_tokens, num_experts, generator=generator) ** 4
+    scores[:, : num_experts // 4] += 0.5
+    return torch.topk(scores, top_k, dim=-1).indices.to(device)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "block_m"),
+    [(1, 8, 2, 16), (37, 6, 3, 16), (300, 48, 6, 16), (300, 48, 6, 64), (5, 64, 6, 32)],
+)
+def test_alignment_places_every_pair_once_in_expert_pure_blocks(
+    num_tokens: int, num_experts: int, top_k: int, block_m: int
+) -> None:
+    ids = _routing(num_tokens, num_experts, top_k, seed=num_tokens)
+    blocks = align_to_experts(ids, num_experts, block_m)
+    pairs = blocks.pair_of_pos
+    assert sorted(pairs[pairs >= 0].tolist()) == list(range(num_tokens * top_k))
+    expert_of_pos = blocks.block_expert.long().repeat_interleave(block_m)
+    used = pairs >= 0
+    assert torch.equal(expert_of_pos[used], ids.flatten()[pairs[used].long()])
+    # Each expert's rows are one run starting at a block boundary; padding only ends a run.
+    for expert in range(num_experts):
+        positions = torch.nonzero(used & (expert_of_pos == expert)).flatten()
+        if len(positions):
+            assert positions[0] % block_m == 0
+            assert torch.equal(positions, torch.arange(positions[0], positions[0] + len(positions)))
+    assert blocks.num_pairs == num_tokens * top_k
+
+
+def test_reference_dequantisation_is_the_checkpoint_format() -> None:
+    codes = torch.randint(-128, 128, (3, 8, 64), dtype=torch.int8)
+    scales = torch.randint(100, 140, (3, 8, 4), dtype=torch.uint8)
+    assert torch.equal(
+        dequantize_reference(codes, scales),
+        mxfp4_dequantize(codes, scales.view(torch.float8_e8m0fnu)),
+    )
+
+
+def _quantized_moe(dim: int, inter: int, num_experts: int, top_k: int, seed: int) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(dim, inter, num_experts, top_k, 2.5, 7.0, torch.bfloat16, quantized_experts=True)
+    with torch.no_grad():
+        for tensor in moe.buffers():
+            if tensor.dtype == torch.int8:
+                tensor.copy_(torch.randint(-128, 128, tensor.shape, dtype=torch.int8))
+            else:
+                exponent = torch.randint(120, 124, tensor.shape, dtype=torch.uint8)
+                tensor.copy_(exponent.view(torch.float8_e8m0fnu))
+        for parameter in moe.parameters():
+            parameter.normal_(0.0, 0.05)
+    return moe
+
+
+def _routed_by_reference(moe: MoE, x: torch.Tensor, block_m: int) -> torch.Tensor:
+    ids, weights = moe.route(x)
+    blocks = align_to_experts(ids, len(moe.experts), block_m)
+    pair_weight = weights.flatten().contiguous()
+    before = moe.weight_before_down
+    act = grouped_mxfp4_gemm_reference(
+        x,
+        blocks,
+        moe.w13_codes,
+        moe.w13_scales,
+        gate_limit=moe.experts[0].limit,
+        row_weight=pair_weight if before else None,
+    )
+    per_slot = grouped_mxfp4_gemm_reference(
+        act,
+        blocks,
+        moe.w2_codes,
+        moe.w2_scales,
+        row_weight=None if before else pair_weight,
+        out_dtype=torch.float32,
+    )
+    return per_slot.view(x.shape[0], moe.top_k, -1).sum(1)
+
+
+@pytest.mark.parametrize("weight_before_down", [False, True])
+def test_reference_composes_into_the_moe_layer(weight_before_down: bool) -> None:
+    moe = _quantized_moe(dim=64, inter=96, num_experts=8, top_k=3, seed=1)
+    moe.weight_before_down = weight_before_down
+    x = torch.randn(21, 64).bfloat16()
+    expected = moe(x)  # the per-expert reference path (CPU)
+    moe.pack_experts()
+    assert torch.equal(moe(x), expected)  # packing changes no value
+    routed = _routed_by_reference(moe, x, block_m=16)
+    ours = (moe.shared_experts(x).float() + routed).bfloat16()
+    error = (ours.float() - expected.float()).norm() / expected.float().norm()
+    assert error < 1e-2
+
+
+def test_launcher_rejects_layouts_it_cannot_take() -> None:
+    ids = _routing(4, 8, 2, seed=0)
+    blocks = align_to_experts(ids, 8, 16)
+    codes = torch.zeros(8, 64, 32, dtype=torch.int8)
+    scales = torch.zeros(8, 64, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bf16"):
+        grouped_mxfp4_gemm(torch.zeros(4, 64), blocks, codes, scales, gate_limit=7.0)
+    with pytest.raises(ValueError, match="CUDA"):
+        grouped_mxfp4_gemm(torch.zeros(4, 64).bfloat16(), blocks, codes, scales, gate_limit=7.0)
+
+
+def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours.float() - reference.float()).norm() / reference.float().norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("num_tokens", "dim", "inter", "num_experts", "top_k", "block_m"),
+    [
+        (1, 256, 128, 8, 2, 16),
+        (64, 5120, 2304, 8, 6, 16),  # decode-like, real widths
+        (600, 1024, 512, 16, 6, 64),  # prefill-like
+        (33, 96, 160, 4, 3, 32),  # K not a multiple of 64
+    ],
+)
+def test_kernel_matches_reference(
+    num_tokens: int, dim: int, inter: int, num_experts: int, top_k: int, block_m: int
+) -> None:
+    device = "cuda"
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, dim, device=device).bfloat16()
+    ids = _routing(num_tokens, num_experts, top_k, seed=num_tokens, device=device)
+    blocks = align_to_experts(ids, num_experts, block_m)
+    pair_weight = torch.rand(num_tokens * top_k, device=device)
+    w13 = torch.randint(-128, 128, (num_experts, 2 * inter, dim // 2), dtype=torch.int8)
+    s13 = torch.randint(118, 124, (num_experts, 2 * inter, dim // 32), dtype=torch.uint8)
+    w2 = torch.randint(-128, 128, (num_experts, dim, inter // 2), dtype=torch.int8)
+    s2 = torch.randint(118, 124, (num_experts, dim, inter // 32), dtype=torch.uint8)
+    w13, s13, w2, s2 = (t.to(device) for t in (w13, s13, w2, s2))
+    used = blocks.pair_of_pos >= 0
+    for row_weight in (None, pair_weight):
+        act = grouped_mxfp4_gemm(x, blocks, w13, s13, gate_limit=7.0, row_weight=row_weight)
+        act_ref = grouped_mxfp4_gemm_reference(
+            x, blocks, w13, s13, gate_limit=7.0, row_weight=row_weight
+        )
+        assert _relative_error(act[used], act_ref[used]) < 1e-2
+    act_ref[~used] = 0
+    down = {"row_weight": pair_weight, "out_dtype": torch.float32}
+    out = grouped_mxfp4_gemm(act_ref, blocks, w2, s2, **down)
+    out_ref = grouped_mxfp4_gemm_reference(act_ref, blocks, w2, s2, **down)
+    assert _relative_error(out, out_ref) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+def test_moe_on_cuda_uses_the_kernel_and_matches_the_reference_path(num_tokens: int) -> None:
+    moe = _quantized_moe(dim=512, inter=256, num_experts=16, top_k=6, seed=2).cuda()
+    x = torch.randn(num_tokens, 512, device="cuda").bfloat16()
+    expected = moe(x)  # unpacked: the per-expert path
+    moe.pack_experts()
+    grouped = moe(x)
+    assert _relative_error(grouped, expected) < 1e-2
