@@ -1,0 +1,105 @@
+"""Each Triton kernel against the torch path it replaces, at the EP8 rank's real shapes.
+
+    python3 benchmarks/kernels.py [--tokens 16 64 256 4096] [--out DIR]
+
+grouped_mxfp4_gemm: one MoE layer's routed experts (48 experts, top-6, hidden 5120, expert
+width 2304, MXFP4), T tokens routed by the layer's own gate on random inputs. "before" is the
+per-expert path (`MoE` unpacked: host-read counts, each expert's weights dequantised to bf16 then
+`F.linear`); "after" the packed MoE (two grouped-kernel launches). Reported: median ms (CUDA
+synchronised), the weight bytes of the experts that got rows over the time (GB/s), the routed
+FLOPs over the time (TFLOP/s), and the two outputs' relative difference. Writes kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu_rank import RANK_EXPERTS, time_ms
+from engine.models.deepseek_v41.moe import MoE
+
+HIDDEN = 5120
+EXPERT_WIDTH = 2304
+TOP_K = 6
+SWIGLU_LIMIT = 10.0
+
+
+def quantized_moe(device: torch.device) -> MoE:
+    with torch.device("meta"):
+        moe = MoE(
+            HIDDEN, EXPERT_WIDTH, RANK_EXPERTS, TOP_K, 2.5, SWIGLU_LIMIT, torch.bfloat16, True
+        )
+    moe = moe.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for tensor in moe.buffers():
+            if tensor.dtype == torch.int8:
+                codes = torch.randint(-128, 128, tensor.shape, generator=generator, device=device)
+                tensor.copy_(codes)
+            else:
+                tensor.view(torch.uint8).fill_(119)
+        for parameter in moe.parameters():
+            parameter.normal_(0.0, HIDDEN**-0.5, generator=generator)
+    return moe
+
+
+def routed_bytes(moe: MoE, x: torch.Tensor) -> float:
+    """Expert weight bytes one step reads: codes and scales of each expert with rows."""
+    ids, _ = moe.route(x)
+    used = int(torch.unique(ids).numel())
+    per_expert = 3 * HIDDEN * EXPERT_WIDTH * (0.5 + 1 / 32)
+    return used * per_expert
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    unpacked = quantized_moe(device)
+    packed = quantized_moe(device)
+    packed.pack_experts()
+    rows = []
+    for num_tokens in args.tokens:
+        x = torch.randn(num_tokens, HIDDEN, device=device, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            before = time_ms(lambda x=x: unpacked(x), device, 2, 5)
+            after = time_ms(lambda x=x: packed(x), device, 3, 20)
+            ours, reference = packed(x).float(), unpacked(x).float()
+        error = float((ours - reference).norm() / reference.norm())
+        weight_bytes = routed_bytes(packed, x)
+        flops = 2 * num_tokens * TOP_K * 3 * HIDDEN * EXPERT_WIDTH
+        rows.append(
+            {
+                "kernel": "grouped_mxfp4_gemm (MoE layer)",
+                "tokens": num_tokens,
+                "before_ms": before,
+                "after_ms": after,
+                "after_gbs": weight_bytes / after / 1e6,
+                "after_tflops": flops / after / 1e9,
+                "before_gbs": weight_bytes / before / 1e6,
+                "rel_diff": error,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    print(
+        f"\n{'kernel':<32} {'T':>5} {'before ms':>10} {'after ms':>9} {'GB/s':>7} "
+        f"{'TFLOP/s':>8} {'rel diff':>9}"
+    )
+    for row in rows:
+        print(
+            f"{row['kernel']:<32} {row['tokens']:>5} {row['before_ms']:>10.2f} "
+            f"{row['after_ms']:>9.3f} {row['after_gbs']:>7.0f} {row['after_tflops']:>8.1f} "
+            f"{row['rel_diff']:>9.2e}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
