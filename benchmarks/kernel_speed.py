@@ -1,13 +1,13 @@
 """Each Triton kernel against the torch path it replaces, at the EP8 rank's real shapes.
 
-    python3 benchmarks/kernels.py [--tokens 16 64 256 4096] [--out DIR]
+    python3 benchmarks/kernel_speed.py [--tokens 16 64 256 4096] [--out DIR]
 
 grouped_mxfp4_gemm: one MoE layer's routed experts (48 experts, top-6, hidden 5120, expert
 width 2304, MXFP4), T tokens routed by the layer's own gate on random inputs. "before" is the
 per-expert path (`MoE` unpacked: host-read counts, each expert's weights dequantised to bf16 then
 `F.linear`); "after" the packed MoE (two grouped-kernel launches). Reported: median ms (CUDA
 synchronised), the weight bytes of the experts that got rows over the time (GB/s), the routed
-FLOPs over the time (TFLOP/s), and the two outputs' relative difference. Writes kernels.json.
+FLOPs over the time (TFLOP/s), and the two outputs' relative difference. Writes kernel_speed.json.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main() -> None:
             f"{row['rel_diff']:>9.2e}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels.json").write_text(json.dumps(rows, indent=2))
+    (args.out / "kernel_speed.json").write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
