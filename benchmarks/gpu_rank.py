@@ -16,7 +16,8 @@ bf16. It measures the two ceilings (device copy bandwidth; bf16 and fp8 matmul r
 
 each as a percentage of the roofline: max(FLOPs / fp8 rate, bytes / bandwidth) with FLOPs and
 bytes counted from the configuration (`count_work`). `--profile` adds a `torch.profiler` summary
-of one decode step and one prefill chunk: top kernels by GPU time and GPU time per model part.
+of one decode step and one prefill chunk: top kernels by GPU time (with the model parts they ran
+in), GPU time per model part, and the source lines where the step waits for the GPU.
 Prints one table; writes `gpu_rank.json` (and `profile_*.txt`) under `--out` (default `$OUT`).
 """
 
@@ -29,6 +30,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,15 +116,21 @@ class Work:
     bytes: float
 
 
-def _weight_bytes(model) -> tuple[float, float]:
-    """(bytes of the weights a target step reads, bytes of routed experts among them); the
-    embedding (a gather), Engram tables (gathers) and DSpark (off) are excluded."""
-    total = experts = 0.0
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+def _step_weights(model):
+    """(name, tensor) of the checkpoint tensors a target step reads (the state dict: the packed
+    expert stacks are not in it, their views are); the embedding (a gather), Engram tables
+    (gathers) and DSpark (off) are excluded."""
+    for name, tensor in model.state_dict(keep_vars=True).items():
         if name.startswith("mtp.") or name.startswith("embed.") or ".engram." in name:
             continue
-        if tensor.dtype == torch.long:
-            continue
+        if tensor.dtype != torch.long:
+            yield name, tensor
+
+
+def _weight_bytes(model) -> tuple[float, float]:
+    """(bytes of the weights a target step reads, bytes of routed experts among them)."""
+    total = experts = 0.0
+    for name, tensor in _step_weights(model):
         size = tensor.numel() * tensor.element_size()
         total += size
         if ".ffn.experts." in name:
@@ -132,10 +140,8 @@ def _weight_bytes(model) -> tuple[float, float]:
 
 def _active_params_per_token(cfg: DeepseekV41Config, model) -> float:
     per_token = 0.0
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name.startswith("mtp.") or name.startswith("embed.") or ".engram." in name:
-            continue
-        if tensor.dim() < 2 or tensor.dtype == torch.long or name.endswith(".scale"):
+    for name, tensor in _step_weights(model):
+        if tensor.dim() < 2 or name.endswith(".scale"):
             continue
         count = tensor.numel() * (2 if tensor.dtype == torch.int8 else 1)  # two e2m1 per byte
         if ".ffn.experts." in name:
@@ -343,6 +349,25 @@ def profile(model, fn, device: torch.device, title: str, out: Path | None) -> st
     return text
 
 
+def host_syncs(fn) -> list[str]:
+    """Source lines where `fn()` made the host wait for the GPU (CUDA sync debug mode)."""
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites: dict[str, int] = {}
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            site = f"{Path(warning.filename).name}:{warning.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    return [f"{site} ({count}x)" for site, count in sorted(sites.items())]
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -443,6 +468,9 @@ def main() -> None:
             with torch.inference_mode():
                 step = functools.partial(model.forward_step, batch, case_state)
                 print(profile(model, step, device, title, args.out))
+                if device.type == "cuda":
+                    syncs = results.setdefault("host_syncs", {})[title] = host_syncs(step)
+                    print(f"## {title}: host syncs inside the step: {syncs or 'none'}")
     ceiling_text = json.dumps({k: round(v, 1) for k, v in limits.items()})
     print(f"\n{results['config']} on {device}: {ceiling_text}")
     print(f"{'phase':<8} {'size':>6} {'step ms':>10} {'tokens/s':>10} {'% roofline':>11}")

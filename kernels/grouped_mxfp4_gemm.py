@@ -125,6 +125,27 @@ def _dequantize_tile(
     return tl.reshape(values, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
 
 
+def _configs() -> list[triton.Config]:
+    shapes = [(32, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3),
+              (64, 256, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4)]  # fmt: skip
+    return [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+        for n, k, warps, stages in shapes
+    ]
+
+
+def _keep_dividing(configs: list[triton.Config], named_args: dict, **_: object) -> list:
+    k = named_args["K"]
+    return [config for config in configs if k % config.kwargs["BLOCK_K"] == 0]
+
+
+# Tuned once per (N, K, block size, use) on first launch; the output is written, never
+# accumulated, so the tuner's repeated launches are harmless.
+@triton.autotune(
+    configs=_configs(),
+    key=["N", "K", "BLOCK_M", "GATED"],
+    prune_configs_by={"early_config_prune": _keep_dividing},
+)
 @triton.jit
 def _grouped_mxfp4_gemm_kernel(
     x_ptr,
@@ -213,13 +234,6 @@ def _check_weights(codes: Tensor, scales: Tensor, k: int) -> tuple[int, int]:
     return num_experts, n_weight
 
 
-def _block_k(k: int) -> int:
-    for block_k in (128, 64, 32):
-        if k % block_k == 0:
-            return block_k
-    raise AssertionError("K is a multiple of 32")
-
-
 def grouped_mxfp4_gemm(
     x: Tensor,
     blocks: ExpertBlocks,
@@ -262,8 +276,10 @@ def grouped_mxfp4_gemm(
         raise ValueError(f"row_weight must be contiguous fp32 [{blocks.num_pairs}]")
     out_rows = blocks.num_positions if gated else blocks.num_pairs
     out = torch.empty(out_rows, n, dtype=out_dtype, device=x.device)
-    block_n = 64
-    grid = (blocks.block_expert.numel(), triton.cdiv(n, block_n))
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (blocks.block_expert.numel(), triton.cdiv(n, meta["BLOCK_N"]))
+
     _grouped_mxfp4_gemm_kernel[grid](
         x,
         codes,
@@ -285,9 +301,6 @@ def grouped_mxfp4_gemm(
         GATED=gated,
         HAS_ROW_WEIGHT=row_weight is not None,
         BLOCK_M=blocks.block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=_block_k(k),
-        num_warps=4,
     )
     return out
 

@@ -2,7 +2,8 @@
 
 Every function here is vectorised over tokens and sequences of a `StepBatch`; a step may carry
 any number of new positions per sequence, so one-shot, chunked and token-by-token runs share this
-code. The only loop is over query chunks of the indexer, to bound its score buffer.
+code. The only loops are over query groups (the indexer's scores, the gathered global rows),
+to bound their buffers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from engine.models.deepseek_v41.state import BLOCK_TOKENS, PAIR_RING, ModelState
 
 # Upper bound on elements of one indexer score buffer [chunk, heads, J].
 _INDEX_SCORE_ELEMS = 1 << 25
+# Upper bound on elements of one group of gathered global rows [tokens, K, hd] (fp32).
+_GLOBAL_ROW_ELEMS = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -241,28 +244,46 @@ class Attention(nn.Module):
         visible = visible[None, None] & (band_pos >= 0)[:, :, None, :]
         band = band.masked_fill(~visible[:, :, :, None, :], float("-inf"))
         band_flat = batch.unpad(band.flatten(1, 2)[:, : batch.max_len])  # [T, H, span]
-        parts = [band_flat]
-        rows = None
-        if self.ratio:
-            sel = ctx.selection[self.ratio]
-            rows = self._gather_global(sel, ctx)  # [T, K, hd]
-            glob = torch.einsum("thd,tkd->thk", q.float(), rows) * scale
-            parts.append(glob.masked_fill((sel < 0)[:, None, :], float("-inf")))
         sink = self.attn_sink.float()[None, :, None].expand(q.shape[0], -1, 1)
-        probs = torch.cat((*parts, sink), -1).softmax(-1)
-        p_band = probs[..., :span]
+        if not self.ratio:
+            p_band = torch.cat((band_flat, sink), -1).softmax(-1)[..., :span]
+            o_global = None
+        else:
+            p_band, o_global = self._global_attention(q, band_flat, sink, ctx)
         p_band = F.pad(batch.pad(p_band), (0, 0, 0, 0, 0, t_pad - batch.max_len))
         p_band = p_band.view(batch.num_seqs, num_chunks, chunk, *p_band.shape[2:])
         o = torch.einsum("bnchk,bnkd->bnchd", p_band, band_keys).flatten(1, 2)
         o = batch.unpad(o[:, : batch.max_len])
-        if rows is not None:
-            o = o + torch.einsum("thk,tkd->thd", probs[..., span:-1], rows)
-        return o
+        return o if o_global is None else o + o_global
 
-    def _gather_global(self, sel: Tensor, ctx: StepContext) -> Tensor:
-        batch = ctx.batch
-        seq = batch.seq_of_token[:, None].expand_as(sel)
-        block, row = _global_row_address(batch, seq, sel.clamp(min=0), self.ratio)
+    def _global_attention(
+        self, q: Tensor, band: Tensor, sink: Tensor, ctx: StepContext
+    ) -> tuple[Tensor, Tensor]:
+        """The joint softmax of window, selected global rows and sink, token by token.
+
+        Returns the window rows' probabilities [T, H, span] and the selected rows' output
+        [T, H, hd]. Tokens go in groups, so the gathered rows ([tokens, K, hd] fp32) stay within
+        `_GLOBAL_ROW_ELEMS` elements at any chunk length.
+        """
+        sel = ctx.selection[self.ratio]
+        scale = self.cfg.head_dim**-0.5
+        span = band.shape[-1]
+        step = max(1, _GLOBAL_ROW_ELEMS // max(1, sel.shape[1] * q.shape[-1]))
+        p_band = torch.empty_like(band)
+        o_global = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for lo in range(0, q.shape[0], step):
+            tokens = slice(lo, lo + step)
+            rows = self._gather_global(sel[tokens], ctx.batch.seq_of_token[tokens], ctx)
+            glob = torch.einsum("thd,tkd->thk", q[tokens].float(), rows) * scale
+            glob = glob.masked_fill((sel[tokens] < 0)[:, None, :], float("-inf"))
+            probs = torch.cat((band[tokens], glob, sink[tokens]), -1).softmax(-1)
+            p_band[tokens] = probs[..., :span]
+            o_global[tokens] = torch.einsum("thk,tkd->thd", probs[..., span:-1], rows)
+        return p_band, o_global
+
+    def _gather_global(self, sel: Tensor, seq_of_token: Tensor, ctx: StepContext) -> Tensor:
+        seq = seq_of_token[:, None].expand_as(sel)
+        block, row = _global_row_address(ctx.batch, seq, sel.clamp(min=0), self.ratio)
         stored = ctx.state.global_kv[self.source_id][block.clamp(min=0), row]
         return ctx.codecs.global_kv.decode(stored)
 
