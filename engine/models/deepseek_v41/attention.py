@@ -100,7 +100,7 @@ class Compressor(nn.Module):
         seq = batch.seq_of_token
         slot = batch.slots[seq]
         local = torch.arange(pos.numel(), device=pos.device) - batch.pad_index[:, 0][seq]
-        odd = torch.nonzero(pos % 2 == 1).squeeze(-1)
+        odd = batch.token_indices(parity=1)
         in_call = (local[odd] > 0)[:, None]
         ring_idx = ((pos[odd] - 1) // 2) % PAIR_RING
         carried = pending[slot[odd], ring_idx]  # [G, 2, D]
@@ -111,7 +111,7 @@ class Compressor(nn.Module):
         lat = self.norm(pooled.to(x.dtype))
         # Keep (k, gate) of recent even tokens: a later step may need any of them as a partner
         # (drafts past an accepted even position are recomputed from here).
-        keep = torch.nonzero((pos % 2 == 0) & batch.in_tail(2 * PAIR_RING)).squeeze(-1)
+        keep = batch.token_indices(tail=2 * PAIR_RING, parity=0)
         pending[slot[keep], (pos[keep] // 2) % PAIR_RING] = torch.stack((k[keep], g[keep]), 1)
         return lat, pos[odd] - 1, odd
 
@@ -206,7 +206,7 @@ class Attention(nn.Module):
         batch, ring = ctx.batch, ctx.state.swa[self.layer_id]
         window = self.cfg.sliding_window
         device = window_rows.device
-        start = torch.tensor(batch.start_positions, device=device)
+        start = batch.start_position_tensor
         back = torch.arange(-(window - 1), 0, device=device)
         prev_pos = start[:, None] + back[None, :]
         prev = ring[batch.slots[:, None], prev_pos.clamp(min=0) % ring.shape[1]]

@@ -334,7 +334,7 @@ def engram_hash_ids(
         is_stop |= token_ids == image_token_id
     is_blocked = is_stop.cumsum(dim=1) > 0
     compressed = token_map[token_ids.clamp(min=0)]
-    compressed = compressed.masked_fill(is_blocked, token_map[pad_id])
+    compressed = torch.where(is_blocked, token_map[pad_id], compressed)
     products = compressed * tables.multipliers  # [T, S]
     rolls = []
     roll = products[:, 0]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 
 import torch
 from torch import Tensor
@@ -152,9 +152,14 @@ def e2m1_encode(y: Tensor) -> Tensor:
 
 def e2m1_decode(codes: Tensor) -> Tensor:
     """Decode e2m1 codes (uint8 0..15, any shape) to float32 values of the same shape."""
-    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
-    lut = torch.cat([magnitudes, -magnitudes])
-    return lut[codes.to(torch.int64)]
+    return _e2m1_table(codes.device)[codes.to(torch.int64)]
+
+
+@cache
+def _e2m1_table(device: torch.device) -> Tensor:
+    """The 16 e2m1 values by code, kept per device (built once: uploading it is a host wait)."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+    return torch.cat([magnitudes, -magnitudes]).to(device)
 
 
 def decode_e2m1_bytes(packed: Tensor) -> Tensor:

@@ -294,7 +294,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         s = torch.arange(span, device=batch.token_ids.device)
         pos = batch.positions[:, None] - s[None, :]
         flat = torch.arange(batch.num_tokens, device=pos.device)[:, None] - s[None, :]
-        start = torch.tensor(batch.start_positions, device=pos.device)[batch.seq_of_token]
+        start = batch.start_position_tensor[batch.seq_of_token]
         in_step = pos >= start[:, None]
         from_step = batch.token_ids[flat.clamp(min=0)]
         slot = batch.slots[batch.seq_of_token][:, None].expand_as(pos)

@@ -75,6 +75,7 @@ class StepBatch:
     positions: Tensor = field(init=False)
     seq_of_token: Tensor = field(init=False)
     pad_index: Tensor = field(init=False)  # [B, T_max] flat token index, −1 for padding
+    start_position_tensor: Tensor = field(init=False)  # `start_positions` on the device
     lengths: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,17 +85,21 @@ class StepBatch:
         self.lengths = [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
         if any(n <= 0 for n in self.lengths):
             raise ValueError("every sequence in a step needs at least one new token")
-        lengths = torch.tensor(self.lengths, device=device)
+        lengths = ints_to_device(self.lengths, device)
         self.seq_of_token = torch.repeat_interleave(
             torch.arange(len(self.lengths), device=device), lengths
         )
-        first = torch.tensor(self.starts[:-1], device=device)
-        base = torch.tensor(self.start_positions, device=device)
+        first = ints_to_device(self.starts[:-1], device)
+        self.start_position_tensor = ints_to_device(self.start_positions, device)
         offset = torch.arange(self.token_ids.numel(), device=device) - first[self.seq_of_token]
-        self.positions = base[self.seq_of_token] + offset
+        self.positions = self.start_position_tensor[self.seq_of_token] + offset
         t_max = max(self.lengths)
         local = torch.arange(t_max, device=device)
         self.pad_index = torch.where(local[None, :] < lengths[:, None], first[:, None] + local, -1)
+        self._unpad_index = ints_to_device(
+            [b * t_max + i for b, n in enumerate(self.lengths) for i in range(n)], device
+        )
+        self._token_indices: dict[tuple[int | None, int | None], Tensor] = {}
 
     @property
     def num_seqs(self) -> int:
@@ -112,30 +117,47 @@ class StepBatch:
         """Position of each sequence's last new token."""
         return [p + n - 1 for p, n in zip(self.start_positions, self.lengths, strict=True)]
 
-    def in_tail(self, n: int) -> Tensor:
-        """Bool [T]: the token is among the last `n` new positions of its sequence.
+    def token_indices(self, tail: int | None = None, parity: int | None = None) -> Tensor:
+        """Flat indices (int64, on the batch's device) of the tokens among the last `tail` new
+        positions of their sequence and/or at positions of the given parity (None = any).
 
-        Ring writes keep only these, so a long chunk never writes one ring index twice.
+        Computed on the host from the batch's ints, so no device value is read back. Ring
+        writes keep only a tail, so a long chunk never writes one ring index twice.
         """
-        if not hasattr(self, "_end_of_token"):
-            ends = torch.tensor(self.end_positions(), device=self.positions.device)
-            self._end_of_token = ends[self.seq_of_token]
-        return self.positions > self._end_of_token - n
+        key = (tail, parity)
+        if key not in self._token_indices:
+            chosen = []
+            seqs = zip(self.starts, self.start_positions, self.lengths, strict=False)
+            for first, start, n in seqs:
+                skip = 0 if tail is None else max(0, n - tail)
+                chosen.extend(
+                    first + i for i in range(skip, n) if parity is None or (start + i) % 2 == parity
+                )
+            self._token_indices[key] = ints_to_device(chosen, self.token_ids.device)
+        return self._token_indices[key]
 
     def tail(self, n: int) -> Tensor:
-        """Flat indices of the tokens selected by `in_tail(n)`."""
-        return torch.nonzero(self.in_tail(n)).squeeze(-1)
+        """Flat indices of each sequence's last `n` new tokens (`token_indices(tail=n)`)."""
+        return self.token_indices(tail=n)
 
     def pad(self, flat: Tensor, fill: float = 0.0) -> Tensor:
         """[T, ...] → [B, T_max, ...] with `fill` in padding rows."""
         out = flat[self.pad_index.clamp(min=0)]
         mask = (self.pad_index >= 0).view(*self.pad_index.shape, *([1] * (flat.dim() - 1)))
-        return torch.where(mask, out, torch.as_tensor(fill, dtype=flat.dtype, device=flat.device))
+        return out.masked_fill(~mask, fill)
 
     def unpad(self, padded: Tensor) -> Tensor:
         """[B, T_max, ...] → [T, ...] (inverse of `pad`)."""
-        valid = self.pad_index >= 0
-        return padded[valid]
+        return padded.flatten(0, 1)[self._unpad_index]
+
+
+def ints_to_device(values: list[int], device: torch.device | str) -> Tensor:
+    """An int64 tensor of host ints on `device`; to a GPU through pinned memory without making
+    the host wait for the GPU (a plain `torch.tensor(..., device=cuda)` does)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def sequential_batch(
