@@ -103,6 +103,19 @@ def mhc_triplet(
     scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
     # One fused multiply-add, as the released kernel rounds it.
     logits = torch.addcmul(base.float(), mix, scales)
+    if logits.is_cuda:
+        from kernels.mhc_mix import mhc_mix
+
+        return mhc_mix(logits, n, hc_eps, iters)
+    return mhc_mix_reference(logits, n, hc_eps, iters)
+
+
+def mhc_mix_reference(
+    logits: Tensor, n: int, hc_eps: float, iters: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 logits [T, 2N + N²] → (pre [T, N], post [T, N], comb [T, N, N]): sigmoid gates and
+    a softmax made doubly stochastic by `iters` Sinkhorn normalisations (`kernels.mhc_mix` on
+    CUDA: one launch instead of ~120)."""
     pre = torch.sigmoid(logits[:, :n]) + hc_eps
     post = 2 * torch.sigmoid(logits[:, n : 2 * n])
     comb = logits[:, 2 * n :].unflatten(-1, (n, n))

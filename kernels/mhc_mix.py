@@ -1,0 +1,93 @@
+"""mHC mixing coefficients of one hyper-connection site in one launch (`model.md` §3.2).
+
+From the fp32 logits [T, 2N + N²] (N streams) of each token:
+
+    pre  = sigmoid(logits[:N]) + eps                      [T, N]
+    post = 2 · sigmoid(logits[N:2N])                      [T, N]
+    comb = softmax over columns of logits[2N:] as [N, N], + eps, then normalised over rows
+           (dim −2), then `iters − 1` times: over columns, over rows (Sinkhorn)   [T, N, N]
+
+The torch version (`engine.models.deepseek_v41.primitives.mhc_mix_reference`) is ~120 launches
+of tiny kernels per site, 80 sites per step; here each token's N² values stay in registers
+through every iteration.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from engine.models.deepseek_v41.primitives import mhc_mix_reference
+
+__all__ = ["mhc_mix", "mhc_mix_reference"]
+
+_BLOCK_T = 16
+
+
+@triton.jit
+def _mhc_mix_kernel(
+    logits_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    num_tokens,
+    hc_eps,
+    ITERS: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    width: tl.constexpr = 2 * N + N * N
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    is_token = t < num_tokens
+    i = tl.arange(0, N)
+    gate_mask = is_token[:, None]
+    row = logits_ptr + t[:, None].to(tl.int64) * width
+    pre = tl.sigmoid(tl.load(row + i[None, :], mask=gate_mask, other=0.0)) + hc_eps
+    post = 2.0 * tl.sigmoid(tl.load(row + N + i[None, :], mask=gate_mask, other=0.0))
+    out = t[:, None].to(tl.int64) * N + i[None, :]
+    tl.store(pre_ptr + out, pre, mask=gate_mask)
+    tl.store(post_ptr + out, post, mask=gate_mask)
+    # comb[t, j, i]: row j (source stream), column i (target stream).
+    j = tl.arange(0, N)
+    cell = t[:, None, None].to(tl.int64) * width + 2 * N + j[None, :, None] * N + i[None, None, :]
+    cell_mask = is_token[:, None, None]
+    comb = tl.load(logits_ptr + cell, mask=cell_mask, other=0.0)
+    comb = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
+    comb = comb / tl.sum(comb, axis=2)[:, :, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    for _ in tl.static_range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    cell_out = t[:, None, None].to(tl.int64) * (N * N) + j[None, :, None] * N + i[None, None, :]
+    tl.store(comb_ptr + cell_out, comb, mask=cell_mask)
+
+
+def mhc_mix(logits: Tensor, n: int, hc_eps: float, iters: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`mhc_mix_reference` in one launch.
+
+    Raises:
+        ValueError: logits not contiguous fp32 [T, 2n + n²] on CUDA, n not a power of two, or
+            iters < 1.
+    """
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] != 2 * n + n * n:
+        expected = f"fp32 [T, {2 * n + n * n}]"
+        raise ValueError(f"logits must be {expected}, got {logits.dtype} {tuple(logits.shape)}")
+    if n < 1 or n & (n - 1) or iters < 1:
+        raise ValueError(f"n must be a power of two and iters >= 1, got n={n}, iters={iters}")
+    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("mhc_mix runs on CUDA (or Triton's CPU interpreter)")
+    logits = logits.contiguous()
+    num_tokens = logits.shape[0]
+    pre = torch.empty(num_tokens, n, dtype=torch.float32, device=logits.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(num_tokens, n, n, dtype=torch.float32, device=logits.device)
+    if num_tokens:
+        grid = (triton.cdiv(num_tokens, _BLOCK_T),)
+        _mhc_mix_kernel[grid](
+            logits, pre, post, comb, num_tokens, hc_eps, ITERS=iters, N=n, BLOCK_T=_BLOCK_T
+        )
+    return pre, post, comb
