@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.models import DeepseekV41ForCausalLM, StepBatch
+from engine.models import DeepseekV41ForCausalLM, StepBatch, ints_to_device
 from engine.outputs import ModelOutput, SamplingInfo, SchedulerOutput, TokenLogprob
 from engine.sampler import Sampler, SamplingBatch
 
@@ -66,19 +66,16 @@ class ModelRunner:
         for c in chunks:
             starts.append(starts[-1] + len(c.token_ids))
         width = max(1, max(len(c.block_table) for c in chunks))
-        tables = torch.full((len(chunks), width), -1, dtype=torch.long)
-        for i, c in enumerate(chunks):
-            if c.block_table:
-                tables[i, : len(c.block_table)] = torch.tensor(c.block_table)
+        tables = [[*c.block_table, *[-1] * (width - len(c.block_table))] for c in chunks]
         sampled_rows = [starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sampling is not None]
         dev = self.device
         return StepBatch(
-            token_ids=torch.tensor(flat, dtype=torch.long, device=dev),
+            token_ids=ints_to_device(flat, dev),
             starts=starts,
             start_positions=[c.start_position for c in chunks],
-            slots=torch.tensor([c.slot for c in chunks], dtype=torch.long, device=dev),
-            block_tables=tables.to(dev),
-            logits_indices=torch.tensor(sampled_rows, dtype=torch.long, device=dev),
+            slots=ints_to_device([c.slot for c in chunks], dev),
+            block_tables=ints_to_device(tables, dev),
+            logits_indices=ints_to_device(sampled_rows, dev),
         )
 
     @torch.inference_mode()

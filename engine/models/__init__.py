@@ -10,7 +10,7 @@ from engine.models.deepseek_v41.checkpoint_writer import write_random_checkpoint
 from engine.models.deepseek_v41.config import DeepseekV41Config, preset_config
 from engine.models.deepseek_v41.loading import load_model
 from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM, Numerics, StepOutput
-from engine.models.deepseek_v41.state import ModelState, StepBatch, sequential_batch
+from engine.models.deepseek_v41.state import ModelState, StepBatch, ints_to_device, sequential_batch
 
 __all__ = [
     "CheckpointError",
@@ -20,6 +20,7 @@ __all__ = [
     "LoadedCheckpoint",
     "ModelState",
     "StepBatch",
+    "ints_to_device",
     "StepOutput",
     "load_checkpoint",
     "load_model",

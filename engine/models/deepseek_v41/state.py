@@ -151,7 +151,7 @@ class StepBatch:
         return padded.flatten(0, 1)[self._unpad_index]
 
 
-def ints_to_device(values: list[int], device: torch.device | str) -> Tensor:
+def ints_to_device(values: list[int] | list[list[int]], device: torch.device | str) -> Tensor:
     """An int64 tensor of host ints on `device`; to a GPU through pinned memory without making
     the host wait for the GPU (a plain `torch.tensor(..., device=cuda)` does)."""
     host = torch.tensor(values, dtype=torch.long)
