@@ -7,7 +7,11 @@ width 2304, MXFP4), T tokens routed by the layer's own gate on random inputs. "b
 per-expert path (`MoE` unpacked: host-read counts, each expert's weights dequantised to bf16 then
 `F.linear`); "after" the packed MoE (two grouped-kernel launches). Reported: median ms (CUDA
 synchronised), the weight bytes of the experts that got rows over the time (GB/s), the routed
-FLOPs over the time (TFLOP/s), and the two outputs' relative difference. Writes kernel_speed.json.
+FLOPs over the time (TFLOP/s), and the two outputs' relative difference.
+
+mhc_mix: one hyper-connection site's gates and Sinkhorn (4 streams, 20 iterations) for T tokens;
+"before" the torch reference (~120 launches), "after" the kernel; GB/s counts logits in and
+coefficients out. Writes kernel_speed.json.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from benchmarks.gpu_rank import RANK_EXPERTS, time_ms
 from engine.models.deepseek_v41.moe import MoE
+from kernels.mhc_mix import mhc_mix, mhc_mix_reference
 
 HIDDEN = 5120
 EXPERT_WIDTH = 2304
@@ -55,45 +60,74 @@ def routed_bytes(moe: MoE, x: torch.Tensor) -> float:
     return used * per_expert
 
 
+def _row(kernel: str, tokens: int, before: float, after: float, moved: float, flops: float,
+         error: float) -> dict:  # fmt: skip
+    row = {
+        "kernel": kernel,
+        "tokens": tokens,
+        "before_ms": before,
+        "after_ms": after,
+        "before_gbs": moved / before / 1e6,
+        "after_gbs": moved / after / 1e6,
+        "after_tflops": flops / after / 1e9,
+        "rel_diff": error,
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours.float() - reference.float()).norm() / reference.float().norm())
+
+
+def moe_rows(tokens: list[int], device: torch.device) -> list[dict]:
+    unpacked = quantized_moe(device)
+    packed = quantized_moe(device)
+    packed.pack_experts()
+    rows = []
+    for num_tokens in tokens:
+        x = torch.randn(num_tokens, HIDDEN, device=device, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            before = time_ms(lambda x=x: unpacked(x), device, 2, 5)
+            after = time_ms(lambda x=x: packed(x), device, 3, 20)
+            error = _relative(packed(x), unpacked(x))
+            moved = routed_bytes(packed, x)
+        flops = 2 * num_tokens * TOP_K * 3 * HIDDEN * EXPERT_WIDTH
+        name = "grouped_mxfp4_gemm (MoE layer)"
+        rows.append(_row(name, num_tokens, before, after, moved, flops, error))
+    return rows
+
+
+def mhc_rows(tokens: list[int], device: torch.device) -> list[dict]:
+    """One hyper-connection site's mixing (N = 4 streams, 20 Sinkhorn iterations)."""
+    n, eps, iters = 4, 1e-6, 20
+    rows = []
+    for num_tokens in tokens:
+        logits = torch.randn(num_tokens, 2 * n + n * n, device=device) * 3
+        before = time_ms(lambda x=logits: mhc_mix_reference(x, n, eps, iters), device, 3, 20)
+        after = time_ms(lambda x=logits: mhc_mix(x, n, eps, iters), device, 3, 20)
+        comb = mhc_mix(logits, n, eps, iters)[2]
+        reference = mhc_mix_reference(logits, n, eps, iters)[2]
+        moved = logits.numel() * 4 * 2  # logits in, as many values out
+        rows.append(_row("mhc_mix (one mHC site)", num_tokens, before, after, moved, 0.0,
+                         _relative(comb, reference)))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
     device = torch.device("cuda")
-    unpacked = quantized_moe(device)
-    packed = quantized_moe(device)
-    packed.pack_experts()
-    rows = []
-    for num_tokens in args.tokens:
-        x = torch.randn(num_tokens, HIDDEN, device=device, dtype=torch.bfloat16)
-        with torch.inference_mode():
-            before = time_ms(lambda x=x: unpacked(x), device, 2, 5)
-            after = time_ms(lambda x=x: packed(x), device, 3, 20)
-            ours, reference = packed(x).float(), unpacked(x).float()
-        error = float((ours - reference).norm() / reference.norm())
-        weight_bytes = routed_bytes(packed, x)
-        flops = 2 * num_tokens * TOP_K * 3 * HIDDEN * EXPERT_WIDTH
-        rows.append(
-            {
-                "kernel": "grouped_mxfp4_gemm (MoE layer)",
-                "tokens": num_tokens,
-                "before_ms": before,
-                "after_ms": after,
-                "after_gbs": weight_bytes / after / 1e6,
-                "after_tflops": flops / after / 1e9,
-                "before_gbs": weight_bytes / before / 1e6,
-                "rel_diff": error,
-            }
-        )
-        print(json.dumps(rows[-1]), flush=True)
+    rows = moe_rows(args.tokens, device) + mhc_rows(args.tokens, device)
     print(
         f"\n{'kernel':<32} {'T':>5} {'before ms':>10} {'after ms':>9} {'GB/s':>7} "
         f"{'TFLOP/s':>8} {'rel diff':>9}"
     )
     for row in rows:
         print(
-            f"{row['kernel']:<32} {row['tokens']:>5} {row['before_ms']:>10.2f} "
+            f"{row['kernel']:<32} {row['tokens']:>5} {row['before_ms']:>10.3f} "
             f"{row['after_ms']:>9.3f} {row['after_gbs']:>7.0f} {row['after_tflops']:>8.1f} "
             f"{row['rel_diff']:>9.2e}"
         )
