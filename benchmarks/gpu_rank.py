@@ -290,15 +290,40 @@ def _part_of(event) -> str:
 
 
 def _kernel_times(prof, on_cuda: bool) -> list[tuple[str, str, float]]:
-    """(kernel, model part, µs) for every kernel of the trace: GPU kernels attributed through
-    the CPU op that launched them; on the CPU, each op's self time."""
+    """(kernel, model part, µs) for every kernel of the trace.
+
+    GPU: every device event, attributed to the innermost device-side `part:` range containing
+    its start. (Attribution through the launching CPU op misses kernels launched through the
+    driver API, as Triton launches them.) CPU: each op's self time, attributed through its
+    parents.
+    """
+    if not on_cuda:
+        return [
+            (event.name, _part_of(event), event.self_cpu_time_total)
+            for event in prof.events()
+            if event.self_cpu_time_total > 0 and not event.name.startswith("part:")
+        ]
+    device_events = [
+        event
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.elapsed_us()
+    ]
+    ranges = sorted(
+        (e.time_range.start, e.time_range.end, e.name.removeprefix("part:"))
+        for e in device_events
+        if e.name.startswith("part:")
+    )
     times = []
-    for event in prof.events():
-        if on_cuda:
-            for kernel in event.kernels:
-                times.append((kernel.name, _part_of(event), kernel.duration))
-        elif event.self_cpu_time_total > 0 and not event.name.startswith("part:"):
-            times.append((event.name, _part_of(event), event.self_cpu_time_total))
+    for event in device_events:
+        if event.name.startswith("part:"):
+            continue
+        start = event.time_range.start
+        # Ranges sorted by start: the last one containing `start` is the innermost.
+        part = next(
+            (name for lo, hi, name in reversed(ranges) if lo <= start < hi),
+            "other",
+        )
+        times.append((event.name, part, event.time_range.elapsed_us()))
     return times
 
 
