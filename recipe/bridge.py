@@ -199,19 +199,27 @@ class ResponseBridge:
     # ----------------------------------------------------------------------------- helpers
 
     def _push_tokens(self, delta: Delta, choice: _Choice) -> list[StreamEvent]:
+        """Push a delta's tokens into the choice's processor. EOS ids are not parsed (they are
+        no text) but still count as generated tokens in usage, as every token the engine
+        produced does (`ignore_eos` may sample EOS mid-answer)."""
         kept = [i for i, token_id in enumerate(delta.token_ids) if token_id != self._eos_id]
-        if not kept:
-            return []
-        token_ids = [delta.token_ids[i] for i in kept]
-        logprobs = None
-        if delta.logprobs is not None:
-            if len(delta.logprobs) != len(delta.token_ids):
-                raise RuntimeError(
-                    f"{len(delta.logprobs)} logprobs for {len(delta.token_ids)} tokens"
-                )
-            logprobs = [_native_logprob(delta.logprobs[i]) for i in kept]
-        chunk = dr.InferenceChunk.tokens(token_ids, logprobs)
-        return self._emit(delta.index, choice.processor.push(chunk))
+        events: list[StreamEvent] = []
+        if kept:
+            token_ids = [delta.token_ids[i] for i in kept]
+            logprobs = None
+            if delta.logprobs is not None:
+                if len(delta.logprobs) != len(delta.token_ids):
+                    raise RuntimeError(
+                        f"{len(delta.logprobs)} logprobs for {len(delta.token_ids)} tokens"
+                    )
+                logprobs = [_native_logprob(delta.logprobs[i]) for i in kept]
+            chunk = dr.InferenceChunk.tokens(token_ids, logprobs)
+            events += self._emit(delta.index, choice.processor.push(chunk))
+        num_eos = len(delta.token_ids) - len(kept)
+        if num_eos:
+            chunk = dr.InferenceChunk.text("", token_count=num_eos)
+            events += self._emit(delta.index, choice.processor.push(chunk))
+        return events
 
     def _emit(self, index: int, native_events: list[Any]) -> list[StreamEvent]:
         choice = self._choices[index]

@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-.venv/bin/ruff check engine kernels recipe server tests benchmarks
-.venv/bin/ruff format --check engine kernels recipe server tests benchmarks
+.venv/bin/ruff check engine kernels recipe server tests benchmarks loadtest
+.venv/bin/ruff format --check engine kernels recipe server tests benchmarks loadtest
 exec .venv/bin/pytest "$@"

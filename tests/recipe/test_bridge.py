@@ -276,7 +276,9 @@ def test_chat_n_include_usage_and_logprobs(recipe: Recipe, tokenizer: ModelToken
     usage = usage_chunk["usage"]
     assert usage["prompt_tokens"] == prepared.num_prompt_tokens
     assert usage["prompt_tokens_details"]["cached_tokens"] == 4
-    assert usage["completion_tokens"] == sum(len(tokenizer.plain.encode(t).ids) for t in texts)
+    # Every generated token counts, the EOS that ended each choice included (as the engine's
+    # and the server's token counters count them).
+    assert usage["completion_tokens"] == sum(len(tokenizer.plain.encode(t).ids) + 1 for t in texts)
     assert all(e.data["usage"] is None for e in events[:-2])
     contents = {0: "", 1: ""}
     for event in events[:-2]:

@@ -1,0 +1,127 @@
+"""`python -m loadtest` / `deepinfer-loadtest`: sweep rates or concurrencies, print a table,
+write JSON (and a PNG).
+
+    python -m loadtest --base-url http://127.0.0.1:8000 --workload chat \\
+        --mode open --rates 0.5 1 2 --num-requests 50 --duration 120 --out run.json --plot run.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from loadtest.metrics import summarize, table
+from loadtest.runner import RunConfig, run_load
+from loadtest.workloads import WORKLOADS, WorkloadConfig
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loadtest", description=__doc__.splitlines()[0])
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000")
+    target.add_argument("--model", default="DeepSeek-V4.1-Flash")
+    target.add_argument("--api-key", default=None)
+    target.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default={},
+        help='JSON merged into every request, e.g. \'{"thinking": {"type": "disabled"}}\'',
+    )
+    shape = p.add_argument_group("workload")
+    shape.add_argument("--workload", choices=sorted(WORKLOADS), default="fixed")
+    shape.add_argument("--input-tokens", type=int, default=256)
+    shape.add_argument("--output-tokens", type=int, default=64)
+    shape.add_argument("--system-tokens", type=int, default=1024)
+    shape.add_argument("--turns", type=int, default=4)
+    shape.add_argument("--tool-result-tokens", type=int, default=128)
+    shape.add_argument("--tool-share", type=float, default=0.0)
+    shape.add_argument("--json-share", type=float, default=0.0)
+    shape.add_argument(
+        "--no-ignore-eos", action="store_true", help="fixed: let EOS end answers early"
+    )
+    load = p.add_argument_group("load")
+    load.add_argument("--mode", choices=("open", "closed"), default="closed")
+    load.add_argument("--rates", type=float, nargs="+", default=[1.0], help="open: per second")
+    load.add_argument("--concurrency", type=int, nargs="+", default=[4], help="closed")
+    load.add_argument("--num-requests", type=int, default=100, help="per run")
+    load.add_argument("--duration", type=float, default=60.0, help="seconds per run")
+    load.add_argument("--grace", type=float, default=30.0, help="seconds for stragglers")
+    load.add_argument("--timeout", type=float, default=300.0, help="per request")
+    load.add_argument("--seed", type=int, default=0)
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=None, help="JSON result file")
+    out.add_argument("--plot", type=Path, default=None, help="PNG: latency vs throughput")
+    out.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def configs(args: argparse.Namespace) -> tuple[WorkloadConfig, list[RunConfig]]:
+    workload = WorkloadConfig(
+        kind=args.workload,
+        input_tokens=args.input_tokens,
+        output_tokens=args.output_tokens,
+        system_tokens=args.system_tokens,
+        turns=args.turns,
+        tool_result_tokens=args.tool_result_tokens,
+        tool_share=args.tool_share,
+        json_share=args.json_share,
+        ignore_eos=not args.no_ignore_eos,
+        model=args.model,
+        extra_body=args.extra_body,
+        seed=args.seed,
+    )
+    common = {
+        "base_url": args.base_url,
+        "mode": args.mode,
+        "num_requests": args.num_requests,
+        "duration_s": args.duration,
+        "grace_s": args.grace,
+        "request_timeout_s": args.timeout,
+        "api_key": args.api_key,
+        "progress": not args.no_progress,
+        "seed": args.seed,
+    }
+    if args.mode == "open":
+        runs = [RunConfig(rate=rate, **common) for rate in args.rates]
+    else:
+        runs = [RunConfig(concurrency=n, **common) for n in args.concurrency]
+    return workload, runs
+
+
+def sweep(workload: WorkloadConfig, runs: list[RunConfig]) -> list[dict]:
+    """Each run in turn; returns [{"config", "summary", "requests"}] per run."""
+    report = []
+    for run in runs:
+        result = asyncio.run(run_load(run, workload))
+        report.append(
+            {
+                "config": result.config_dict(),
+                "summary": summarize(result),
+                "requests": [
+                    {**asdict(r), "ttft": r.ttft, "e2e": r.e2e, "tpot": r.tpot}
+                    for r in result.records
+                ],
+            }
+        )
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        workload, runs = configs(args)
+    except ValueError as exc:
+        parser().error(str(exc))
+    report = sweep(workload, runs)
+    summaries = [entry["summary"] for entry in report]
+    print(table(summaries))
+    if args.out is not None:
+        args.out.write_text(json.dumps({"runs": report}, indent=2))
+    if args.plot is not None:
+        from loadtest.plot import plot_sweep
+
+        plot_sweep(summaries, args.plot, f"{workload.kind} workload, {args.base_url}")
+    return 1 if any(s["errors"] for s in summaries) else 0

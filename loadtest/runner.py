@@ -1,0 +1,162 @@
+"""Drive a workload against a base URL: open loop (Poisson arrivals) or closed loop (a fixed
+number of concurrent sessions), bounded by a request count and a duration; stops by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+from tqdm import tqdm
+
+from loadtest.client import RequestRecord, stream_chat
+from loadtest.workloads import Reply, WorkloadConfig, session
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How hard and how long to drive the server.
+
+    mode "open": sessions start at Poisson times, `rate` per second (requests per second for
+    single-turn workloads), whatever the server's speed. mode "closed": `concurrency` sessions
+    run at once, each starting its next request when the last one ends.
+    The run issues at most `num_requests` requests and none after `duration_s`; requests still
+    running `grace_s` after that are cancelled (counted, not timed).
+    """
+
+    base_url: str = "http://127.0.0.1:8000"
+    mode: str = "closed"
+    rate: float = 1.0
+    concurrency: int = 4
+    num_requests: int = 100
+    duration_s: float = 60.0
+    grace_s: float = 30.0
+    request_timeout_s: float = 300.0
+    api_key: str | None = None
+    progress: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("open", "closed"):
+            raise ValueError(f"mode must be 'open' or 'closed', got {self.mode!r}")
+        if self.rate <= 0 or self.concurrency < 1 or self.num_requests < 1:
+            raise ValueError("rate must be > 0, concurrency and num_requests >= 1")
+        if self.duration_s <= 0 or self.grace_s < 0:
+            raise ValueError("duration_s must be > 0 and grace_s >= 0")
+
+    @property
+    def label(self) -> str:
+        return f"rate {self.rate:g}/s" if self.mode == "open" else f"concurrency {self.concurrency}"
+
+
+@dataclass
+class RunResult:
+    run: RunConfig
+    workload: WorkloadConfig
+    records: list[RequestRecord] = field(default_factory=list)
+    cancelled: int = 0
+    wall_s: float = 0.0
+
+    def config_dict(self) -> dict:
+        return {"run": asdict(self.run), "workload": asdict(self.workload)}
+
+
+class _Budget:
+    """Requests left to issue and the time after which none is issued."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.left = config.num_requests
+        self.deadline = time.monotonic() + config.duration_s
+
+    def take(self) -> bool:
+        if self.left <= 0 or time.monotonic() >= self.deadline:
+            return False
+        self.left -= 1
+        return True
+
+
+async def run_load(run: RunConfig, workload: WorkloadConfig) -> RunResult:
+    """Run `workload` against `run.base_url`; returns every finished request's record."""
+    result = RunResult(run=run, workload=workload)
+    budget = _Budget(run)
+    in_flight = 0
+    headers = {"Authorization": f"Bearer {run.api_key}"} if run.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(run.request_timeout_s, connect=30.0)
+    url = run.base_url.rstrip("/") + "/v1/chat/completions"
+    bar = tqdm(total=run.num_requests, desc=run.label, unit="req", disable=not run.progress or None)
+    start = time.monotonic()
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+
+        async def one_session(index: int) -> None:
+            nonlocal in_flight
+            turns = session(workload, index)
+            reply: Reply | None = None
+            for turn in itertools.count():
+                try:
+                    body = turns.send(reply) if reply is not None else next(turns)
+                except StopIteration:
+                    return
+                if not budget.take():
+                    return
+                in_flight += 1
+                try:
+                    record, reply = await stream_chat(client, url, body, index, turn)
+                finally:
+                    in_flight -= 1
+                result.records.append(record)
+                bar.update()
+                if not record.ok:
+                    return
+
+        loop = _open_loop if run.mode == "open" else _closed_loop
+        sessions = asyncio.ensure_future(loop(run, budget, one_session))
+        try:
+            remaining = budget.deadline + run.grace_s - time.monotonic()
+            await asyncio.wait_for(asyncio.shield(sessions), max(0.0, remaining))
+        except TimeoutError:
+            result.cancelled = in_flight
+            sessions.cancel()
+            await asyncio.gather(sessions, return_exceptions=True)
+    bar.close()
+    result.wall_s = time.monotonic() - start
+    return result
+
+
+async def _open_loop(run: RunConfig, budget: _Budget, one_session) -> None:
+    rng = random.Random(f"{run.seed}:arrivals")
+    tasks: list[asyncio.Task] = []
+    try:
+        for index in itertools.count():
+            if budget.left <= 0 or time.monotonic() >= budget.deadline:
+                break
+            tasks.append(asyncio.create_task(one_session(index)))
+            await asyncio.sleep(rng.expovariate(run.rate))
+        await asyncio.gather(*tasks)
+    finally:
+        await _cancel(tasks)
+
+
+async def _closed_loop(run: RunConfig, budget: _Budget, one_session) -> None:
+    indices = itertools.count()
+
+    async def worker() -> None:
+        while budget.left > 0 and time.monotonic() < budget.deadline:
+            await one_session(next(indices))
+
+    tasks = [asyncio.create_task(worker()) for _ in range(run.concurrency)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel the unfinished tasks (a run past its grace time) and wait until they are gone."""
+    running = [task for task in tasks if not task.done()]
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
