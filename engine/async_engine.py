@@ -293,6 +293,13 @@ class AsyncEngine:
 
 
 def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
+    """The configured model; on CUDA in bf16 the routed experts stay MXFP4 (a quarter of the
+    bytes, and the grouped Triton kernel reads them), elsewhere they are dequantised."""
+    dtype = getattr(torch, config.dtype)
+    keep_mxfp4 = torch.device(config.device).type == "cuda" and dtype == torch.bfloat16
     return load_model(
-        resolve_model_source(config.model), device=config.device, dtype=getattr(torch, config.dtype)
+        resolve_model_source(config.model),
+        device=config.device,
+        dtype=dtype,
+        quantized_experts=keep_mxfp4,
     )
