@@ -193,7 +193,7 @@ class Attention(nn.Module):
         """Store each sequence's newest rows in its ring (only the last ring_len positions)."""
         batch, ring = ctx.batch, ctx.state.swa[self.layer_id]
         ring_len = ring.shape[1]
-        keep = batch.tail(ring_len)
+        keep = batch.token_indices(tail=ring_len)
         slots = batch.slots[batch.seq_of_token[keep]]
         ring[slots, batch.positions[keep] % ring_len] = rows[keep]
 

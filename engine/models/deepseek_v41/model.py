@@ -303,7 +303,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return ids.masked_fill(pos < 0, -1)
 
     def _record_tokens(self, batch: StepBatch, state: ModelState) -> None:
-        keep = batch.tail(TOKEN_RING)
+        keep = batch.token_indices(tail=TOKEN_RING)
         slots = batch.slots[batch.seq_of_token[keep]]
         state.tokens[slots, batch.positions[keep] % TOKEN_RING] = batch.token_ids[keep]
 
@@ -383,7 +383,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError("this model was built without the DSpark drafter")
         rows = self.mtp.context_rows(features, batch.positions, self.codecs)
         for ring, stage_rows in zip(state.draft_swa, rows, strict=True):
-            keep = batch.tail(ring.shape[1])
+            keep = batch.token_indices(tail=ring.shape[1])
             slots = batch.slots[batch.seq_of_token[keep]]
             ring[slots, batch.positions[keep] % ring.shape[1]] = stage_rows[keep]
 

@@ -136,10 +136,6 @@ class StepBatch:
             self._token_indices[key] = ints_to_device(chosen, self.token_ids.device)
         return self._token_indices[key]
 
-    def tail(self, n: int) -> Tensor:
-        """Flat indices of each sequence's last `n` new tokens (`token_indices(tail=n)`)."""
-        return self.token_indices(tail=n)
-
     def pad(self, flat: Tensor, fill: float = 0.0) -> Tensor:
         """[T, ...] → [B, T_max, ...] with `fill` in padding rows."""
         out = flat[self.pad_index.clamp(min=0)]
