@@ -11,7 +11,11 @@ FLOPs over the time (TFLOP/s), and the two outputs' relative difference.
 
 mhc_mix: one hyper-connection site's gates and Sinkhorn (4 streams, 20 iterations) for T tokens;
 "before" the torch reference (~120 launches), "after" the kernel; GB/s counts logits in and
-coefficients out. Writes kernel_speed.json.
+coefficients out.
+
+sparse_mqa_decode: one decode step of one ratio-2 attention layer for S sequences at 8K context
+(the "T" column is S); "before" the torch path (gather + decode [S, 640, 512] fp32 rows, direct
+softmax), "after" the kernel; GB/s counts the encoded rows read. Writes kernel_speed.json.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_rank import RANK_EXPERTS, time_ms
+from engine.models.deepseek_v41.kv_formats import global_fp4_quantize, swa_mxfp8_quantize
 from engine.models.deepseek_v41.moe import MoE
 from kernels.mhc_mix import mhc_mix, mhc_mix_reference
+from kernels.sparse_mqa_decode import sparse_mqa_decode, sparse_mqa_decode_reference
 
 HIDDEN = 5120
 EXPERT_WIDTH = 2304
@@ -114,6 +120,43 @@ def mhc_rows(tokens: list[int], device: torch.device) -> list[dict]:
     return rows
 
 
+def attention_rows(sequences: list[int], device: torch.device) -> list[dict]:
+    """One decode step of one ratio-2 CSA2 layer (64 heads x 512, window 128, 512 selected rows
+    of a paged FP4 pool at 8K context): torch reference vs `sparse_mqa_decode`."""
+    heads, dim, window, ring_len, ratio, selected = 64, 512, 128, 134, 2, 512
+    per_block, context = 128 // ratio, 8192
+    rows = []
+    for num_seqs in sequences:
+        generator = torch.Generator(device=device).manual_seed(num_seqs)
+        q = torch.randn(num_seqs, heads, dim, device=device, generator=generator).bfloat16()
+        ring = swa_mxfp8_quantize(torch.randn(num_seqs, ring_len, dim, device=device))
+        blocks_per_seq = context // 128
+        pool = global_fp4_quantize(
+            torch.randn(num_seqs * blocks_per_seq, per_block, dim, device=device)
+        )
+        tables = torch.arange(num_seqs * blocks_per_seq, device=device).view(num_seqs, -1)
+        selection = torch.randint(0, context // ratio, (num_seqs, selected), device=device)
+        args = (
+            q,
+            ring,
+            torch.arange(num_seqs, device=device),
+            torch.full((num_seqs,), context - 1, device=device),
+            torch.randn(heads, device=device),
+            window,
+            dim**-0.5,
+            (pool, selection, tables, ratio),
+        )
+        before = time_ms(lambda a=args: sparse_mqa_decode_reference(*a), device, 2, 10)
+        after = time_ms(lambda a=args: sparse_mqa_decode(*a), device, 3, 20)
+        error = _relative(sparse_mqa_decode(*args), sparse_mqa_decode_reference(*args))
+        moved = num_seqs * (window * (dim + dim // 32) + selected * (dim // 2 + dim // 16))
+        moved += num_seqs * heads * dim * (2 + 4)  # q in, fp32 out
+        flops = 4 * num_seqs * heads * dim * (window + selected)
+        name = "sparse_mqa_decode (one layer)"
+        rows.append(_row(name, num_seqs, before, after, moved, flops, error))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
@@ -121,6 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = moe_rows(args.tokens, device) + mhc_rows(args.tokens, device)
+    rows += attention_rows([16, 64, 256], device)
     print(
         f"\n{'kernel':<32} {'T':>5} {'before ms':>10} {'after ms':>9} {'GB/s':>7} "
         f"{'TFLOP/s':>8} {'rel diff':>9}"

@@ -53,3 +53,31 @@ def test_cuda_bf16_tracks_fp32(tiny_checkpoint: Path) -> None:
     # bf16 activations move random-model logits by several units (model.md §14): statistical only.
     corr = torch.corrcoef(torch.stack((bf16.flatten().float(), ref.flatten())))[0, 1]
     assert corr > 0.8  # measured 0.886 on an H200 (torch 2.11)
+
+
+def test_cuda_decode_kernel_matches_one_shot_for_several_sequences(tiny_checkpoint: Path) -> None:
+    # Decode steps (one token per sequence, encoded rows) run `kernels.sparse_mqa_decode`;
+    # the one-shot forward runs the torch attention over the same stored rows.
+    model = load_model(tiny_checkpoint, device="cuda")
+    prompts = _prompts()[:2]  # 97 and 40 tokens: windows full and partial, several blocks
+    full = model.logits(prompts)
+    batch, state = model.fresh_batch(prompts)
+    rows: list[list[torch.Tensor]] = [[], []]
+    with torch.no_grad():
+        for pos in range(len(prompts[0])):
+            live = [i for i, p in enumerate(prompts) if pos < len(p)]
+            step = sequential_batch(
+                [[prompts[i][pos]] for i in live],
+                [pos] * len(live),
+                live,
+                batch.block_tables[live],
+                device="cuda",
+            )
+            logits = model.forward_step(step, state).logits
+            for row, i in enumerate(live):
+                rows[i].append(logits[row])
+    for i, prompt in enumerate(prompts):
+        steps = torch.stack(rows[i])
+        reference = full[i, : len(prompt)]
+        assert (steps.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.99
+        assert _rel(steps, reference) < 1e-2

@@ -179,8 +179,12 @@ class Attention(nn.Module):
             self._write_source(x, ctx)
         if self.is_index:
             self._select(x, qa, ctx)
-        o = self._sparse_mqa(q, window_rows, ctx).to(x.dtype)
-        self._write_window(window_rows, ctx)
+        if self._decodes_in_kernel(q, ctx):
+            self._write_window(window_rows, ctx)
+            o = self._sparse_mqa_decode(q, ctx).to(x.dtype)
+        else:
+            o = self._sparse_mqa(q, window_rows, ctx).to(x.dtype)
+            self._write_window(window_rows, ctx)
         o = apply_rope(o, pos, self.freqs, inverse=True)
         groups = cfg.o_groups
         wo_a = self.wo_a.weight.view(groups, cfg.o_lora_rank, -1)
@@ -280,6 +284,39 @@ class Attention(nn.Module):
             p_band[tokens] = probs[..., :span]
             o_global[tokens] = torch.einsum("thk,tkd->thd", probs[..., span:-1], rows)
         return p_band, o_global
+
+    def _decodes_in_kernel(self, q: Tensor, ctx: StepContext) -> bool:
+        """`kernels.sparse_mqa_decode` takes this step: CUDA, one new token per sequence, rows
+        stored encoded (MXFP8 window, FP4 global)."""
+        codecs = ctx.codecs
+        return (
+            q.is_cuda
+            and ctx.batch.max_len == 1
+            and codecs.swa.storage_dtype == torch.uint8
+            and (not self.ratio or codecs.global_kv.storage_dtype == torch.uint8)
+        )
+
+    def _sparse_mqa_decode(self, q: Tensor, ctx: StepContext) -> Tensor:
+        """`_sparse_mqa` of a decode step, reading the encoded rows in place (the window ring
+        already holds this step's rows: its length exceeds the window, so writing position p
+        first never overwrites a row position p reads)."""
+        from kernels.sparse_mqa_decode import sparse_mqa_decode
+
+        batch, state = ctx.batch, ctx.state
+        global_rows = None
+        if self.ratio:
+            pool = state.global_kv[self.source_id]
+            global_rows = (pool, ctx.selection[self.ratio], batch.block_tables, self.ratio)
+        return sparse_mqa_decode(
+            q,
+            state.swa[self.layer_id],
+            batch.slots,
+            batch.positions,
+            self.attn_sink.float(),
+            self.cfg.sliding_window,
+            self.cfg.head_dim**-0.5,
+            global_rows,
+        )
 
     def _gather_global(self, sel: Tensor, seq_of_token: Tensor, ctx: StepContext) -> Tensor:
         seq = seq_of_token[:, None].expand_as(sel)
