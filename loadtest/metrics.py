@@ -23,13 +23,16 @@ def summarize(result: RunResult) -> dict[str, Any]:
     """Latencies in ms (p50/p90/p99 of TTFT, inter-token latency, time per output token and
     end-to-end over the successful requests; inter-token gaps pooled over all of them),
     throughput over the run's wall time, errors by status (plus requests cancelled at the end),
-    and the share of prompt tokens the server reported as cached."""
+    the share of prompt tokens the server reported as cached, and the server's process CPU time
+    per output token (None when the server does not publish `process_cpu_seconds_total`)."""
     ok = [r for r in result.records if r.ok]
     errors = Counter(r.status for r in result.records if not r.ok)
     if result.cancelled:
         errors["cancelled"] = result.cancelled
     prompt = sum(r.prompt_tokens for r in ok)
     output = sum(r.completion_tokens for r in ok)
+    cpu = result.server_cpu_s
+    cpu_per_token = cpu * 1e3 / output if cpu is not None and output else None
     wall = max(result.wall_s, 1e-9)
     return {
         "label": result.run.label,
@@ -44,6 +47,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "output_tokens": output,
         "cached_tokens": sum(r.cached_tokens for r in ok),
         "cached_share": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "server_cpu_s": cpu,
+        "server_cpu_ms_per_output_token": cpu_per_token,
         "ttft_ms": _percentiles([r.ttft for r in ok if r.ttft is not None]),
         "itl_ms": _percentiles([gap for r in ok for gap in r.inter_token]),
         "tpot_ms": _percentiles([r.tpot for r in ok if r.tpot is not None]),
@@ -60,7 +65,7 @@ def table(summaries: list[dict[str, Any]]) -> str:
     header = (
         f"{'run':<16} {'ok':>5} {'err':>4} {'req/s':>7} {'out tok/s':>10} "
         f"{'TTFT p50/p90/p99 ms':>21} {'ITL p50/p99 ms':>15} {'TPOT p50 ms':>12} "
-        f"{'E2E p50/p99 ms':>16} {'cached':>7}"
+        f"{'E2E p50/p99 ms':>16} {'cached':>7} {'srv CPU ms/tok':>15}"
     )
     lines = [header]
     for s in summaries:
@@ -70,6 +75,7 @@ def table(summaries: list[dict[str, Any]]) -> str:
             f"{s['requests_per_s']:>7.2f} {s['output_tokens_per_s']:>10.1f} "
             f"{ms(ttft['p50']) + '/' + ms(ttft['p90']) + '/' + ms(ttft['p99']):>21} "
             f"{ms(itl['p50']) + '/' + ms(itl['p99']):>15} {ms(tpot['p50']):>12} "
-            f"{ms(e2e['p50']) + '/' + ms(e2e['p99']):>16} {s['cached_share']:>7.1%}"
+            f"{ms(e2e['p50']) + '/' + ms(e2e['p99']):>16} {s['cached_share']:>7.1%} "
+            f"{ms(s['server_cpu_ms_per_output_token']):>15}"
         )
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import re
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -24,7 +25,9 @@ class RunConfig:
     single-turn workloads), whatever the server's speed. mode "closed": `concurrency` sessions
     run at once, each starting its next request when the last one ends.
     The run issues at most `num_requests` requests and none after `duration_s`; requests still
-    running `grace_s` after that are cancelled (counted, not timed).
+    running `grace_s` after that are cancelled (counted, not timed). The server's process CPU
+    time is read from its `/metrics` (`process_cpu_seconds_total`) before and after, when
+    published.
     """
 
     base_url: str = "http://127.0.0.1:8000"
@@ -59,6 +62,7 @@ class RunResult:
     records: list[RequestRecord] = field(default_factory=list)
     cancelled: int = 0
     wall_s: float = 0.0
+    server_cpu_s: float | None = None  # the server's process CPU time during the run, if published
 
     def config_dict(self) -> dict:
         return {"run": asdict(self.run), "workload": asdict(self.workload)}
@@ -88,8 +92,9 @@ async def run_load(run: RunConfig, workload: WorkloadConfig) -> RunResult:
     timeout = httpx.Timeout(run.request_timeout_s, connect=30.0)
     url = run.base_url.rstrip("/") + "/v1/chat/completions"
     bar = tqdm(total=run.num_requests, desc=run.label, unit="req", disable=not run.progress or None)
-    start = time.monotonic()
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+        cpu_before = await _server_cpu_seconds(client, run.base_url)
+        start = time.monotonic()
 
         async def one_session(index: int) -> None:
             nonlocal in_flight
@@ -121,9 +126,25 @@ async def run_load(run: RunConfig, workload: WorkloadConfig) -> RunResult:
             result.cancelled = in_flight
             sessions.cancel()
             await asyncio.gather(sessions, return_exceptions=True)
+        result.wall_s = time.monotonic() - start
+        cpu_after = await _server_cpu_seconds(client, run.base_url)
     bar.close()
-    result.wall_s = time.monotonic() - start
+    if cpu_before is not None and cpu_after is not None:
+        result.server_cpu_s = cpu_after - cpu_before
     return result
+
+
+_PROCESS_CPU = re.compile(r"^process_cpu_seconds_total(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+
+
+async def _server_cpu_seconds(client: httpx.AsyncClient, base_url: str) -> float | None:
+    """`process_cpu_seconds_total` from the server's Prometheus `/metrics`, when it has one."""
+    try:
+        response = await client.get(base_url.rstrip("/") + "/metrics", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    match = _PROCESS_CPU.search(response.text) if response.status_code == 200 else None
+    return float(match.group(1)) if match else None
 
 
 async def _open_loop(run: RunConfig, budget: _Budget, one_session) -> None:

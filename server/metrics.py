@@ -23,6 +23,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -64,6 +65,9 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, clock=time.monotonic) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # The server process's CPU seconds and memory (`process_*`, as vLLM and most exporters
+        # publish them): load tests divide CPU time by streamed tokens.
+        ProcessCollector(registry=self.registry)
         self._clock = clock
         self._requests: dict[str, _Timing] = {}
         self._model = model_name

@@ -64,6 +64,11 @@ def test_closed_loop_numbers_are_consistent_with_usage_and_server(default_server
     assert summary["ttft_ms"]["p99"] <= summary["e2e_ms"]["p99"]
     assert summary["requests_per_s"] > 0 and 0 <= summary["cached_share"] <= 1
     assert summary["output_tokens_per_s"] == pytest.approx(54 / result.wall_s)
+    # The server publishes its process CPU time: the run's share of it, per streamed token.
+    assert summary["server_cpu_s"] > 0
+    assert summary["server_cpu_ms_per_output_token"] == pytest.approx(
+        summary["server_cpu_s"] * 1e3 / 54
+    )
 
 
 def test_agent_sessions_resend_a_growing_history_turn_by_turn(default_server) -> None:
