@@ -33,7 +33,6 @@ from torch import Tensor
 SWA_BLOCK = 32
 GLOBAL_BLOCK = 16
 _BLOCK_H = 16
-_NEG_BIG = -1.0e30  # running-max start: finite, so an all-masked tile gives exp(...) = 0, not NaN
 
 
 @triton.jit
@@ -120,7 +119,8 @@ def _sparse_mqa_decode_kernel(
     d = tl.arange(0, D)
     q_ptrs = q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=is_head[:, None], other=0.0).to(tl.float32) * softmax_scale
-    m = tl.full((BLOCK_H,), _NEG_BIG, tl.float32)
+    # The running max starts finite, so an all-masked tile gives exp(...) = 0, not NaN.
+    m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     position = tl.load(position_ptr + seq)
