@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kernels.mhc_mix import mhc_mix, mhc_mix_reference
+from tests.kernels.interpreted import run_interpreted
 
 CASES = [(0, 4), (1, 4), (37, 4), (300, 4), (5, 2), (9, 8)]
 HC_EPS, ITERS = 1e-6, 20
 
 _INTERPRETED = """
-import json, sys, torch
+import json, torch
 from kernels.mhc_mix import mhc_mix, mhc_mix_reference
+from tests.kernels.test_mhc_mix import CASES
 errors = []
-for num_tokens, n in json.loads(sys.argv[1]):
+for num_tokens, n in CASES:
     logits = torch.randn(num_tokens, 2 * n + n * n, generator=torch.Generator().manual_seed(n)) * 3
     ours, reference = mhc_mix(logits, n, 1e-6, 20), mhc_mix_reference(logits, n, 1e-6, 20)
     gaps = [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(ours, reference)]
@@ -30,17 +26,7 @@ print(json.dumps(errors))
 
 
 def test_kernel_logic_matches_reference_in_the_triton_interpreter() -> None:
-    # Triton's CPU interpreter runs the kernel's own code (fp32 only: no tensor-core dot here).
-    result = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED, json.dumps(CASES)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).parents[2],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
-    assert result.returncode == 0, result.stderr
-    errors = json.loads(result.stdout)
+    errors = run_interpreted(_INTERPRETED)
     assert len(errors) == len(CASES) and max(errors) < 1e-5
 
 

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from engine.models.deepseek_v41.kv_formats import global_fp4_quantize, swa_mxfp8_quantize
 from kernels.sparse_mqa_decode import sparse_mqa_decode, sparse_mqa_decode_reference
+from tests.kernels.interpreted import run_interpreted
 
 # (sequences, heads, head dim, window, ring length, ratio, selected): tiny-, default- and
 # release-like layers, with and without a KV source.
@@ -61,16 +56,7 @@ print(json.dumps(errors))
 
 
 def test_kernel_logic_matches_reference_in_the_triton_interpreter() -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parents[2],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
-    assert result.returncode == 0, result.stderr
-    errors = json.loads(result.stdout)
+    errors = run_interpreted(_INTERPRETED)
     assert len(errors) == 3 and max(errors) < 1e-5
 
 

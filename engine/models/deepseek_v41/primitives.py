@@ -128,17 +128,37 @@ def mhc_mix_reference(
 
 
 def mhc_combine(residual: Tensor, weights: Tensor | None) -> Tensor:
-    """`Σ_k w[k] · R[k]` in fp32, cast to R's dtype; `weights=None` means stream 0."""
+    """`Σ_k w[k] · R[k]` in fp32, cast to R's dtype; `weights=None` means stream 0
+    (`kernels.mhc_combine` on CUDA: one launch)."""
     if weights is None:
         return residual[:, 0]
+    if residual.is_cuda:
+        from kernels.mhc_combine import mhc_combine as mhc_combine_kernel
+
+        return mhc_combine_kernel(residual, weights)
+    return mhc_combine_reference(residual, weights)
+
+
+def mhc_combine_reference(residual: Tensor, weights: Tensor) -> Tensor:
+    """`mhc_combine` with weights, in plain torch."""
     return (weights.unsqueeze(-1) * residual.float()).sum(1).to(residual.dtype)
 
 
 def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
-    """`R'[i] = post[i]·y + Σ_j comb[j][i]·R[j]` in fp32, cast to R's dtype.
+    """`R'[i] = post[i]·y + Σ_j comb[j][i]·R[j]` in fp32, cast to R's dtype (`kernels.mhc_post`
+    on CUDA: one launch, no [T, N, N, D] intermediate).
 
     NOTE: the contraction runs over the FIRST index of comb (combᵀ·R); comb·R is a silent bug.
     """
+    if residual.is_cuda:
+        from kernels.mhc_post import mhc_post as mhc_post_kernel
+
+        return mhc_post_kernel(residual, post, comb, y)
+    return mhc_post_reference(residual, post, comb, y)
+
+
+def mhc_post_reference(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
+    """`mhc_post` in plain torch."""
     update = post.unsqueeze(-1) * y.float().unsqueeze(1)
     mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(2)).sum(1)
     return (update + mixed).to(residual.dtype)

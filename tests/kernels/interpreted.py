@@ -1,0 +1,28 @@
+"""Run a snippet under Triton's CPU interpreter (`TRITON_INTERPRET=1` must be set before Triton
+compiles anything, hence a fresh process). The kernels' own code runs there, fp32 dots included
+(its bf16 `tl.dot` is not trustworthy), so their logic is tested without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).parents[2]
+
+
+def run_interpreted(code: str, timeout_s: float = 600) -> Any:
+    """Run `code` (which prints one JSON value last) in the interpreter; return that value."""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])

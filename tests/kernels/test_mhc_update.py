@@ -1,0 +1,82 @@
+"""The one-launch mHC residual update and stream combination against the model's torch code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.mhc_combine import mhc_combine, mhc_combine_reference
+from kernels.mhc_post import mhc_post, mhc_post_reference
+from tests.kernels.interpreted import run_interpreted
+
+# (tokens, streams, width, dtype name): widths that are and are not multiples of the tile.
+CASES = [
+    (5, 4, 640, "float32"),
+    (3, 4, 1000, "float32"),
+    (4, 2, 128, "bfloat16"),
+    (0, 4, 64, "float32"),
+]
+
+
+def _inputs(case, device: str = "cpu"):
+    num_tokens, n, dim, dtype = case
+    generator = torch.Generator().manual_seed(dim + n)
+    residual = torch.randn(num_tokens, n, dim, generator=generator).to(getattr(torch, dtype))
+    y = torch.randn(num_tokens, dim, generator=generator).to(residual.dtype)
+    post = torch.rand(num_tokens, n, generator=generator)
+    comb = torch.rand(num_tokens, n, n, generator=generator)
+    weights = torch.rand(num_tokens, n, generator=generator)
+    return [t.to(device) for t in (residual, post, comb, y, weights)]
+
+
+def _ulps(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """Largest difference in units of the reference's last place (0 for empty tensors)."""
+    assert ours.dtype == reference.dtype and ours.shape == reference.shape
+    if not reference.numel():
+        return 0.0
+    spacing = torch.finfo(reference.dtype).eps * reference.float().abs().clamp(min=1e-30)
+    return float(((ours.float() - reference.float()).abs() / spacing).max())
+
+
+_INTERPRETED = """
+import json
+from kernels.mhc_combine import mhc_combine, mhc_combine_reference
+from kernels.mhc_post import mhc_post, mhc_post_reference
+from tests.kernels.test_mhc_update import CASES, _inputs, _ulps
+result = []
+for case in CASES:
+    residual, post, comb, y, weights = _inputs(case)
+    result.append([
+        _ulps(mhc_post(residual, post, comb, y), mhc_post_reference(residual, post, comb, y)),
+        _ulps(mhc_combine(residual, weights), mhc_combine_reference(residual, weights)),
+    ])
+print(json.dumps(result))
+"""
+
+
+def test_kernels_match_reference_in_the_triton_interpreter() -> None:
+    # At most one rounding step apart (fp32 sums of N terms in another order, then the cast).
+    assert max(max(pair) for pair in run_interpreted(_INTERPRETED)) <= 2.0
+
+
+def test_launchers_reject_what_the_kernels_cannot_take() -> None:
+    residual, post, comb, y, weights = _inputs(CASES[0])
+    with pytest.raises(ValueError, match="power of two"):
+        mhc_post(residual[:, :3], post[:, :3], comb[:, :3, :3], y)
+    with pytest.raises(ValueError, match="fp32"):
+        mhc_post(residual, post.double(), comb, y)
+    with pytest.raises(ValueError, match="CUDA"):
+        mhc_post(residual, post, comb, y)
+    with pytest.raises(ValueError, match="weights"):
+        mhc_combine(residual, weights[:, :2])
+    with pytest.raises(ValueError, match="CUDA"):
+        mhc_combine(residual, weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_kernels_match_reference_on_cuda(case) -> None:
+    residual, post, comb, y, weights = _inputs(case, "cuda")
+    post_args = (residual, post, comb, y)
+    assert _ulps(mhc_post(*post_args), mhc_post_reference(*post_args)) <= 2
+    assert _ulps(mhc_combine(residual, weights), mhc_combine_reference(residual, weights)) <= 2
