@@ -13,6 +13,9 @@ mhc_mix: one hyper-connection site's gates and Sinkhorn (4 streams, 20 iteration
 "before" the torch reference (~120 launches), "after" the kernel; GB/s counts logits in and
 coefficients out.
 
+mhc_post / mhc_combine: one site's residual update / stream combination (4 streams x 5120,
+bf16); GB/s counts the bf16 rows read and written.
+
 sparse_mqa_decode: one decode step of one ratio-2 attention layer for S sequences at 8K context
 (the "T" column is S); "before" the torch path (gather + decode [S, 640, 512] fp32 rows, direct
 softmax), "after" the kernel; GB/s counts the encoded rows read. Writes kernel_speed.json.
@@ -30,7 +33,9 @@ import torch
 from benchmarks.gpu_rank import RANK_EXPERTS, time_ms
 from engine.models.deepseek_v41.kv_formats import global_fp4_quantize, swa_mxfp8_quantize
 from engine.models.deepseek_v41.moe import MoE
+from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_mix import mhc_mix, mhc_mix_reference
+from kernels.mhc_post import mhc_post, mhc_post_reference
 from kernels.sparse_mqa_decode import sparse_mqa_decode, sparse_mqa_decode_reference
 
 HIDDEN = 5120
@@ -120,6 +125,29 @@ def mhc_rows(tokens: list[int], device: torch.device) -> list[dict]:
     return rows
 
 
+def mhc_update_rows(tokens: list[int], device: torch.device) -> list[dict]:
+    """One mHC site's residual update and stream combination (4 streams x 5120, bf16)."""
+    n, dim = 4, HIDDEN
+    rows = []
+    for num_tokens in tokens:
+        residual = torch.randn(num_tokens, n, dim, device=device).bfloat16()
+        y = torch.randn(num_tokens, dim, device=device).bfloat16()
+        post, comb = torch.rand(num_tokens, n, device=device), torch.rand(num_tokens, n, n, device=device)
+        weights = torch.rand(num_tokens, n, device=device)
+        cases = (
+            ("mhc_post (one mHC site)", mhc_post, mhc_post_reference, (residual, post, comb, y),
+             num_tokens * dim * 2 * (2 * n + 1)),
+            ("mhc_combine (one mHC site)", mhc_combine, mhc_combine_reference, (residual, weights),
+             num_tokens * dim * 2 * (n + 1)),
+        )  # fmt: skip
+        for name, kernel, reference, args, moved in cases:
+            before = time_ms(lambda r=reference, a=args: r(*a), device, 3, 20)
+            after = time_ms(lambda k=kernel, a=args: k(*a), device, 3, 20)
+            error = _relative(kernel(*args), reference(*args))
+            rows.append(_row(name, num_tokens, before, after, moved, 0.0, error))
+    return rows
+
+
 def attention_rows(sequences: list[int], device: torch.device) -> list[dict]:
     """One decode step of one ratio-2 CSA2 layer (64 heads x 512, window 128, 512 selected rows
     of a paged FP4 pool at 8K context): torch reference vs `sparse_mqa_decode`."""
@@ -164,6 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = moe_rows(args.tokens, device) + mhc_rows(args.tokens, device)
+    rows += mhc_update_rows(args.tokens, device)
     rows += attention_rows([16, 64, 256], device)
     print(
         f"\n{'kernel':<32} {'T':>5} {'before ms':>10} {'after ms':>9} {'GB/s':>7} "
