@@ -132,7 +132,8 @@ def mhc_update_rows(tokens: list[int], device: torch.device) -> list[dict]:
     for num_tokens in tokens:
         residual = torch.randn(num_tokens, n, dim, device=device).bfloat16()
         y = torch.randn(num_tokens, dim, device=device).bfloat16()
-        post, comb = torch.rand(num_tokens, n, device=device), torch.rand(num_tokens, n, n, device=device)
+        post = torch.rand(num_tokens, n, device=device)
+        comb = torch.rand(num_tokens, n, n, device=device)
         weights = torch.rand(num_tokens, n, device=device)
         cases = (
             ("mhc_post (one mHC site)", mhc_post, mhc_post_reference, (residual, post, comb, y),
