@@ -13,6 +13,8 @@ mhc_mix: one hyper-connection site's gates and Sinkhorn (4 streams, 20 iteration
 "before" the torch reference (~120 launches), "after" the kernel; GB/s counts logits in and
 coefficients out.
 
+rms_norm: T rows of the hidden width (bf16); GB/s counts rows read and written.
+
 mhc_post / mhc_combine: one site's residual update / stream combination (4 streams x 5120,
 bf16); GB/s counts the bf16 rows read and written.
 
@@ -36,6 +38,7 @@ from engine.models.deepseek_v41.moe import MoE
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_mix import mhc_mix, mhc_mix_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
+from kernels.rms_norm import rms_norm, rms_norm_reference
 from kernels.sparse_mqa_decode import sparse_mqa_decode, sparse_mqa_decode_reference
 
 HIDDEN = 5120
@@ -149,6 +152,20 @@ def mhc_update_rows(tokens: list[int], device: torch.device) -> list[dict]:
     return rows
 
 
+def rms_norm_rows(tokens: list[int], device: torch.device) -> list[dict]:
+    """RMSNorm of T rows of the hidden width (bf16, weighted)."""
+    rows = []
+    for num_tokens in tokens:
+        x = torch.randn(num_tokens, HIDDEN, device=device).bfloat16()
+        weight = torch.randn(HIDDEN, device=device).bfloat16()
+        before = time_ms(lambda x=x: rms_norm_reference(x, weight, 1e-20), device, 3, 20)
+        after = time_ms(lambda x=x: rms_norm(x, weight, 1e-20), device, 3, 20)
+        error = _relative(rms_norm(x, weight, 1e-20), rms_norm_reference(x, weight, 1e-20))
+        moved = num_tokens * HIDDEN * 2 * 2
+        rows.append(_row("rms_norm (hidden width)", num_tokens, before, after, moved, 0.0, error))
+    return rows
+
+
 def attention_rows(sequences: list[int], device: torch.device) -> list[dict]:
     """One decode step of one ratio-2 CSA2 layer (64 heads x 512, window 128, 512 selected rows
     of a paged FP4 pool at 8K context): torch reference vs `sparse_mqa_decode`."""
@@ -194,6 +211,7 @@ def main() -> None:
     device = torch.device("cuda")
     rows = moe_rows(args.tokens, device) + mhc_rows(args.tokens, device)
     rows += mhc_update_rows(args.tokens, device)
+    rows += rms_norm_rows(args.tokens, device)
     rows += attention_rows([16, 64, 256], device)
     print(
         f"\n{'kernel':<32} {'T':>5} {'before ms':>10} {'after ms':>9} {'GB/s':>7} "

@@ -1,6 +1,10 @@
-"""Run a snippet under Triton's CPU interpreter (`TRITON_INTERPRET=1` must be set before Triton
-compiles anything, hence a fresh process). The kernels' own code runs there, fp32 dots included
-(its bf16 `tl.dot` is not trustworthy), so their logic is tested without a GPU."""
+"""Kernel test helpers.
+
+`run_interpreted` runs a snippet under Triton's CPU interpreter (`TRITON_INTERPRET=1` must be set
+before Triton compiles anything, hence a fresh process). The kernels' own code runs there, fp32
+dots included (its bf16 `tl.dot` is not trustworthy), so their logic is tested without a GPU.
+`ulps` measures a kernel's distance to its reference in units of the last place.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import torch
 
 REPO = Path(__file__).parents[2]
 
@@ -26,3 +32,12 @@ def run_interpreted(code: str, timeout_s: float = 600) -> Any:
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def ulps(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """Largest difference in units of the reference's last place (0 for empty tensors)."""
+    assert ours.dtype == reference.dtype and ours.shape == reference.shape
+    if not reference.numel():
+        return 0.0
+    spacing = torch.finfo(reference.dtype).eps * reference.float().abs().clamp(min=1e-30)
+    return float(((ours.float() - reference.float()).abs() / spacing).max())

@@ -7,7 +7,7 @@ import torch
 
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import run_interpreted, ulps
 
 # (tokens, streams, width, dtype name): widths that are and are not multiples of the tile.
 CASES = [
@@ -29,26 +29,18 @@ def _inputs(case, device: str = "cpu"):
     return [t.to(device) for t in (residual, post, comb, y, weights)]
 
 
-def _ulps(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    """Largest difference in units of the reference's last place (0 for empty tensors)."""
-    assert ours.dtype == reference.dtype and ours.shape == reference.shape
-    if not reference.numel():
-        return 0.0
-    spacing = torch.finfo(reference.dtype).eps * reference.float().abs().clamp(min=1e-30)
-    return float(((ours.float() - reference.float()).abs() / spacing).max())
-
-
 _INTERPRETED = """
 import json
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
-from tests.kernels.test_mhc_update import CASES, _inputs, _ulps
+from tests.kernels.interpreted import ulps
+from tests.kernels.test_mhc_update import CASES, _inputs
 result = []
 for case in CASES:
     residual, post, comb, y, weights = _inputs(case)
     result.append([
-        _ulps(mhc_post(residual, post, comb, y), mhc_post_reference(residual, post, comb, y)),
-        _ulps(mhc_combine(residual, weights), mhc_combine_reference(residual, weights)),
+        ulps(mhc_post(residual, post, comb, y), mhc_post_reference(residual, post, comb, y)),
+        ulps(mhc_combine(residual, weights), mhc_combine_reference(residual, weights)),
     ])
 print(json.dumps(result))
 """
@@ -78,5 +70,5 @@ def test_launchers_reject_what_the_kernels_cannot_take() -> None:
 def test_kernels_match_reference_on_cuda(case) -> None:
     residual, post, comb, y, weights = _inputs(case, "cuda")
     post_args = (residual, post, comb, y)
-    assert _ulps(mhc_post(*post_args), mhc_post_reference(*post_args)) <= 2
-    assert _ulps(mhc_combine(residual, weights), mhc_combine_reference(residual, weights)) <= 2
+    assert ulps(mhc_post(*post_args), mhc_post_reference(*post_args)) <= 2
+    assert ulps(mhc_combine(residual, weights), mhc_combine_reference(residual, weights)) <= 2

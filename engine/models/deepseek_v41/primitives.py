@@ -16,11 +16,21 @@ from engine.models.deepseek_v41.config import RopeScaling
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """`cast_out((f32(x) · rsqrt(mean(f32(x)²) + eps)) · f32(w))`; weightless when `weight` is None.
+    """`cast_out((f32(x) · rsqrt(mean(f32(x)²) + eps)) · f32(w))`; weightless when `weight` is None
+    (`kernels.rms_norm` on CUDA: one launch).
 
     NOTE: eps = 1e-20 underflows nothing in fp32 (rsqrt(1e-20) = 1e10), so an all-zero row maps
     to zeros, never NaN.
     """
+    if x.is_cuda:
+        from kernels.rms_norm import rms_norm as rms_norm_kernel
+
+        return rms_norm_kernel(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """`rms_norm` in plain torch."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:

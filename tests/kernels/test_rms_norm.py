@@ -1,0 +1,69 @@
+"""The one-launch RMSNorm against the model's torch code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.rms_norm import rms_norm, rms_norm_reference
+from tests.kernels.interpreted import run_interpreted, ulps
+
+# (shape, dtype name, weighted): the hidden width, a non-power-of-two width under extra leading
+# dims, bf16, an empty batch, and a row of zeros (eps keeps it finite: zeros out).
+CASES = [
+    ((5, 5120), "float32", True),
+    ((3, 2, 1000), "float32", False),
+    ((4, 128), "bfloat16", True),
+    ((0, 64), "float32", True),
+    ((2, 64), "float32", True),
+]
+EPS = 1e-20
+
+
+def _inputs(case, device: str = "cpu"):
+    shape, dtype, weighted = case
+    generator = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(shape, generator=generator).to(getattr(torch, dtype))
+    if shape == (2, 64):
+        x[0] = 0
+    weight = torch.randn(shape[-1], generator=generator).to(x.dtype) if weighted else None
+    return x.to(device), None if weight is None else weight.to(device)
+
+
+_INTERPRETED = """
+import json
+from kernels.rms_norm import rms_norm, rms_norm_reference
+from tests.kernels.interpreted import ulps
+from tests.kernels.test_rms_norm import CASES, EPS, _inputs
+result = []
+for case in CASES:
+    x, weight = _inputs(case)
+    ours, reference = rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS)
+    result.append([ulps(ours, reference), bool(ours.isfinite().all())])
+print(json.dumps(result))
+"""
+
+
+def test_kernel_matches_reference_in_the_triton_interpreter() -> None:
+    result = run_interpreted(_INTERPRETED)
+    assert all(finite for _, finite in result)
+    # fp32: the sum of squares in another order moves the scale by an ulp or so.
+    assert max(gap for gap, _ in result) <= 16
+
+
+def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
+    x, weight = _inputs(CASES[0])
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, weight[:100], EPS)
+    with pytest.raises(ValueError, match="at most"):
+        rms_norm(torch.zeros(1, 20000), None, EPS)
+    with pytest.raises(ValueError, match="CUDA"):
+        rms_norm(x, weight, EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference_on_cuda(case) -> None:
+    x, weight = _inputs(case, "cuda")
+    ours = rms_norm(x, weight, EPS)
+    assert ours.isfinite().all() and ulps(ours, rms_norm_reference(x, weight, EPS)) <= 16
