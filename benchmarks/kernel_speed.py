@@ -158,8 +158,8 @@ def rms_norm_rows(tokens: list[int], device: torch.device) -> list[dict]:
     for num_tokens in tokens:
         x = torch.randn(num_tokens, HIDDEN, device=device).bfloat16()
         weight = torch.randn(HIDDEN, device=device).bfloat16()
-        before = time_ms(lambda x=x: rms_norm_reference(x, weight, 1e-20), device, 3, 20)
-        after = time_ms(lambda x=x: rms_norm(x, weight, 1e-20), device, 3, 20)
+        before = time_ms(lambda x=x, w=weight: rms_norm_reference(x, w, 1e-20), device, 3, 20)
+        after = time_ms(lambda x=x, w=weight: rms_norm(x, w, 1e-20), device, 3, 20)
         error = _relative(rms_norm(x, weight, 1e-20), rms_norm_reference(x, weight, 1e-20))
         moved = num_tokens * HIDDEN * 2 * 2
         rows.append(_row("rms_norm (hidden width)", num_tokens, before, after, moved, 0.0, error))
