@@ -34,8 +34,6 @@ import triton.language as tl
 from torch import Tensor
 
 MXFP4_BLOCK = 32
-# e2m1 magnitudes by 3-bit code (sign is bit 3).
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @dataclass(frozen=True)
@@ -305,16 +303,6 @@ def grouped_mxfp4_gemm(
     return out
 
 
-def dequantize_reference(codes: Tensor, scales: Tensor) -> Tensor:
-    """fp32 [..., N, K] of MXFP4 `codes` [..., N, K/2] and `scales` [..., N, K/32]."""
-    table = torch.tensor(_E2M1_VALUES, device=codes.device)
-    table = torch.cat([table, -table])
-    packed = codes.view(torch.uint8).long()
-    values = torch.stack([table[packed & 0xF], table[packed >> 4]], dim=-1).flatten(-2)
-    exponent = scales.view(torch.uint8).float() - 127.0
-    return (values.unflatten(-1, (-1, MXFP4_BLOCK)) * torch.exp2(exponent)[..., None]).flatten(-2)
-
-
 def grouped_mxfp4_gemm_reference(
     x: Tensor,
     blocks: ExpertBlocks,
@@ -325,8 +313,10 @@ def grouped_mxfp4_gemm_reference(
     row_weight: Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """`grouped_mxfp4_gemm` in plain torch (fp32 maths, same rounding points); padding and unused
-    rows are zero here."""
+    """`grouped_mxfp4_gemm` in plain torch (fp32 maths, same rounding points; the weights through
+    the checkpoint loader's own `mxfp4_dequantize`); padding and unused rows are zero here."""
+    from engine.models.deepseek_v41.weight_formats import mxfp4_dequantize
+
     pair_of_pos = blocks.pair_of_pos.long()
     block_expert = blocks.block_expert.long().repeat_interleave(blocks.block_m)
     is_row = pair_of_pos >= 0
@@ -337,7 +327,7 @@ def grouped_mxfp4_gemm_reference(
     in_rows = pair_of_pos // blocks.top_k if gated else positions
     for expert in torch.unique(block_expert[is_row]).tolist():
         mine = is_row & (block_expert == expert)
-        weight = dequantize_reference(codes[expert], scales[expert]).to(torch.bfloat16).float()
+        weight = mxfp4_dequantize(codes[expert], scales[expert], torch.bfloat16).float()
         rows = x[in_rows[mine]].float()
         if gated:
             gate = (rows @ weight[:n].t()).clamp(max=gate_limit)

@@ -169,9 +169,9 @@ def sequential_batch(
     for seq in token_lists:
         starts.append(starts[-1] + len(seq))
     return StepBatch(
-        token_ids=torch.tensor(flat, dtype=torch.long, device=device),
+        token_ids=ints_to_device(flat, device),
         starts=starts,
         start_positions=list(start_positions),
-        slots=torch.tensor(slots, dtype=torch.long, device=device),
+        slots=ints_to_device(list(slots), device),
         block_tables=block_tables.to(device),
     )
