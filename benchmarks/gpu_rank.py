@@ -363,11 +363,13 @@ def profile(model, fn, device: torch.device, title: str, out: Path | None) -> st
         share = us / total
         lines.append(f"{us / 1e3:>9.2f} {share:>6.1%} {calls[name]:>6}  {name[:80]}  [{where}]")
     per_part: dict[str, float] = {}
+    launches: dict[str, int] = {}
     for _, part, us in times:
         per_part[part] = per_part.get(part, 0.0) + us
-    lines.append(f"## {title}: {unit} time per model part")
+        launches[part] = launches.get(part, 0) + 1
+    lines.append(f"## {title}: {unit} time and kernel count per model part")
     for part, us in sorted(per_part.items(), key=lambda i: -i[1]):
-        lines.append(f"{us / 1e3:>9.2f} {us / total:>6.1%}  {part}")
+        lines.append(f"{us / 1e3:>9.2f} {us / total:>6.1%} {launches[part]:>6}  {part}")
     text = "\n".join(lines)
     if out is not None:
         (out / f"profile_{title.replace(' ', '_')}.txt").write_text(text + "\n")

@@ -18,9 +18,9 @@ rms_norm: T rows of the hidden width (bf16); GB/s counts rows read and written.
 mhc_post / mhc_combine: one site's residual update / stream combination (4 streams x 5120,
 bf16); GB/s counts the bf16 rows read and written.
 
-sparse_mqa_decode: one decode step of one ratio-2 attention layer for S sequences at 8K context
-(the "T" column is S); "before" the torch path (gather + decode [S, 640, 512] fp32 rows, direct
-softmax), "after" the kernel; GB/s counts the encoded rows read. Writes kernel_speed.json.
+sparse_mqa: one ratio-2 attention layer at 8K context: decode steps of S sequences (T = S) and
+a 1,024-token prefill chunk; "before" the torch reference (gather + decode [T, 640, 512] fp32
+rows, direct softmax), "after" the kernel; GB/s counts the rows read. Writes kernel_speed.json.
 """
 
 from __future__ import annotations
@@ -33,13 +33,17 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_rank import RANK_EXPERTS, time_ms
-from engine.models.deepseek_v41.kv_formats import global_fp4_quantize, swa_mxfp8_quantize
+from engine.models.deepseek_v41.kv_formats import (
+    global_fp4_quantize,
+    swa_mxfp8_dequantize,
+    swa_mxfp8_quantize,
+)
 from engine.models.deepseek_v41.moe import MoE
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_mix import mhc_mix, mhc_mix_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
 from kernels.rms_norm import rms_norm, rms_norm_reference
-from kernels.sparse_mqa_decode import sparse_mqa_decode, sparse_mqa_decode_reference
+from kernels.sparse_mqa import _sparse_mqa_kernel, sparse_mqa, sparse_mqa_reference
 
 HIDDEN = 5120
 EXPERT_WIDTH = 2304
@@ -167,39 +171,48 @@ def rms_norm_rows(tokens: list[int], device: torch.device) -> list[dict]:
 
 
 def attention_rows(sequences: list[int], device: torch.device) -> list[dict]:
-    """One decode step of one ratio-2 CSA2 layer (64 heads x 512, window 128, 512 selected rows
-    of a paged FP4 pool at 8K context): torch reference vs `sparse_mqa_decode`."""
+    """One ratio-2 CSA2 layer (64 heads x 512, window 128, 512 selected rows of a paged FP4 pool
+    at 8K context): torch reference vs `sparse_mqa`, for decode steps of S sequences (window in
+    the MXFP8 ring) and for a 1,024-token prefill chunk (window from bf16 rows)."""
     heads, dim, window, ring_len, ratio, selected = 64, 512, 128, 134, 2, 512
     per_block, context = 128 // ratio, 8192
+    blocks_per_seq = context // 128
     rows = []
-    for num_seqs in sequences:
+    for num_seqs, new in [(s, 1) for s in sequences] + [(1, 1024)]:
         generator = torch.Generator(device=device).manual_seed(num_seqs)
-        q = torch.randn(num_seqs, heads, dim, device=device, generator=generator).bfloat16()
-        ring = swa_mxfp8_quantize(torch.randn(num_seqs, ring_len, dim, device=device))
-        blocks_per_seq = context // 128
+        num_tokens = num_seqs * new
+        q = torch.randn(num_tokens, heads, dim, device=device, generator=generator).bfloat16()
+        seq_of_token = torch.arange(num_seqs, device=device).repeat_interleave(new)
+        positions = context - new + torch.arange(new, device=device).repeat(num_seqs)
+        if new == 1:
+            ring = swa_mxfp8_quantize(torch.randn(num_seqs, ring_len, dim, device=device))
+            sources = {"ring": (ring, torch.arange(num_seqs, device=device))}
+        else:
+            window_rows = torch.randn(num_seqs, window - 1 + new, dim, device=device)
+            window_rows = swa_mxfp8_dequantize(swa_mxfp8_quantize(window_rows)).bfloat16()
+            first = torch.arange(new, device=device).repeat(num_seqs)
+            sources = {"window_rows": (window_rows, first)}
         pool = global_fp4_quantize(
             torch.randn(num_seqs * blocks_per_seq, per_block, dim, device=device)
         )
         tables = torch.arange(num_seqs * blocks_per_seq, device=device).view(num_seqs, -1)
-        selection = torch.randint(0, context // ratio, (num_seqs, selected), device=device)
-        args = (
-            q,
-            ring,
-            torch.arange(num_seqs, device=device),
-            torch.full((num_seqs,), context - 1, device=device),
-            torch.randn(heads, device=device),
-            window,
-            dim**-0.5,
-            (pool, selection, tables, ratio),
-        )
-        before = time_ms(lambda a=args: sparse_mqa_decode_reference(*a), device, 2, 10)
-        after = time_ms(lambda a=args: sparse_mqa_decode(*a), device, 3, 20)
-        error = _relative(sparse_mqa_decode(*args), sparse_mqa_decode_reference(*args))
-        moved = num_seqs * (window * (dim + dim // 32) + selected * (dim // 2 + dim // 16))
-        moved += num_seqs * heads * dim * (2 + 4)  # q in, fp32 out
-        flops = 4 * num_seqs * heads * dim * (window + selected)
-        name = "sparse_mqa_decode (one layer)"
-        rows.append(_row(name, num_seqs, before, after, moved, flops, error))
+        selection = torch.randint(0, context // ratio, (num_tokens, selected), device=device)
+        sources["global_rows"] = (pool, selection, tables, ratio)
+        args = (q, seq_of_token, positions, torch.randn(heads, device=device), window, dim**-0.5)
+        before = time_ms(lambda a=args, s=sources: sparse_mqa_reference(*a, **s), device, 2, 10)
+        after = time_ms(lambda a=args, s=sources: sparse_mqa(*a, **s), device, 3, 20)
+        error = _relative(sparse_mqa(*args, **sources), sparse_mqa_reference(*args, **sources))
+        if new == 1:
+            moved = num_seqs * window * (dim + dim // 32)
+        else:
+            moved = num_seqs * (window - 1 + new) * dim * 2
+        moved += num_tokens * selected * (dim // 2 + dim // 16)
+        moved += num_tokens * heads * dim * (2 + 4)  # q in, fp32 out
+        flops = 4 * num_tokens * heads * dim * (window + selected)
+        phase = "decode" if new == 1 else "prefill"
+        name = f"sparse_mqa ({phase}, one layer)"
+        rows.append(_row(name, num_tokens, before, after, moved, flops, error))
+        print(f"{name} tiles at {num_tokens} tokens: {_sparse_mqa_kernel.best_config}", flush=True)
     return rows
 
 
@@ -207,12 +220,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    groups = {
+        "moe": moe_rows,
+        "mhc_mix": mhc_rows,
+        "mhc_update": mhc_update_rows,
+        "rms_norm": rms_norm_rows,
+        "attention": lambda _tokens, device: attention_rows([16, 64, 256], device),
+    }
+    parser.add_argument("--only", nargs="*", choices=sorted(groups), default=sorted(groups))
     args = parser.parse_args()
     device = torch.device("cuda")
-    rows = moe_rows(args.tokens, device) + mhc_rows(args.tokens, device)
-    rows += mhc_update_rows(args.tokens, device)
-    rows += rms_norm_rows(args.tokens, device)
-    rows += attention_rows([16, 64, 256], device)
+    rows = [
+        row for name in groups if name in args.only for row in groups[name](args.tokens, device)
+    ]
     print(
         f"\n{'kernel':<32} {'T':>5} {'before ms':>10} {'after ms':>9} {'GB/s':>7} "
         f"{'TFLOP/s':>8} {'rel diff':>9}"

@@ -34,10 +34,18 @@ def run_interpreted(code: str, timeout_s: float = 600) -> Any:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def ulps(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    """Largest difference in units of the reference's last place (0 for empty tensors)."""
+def ulps(ours: torch.Tensor, reference: torch.Tensor, terms: torch.Tensor | None = None) -> float:
+    """Largest difference in units of the reference's last place (0 for empty tensors).
+
+    For a sum that cancels, pass `terms` (Σ |term| per element): the unit is then the last
+    place of |reference| + terms, the scale at which a fused multiply-add or another summation
+    order rounds (the CUDA compiler fuses, the interpreter does not).
+    """
     assert ours.dtype == reference.dtype and ours.shape == reference.shape
     if not reference.numel():
         return 0.0
-    spacing = torch.finfo(reference.dtype).eps * reference.float().abs().clamp(min=1e-30)
+    scale = reference.float().abs()
+    if terms is not None:
+        scale = scale + terms.float()
+    spacing = torch.finfo(reference.dtype).eps * scale.clamp(min=1e-30)
     return float(((ours.float() - reference.float()).abs() / spacing).max())

@@ -29,6 +29,16 @@ def _inputs(case, device: str = "cpu"):
     return [t.to(device) for t in (residual, post, comb, y, weights)]
 
 
+def _post_terms(residual, post, comb, y):
+    """Σ |term| of each output element of mhc_post."""
+    update = post.abs()[..., None] * y.abs().float()[:, None, :]
+    return update + (comb.abs()[..., None] * residual.abs().float()[:, :, None, :]).sum(1)
+
+
+def _combine_terms(residual, weights):
+    return (weights.abs()[..., None] * residual.abs().float()).sum(1)
+
+
 _INTERPRETED = """
 import json
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
@@ -70,5 +80,9 @@ def test_launchers_reject_what_the_kernels_cannot_take() -> None:
 def test_kernels_match_reference_on_cuda(case) -> None:
     residual, post, comb, y, weights = _inputs(case, "cuda")
     post_args = (residual, post, comb, y)
-    assert ulps(mhc_post(*post_args), mhc_post_reference(*post_args)) <= 2
-    assert ulps(mhc_combine(residual, weights), mhc_combine_reference(residual, weights)) <= 2
+    # The CUDA build fuses multiply-adds: one rounding apart at the scale of the summed terms.
+    post_error = ulps(mhc_post(*post_args), mhc_post_reference(*post_args), _post_terms(*post_args))
+    assert post_error <= 2
+    combined = mhc_combine(residual, weights)
+    reference = mhc_combine_reference(residual, weights)
+    assert ulps(combined, reference, _combine_terms(residual, weights)) <= 2

@@ -179,9 +179,8 @@ class Attention(nn.Module):
             self._write_source(x, ctx)
         if self.is_index:
             self._select(x, qa, ctx)
-        if self._decodes_in_kernel(q, ctx):
-            self._write_window(window_rows, ctx)
-            o = self._sparse_mqa_decode(q, ctx).to(x.dtype)
+        if self._attends_in_kernel(q, ctx):
+            o = self._sparse_mqa_kernel(q, window_rows, ctx).to(x.dtype)
         else:
             o = self._sparse_mqa(q, window_rows, ctx).to(x.dtype)
             self._write_window(window_rows, ctx)
@@ -285,38 +284,48 @@ class Attention(nn.Module):
             o_global[tokens] = torch.einsum("thk,tkd->thd", probs[..., span:-1], rows)
         return p_band, o_global
 
-    def _decodes_in_kernel(self, q: Tensor, ctx: StepContext) -> bool:
-        """`kernels.sparse_mqa_decode` takes this step: CUDA, one new token per sequence, rows
-        stored encoded (MXFP8 window, FP4 global)."""
+    def _attends_in_kernel(self, q: Tensor, ctx: StepContext) -> bool:
+        """`kernels.sparse_mqa` takes this step: CUDA, rows stored encoded (MXFP8 window, FP4
+        global), so that every row decodes exactly to bf16."""
         codecs = ctx.codecs
         return (
             q.is_cuda
-            and ctx.batch.max_len == 1
             and codecs.swa.storage_dtype == torch.uint8
             and (not self.ratio or codecs.global_kv.storage_dtype == torch.uint8)
         )
 
-    def _sparse_mqa_decode(self, q: Tensor, ctx: StepContext) -> Tensor:
-        """`_sparse_mqa` of a decode step, reading the encoded rows in place (the window ring
-        already holds this step's rows: its length exceeds the window, so writing position p
-        first never overwrites a row position p reads)."""
-        from kernels.sparse_mqa_decode import sparse_mqa_decode
+    def _sparse_mqa_kernel(self, q: Tensor, window_rows: Tensor, ctx: StepContext) -> Tensor:
+        """`_sparse_mqa` reading the encoded rows in place; writes the step's window rows.
+
+        Decode steps read the window from the ring after writing their own rows (the ring is
+        longer than the window, so writing position p never overwrites a row p reads); longer
+        chunks read [ring rows before the chunk, the chunk's rows] decoded to bf16 (exact).
+        """
+        from kernels.sparse_mqa import sparse_mqa
 
         batch, state = ctx.batch, ctx.state
         global_rows = None
         if self.ratio:
             pool = state.global_kv[self.source_id]
             global_rows = (pool, ctx.selection[self.ratio], batch.block_tables, self.ratio)
-        return sparse_mqa_decode(
+        args = (
             q,
-            state.swa[self.layer_id],
-            batch.slots,
+            batch.seq_of_token,
             batch.positions,
             self.attn_sink.float(),
             self.cfg.sliding_window,
             self.cfg.head_dim**-0.5,
-            global_rows,
         )
+        if batch.max_len == 1:
+            self._write_window(window_rows, ctx)
+            ring = (state.swa[self.layer_id], batch.slots)
+            return sparse_mqa(*args, ring=ring, global_rows=global_rows)
+        keys, _ = self._window_keys(window_rows, ctx)
+        first = batch.positions - batch.start_position_tensor[batch.seq_of_token]
+        rows = (keys.bfloat16(), first)
+        out = sparse_mqa(*args, window_rows=rows, global_rows=global_rows)
+        self._write_window(window_rows, ctx)
+        return out
 
     def _gather_global(self, sel: Tensor, seq_of_token: Tensor, ctx: StepContext) -> Tensor:
         seq = seq_of_token[:, None].expand_as(sel)

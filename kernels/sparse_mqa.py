@@ -1,0 +1,363 @@
+"""Attention of one CSA2 layer (`model.md` §3.7) reading the encoded KV rows in place.
+
+Each query head of a token at position p attends, in one softmax, to
+
+    window    the `window` positions p − window + 1 .. p of its sequence, read either from the
+              layer's ring of MXFP8 rows (`swa_mxfp8`: e4m3 + ue8m0 per 32; position q at row
+              q % R; decode steps, whose rows are already written) or from a sequence's bf16
+              window rows (prefill chunks: the ring's rows before the chunk, then the chunk's)
+    selected  up to K compressed positions chosen by the indexer (−1 = none), read from the
+              paged pool of FP4 rows (`global_fp4`: e2m1 + e4m3 scale per 16) through the block
+              table: position j lives in block table[j · ratio // 128], row j % (128 // ratio)
+    sink      one logit per head with no value
+
+and returns Σ softmax · row (keys are values: MQA over one latent row). The torch path gathers
+and decodes [T, K, D] fp32 rows and runs the softmax over materialised scores; here rows are
+decoded in registers, tile by tile, with an online softmax.
+
+Precision: a decoded row is exact in bf16 (an e4m3 code times a power of two; an e2m1 code times
+an e4m3 scale: at most 6 significant bits), so the dots run on bf16 tensor cores with fp32
+accumulation and lose nothing on the row side. An fp32 operand (fp32 queries, the fp32
+probabilities) is split into a bf16 head and a bf16 remainder, two dots, ~16 significant bits:
+within ~1e-5 of the fp32 reference, whose own summation order differs anyway.
+
+    grid (tokens, heads / BLOCK_H); per program q [BLOCK_H, D], running max and sum,
+    acc [BLOCK_H, D] fp32; tile sizes autotuned per layer shape
+
+`sparse_mqa` is the launcher; `sparse_mqa_reference` the torch reference (codecs' own
+dequantisation, a direct softmax).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# The interpreter's bf16 dot is not trustworthy: there the operands stay fp32 (the hi/lo split
+# still rounds through bf16, so its logic is exercised).
+_DOT_DTYPE = tl.float32 if _INTERPRETING else tl.bfloat16
+# Measured on the H200 (kernel_speed): 8 warps and 64-row tiles won at every shape tried, with
+# 16 heads per program for decode and 32 for prefill.
+_CONFIGS = [
+    triton.Config({"BLOCK_H": block_h, "BLOCK_N": 64}, num_warps=8, num_stages=1)
+    for block_h in (16, 32)
+]
+if _INTERPRETING:
+    _CONFIGS = [triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4)]
+
+
+@triton.jit
+def _split_dot(a, b, DOT_DTYPE: tl.constexpr):
+    """fp32 a [M, K] · b [K, N] (b exact in bf16) as two bf16 dots: a's head and remainder."""
+    head = a.to(tl.bfloat16).to(tl.float32)
+    out = tl.dot(head.to(DOT_DTYPE), b.to(DOT_DTYPE), out_dtype=tl.float32)
+    return tl.dot((a - head).to(tl.bfloat16).to(DOT_DTYPE), b.to(DOT_DTYPE), acc=out)
+
+
+@triton.jit
+def _scores(q, rows, softmax_scale, Q_SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """q [BH, D] (fp32 holding bf16 values unless Q_SPLIT) against rows [BN, D]: [BH, BN]."""
+    keys = tl.trans(rows)
+    if Q_SPLIT:
+        scores = _split_dot(q, keys, DOT_DTYPE)
+    else:
+        scores = tl.dot(q.to(DOT_DTYPE), keys.to(DOT_DTYPE), out_dtype=tl.float32)
+    return scores * softmax_scale
+
+
+@triton.jit
+def _online_update(m, total, acc, scores, rows, DOT_DTYPE: tl.constexpr):
+    """Fold one tile of scores [BH, BN] over rows [BN, D] into the running softmax."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _split_dot(p, rows, DOT_DTYPE)
+    return m_new, total, acc
+
+
+@triton.jit
+def _swa_rows(ring_ptr, row_index, valid, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """MXFP8 rows as exact bf16 [BLOCK_N, D] (row bytes: D e4m3 codes, D/32 ue8m0 scales)."""
+    d = tl.arange(0, D)
+    code_ptrs = ring_ptr + row_index[:, None] + d[None, :]
+    codes = tl.load(code_ptrs, mask=valid[:, None], other=0).to(tl.uint16)
+    # e4m3 (s, e, m) placed at fp16 bits: 2^(e-15)·(1 + m/8) or m/8·2^-14, i.e. e4m3 · 2^-8.
+    bits = ((codes & 0x80) << 8) | ((codes & 0x7F) << 7)
+    values = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    b = tl.arange(0, D // 32)
+    exponent = tl.load(ring_ptr + row_index[:, None] + D + b[None, :], mask=valid[:, None], other=0)
+    multiplier = tl.exp2(exponent.to(tl.float32) - (127.0 - 8.0))
+    values = tl.reshape(values, (BLOCK_N, D // 32, 32)) * multiplier[:, :, None]
+    return tl.reshape(values, (BLOCK_N, D)).to(tl.bfloat16)
+
+
+@triton.jit
+def _global_rows(pool_ptr, row_index, valid, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """FP4 rows as exact bf16 [BLOCK_N, D] (row bytes: D/2 e2m1 pairs, D/16 e4m3 scales)."""
+    c = tl.arange(0, D // 2)
+    packed = tl.load(pool_ptr + row_index[:, None] + c[None, :], mask=valid[:, None], other=0)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, D)).to(tl.uint16)
+    # e2m1 (s, e, m) at fp16 bits: e2m1 · 2^-14.
+    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+    values = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    b = tl.arange(0, D // 16)
+    scale_bytes = tl.load(
+        pool_ptr + row_index[:, None] + D // 2 + b[None, :], mask=valid[:, None], other=0
+    ).to(tl.uint16)
+    scale_bits = ((scale_bytes & 0x80) << 8) | ((scale_bytes & 0x7F) << 7)
+    # e4m3 · 2^-8 from the fp16 reading, times 2^-14 from the codes': undo both (2^22).
+    scales = scale_bits.to(tl.float16, bitcast=True).to(tl.float32) * 4194304.0
+    values = tl.reshape(values, (BLOCK_N, D // 16, 16)) * scales[:, :, None]
+    return tl.reshape(values, (BLOCK_N, D)).to(tl.bfloat16)
+
+
+@triton.autotune(
+    configs=_CONFIGS, key=["num_heads", "num_selected", "RATIO", "WINDOW", "WINDOW_IN_RING", "D"]
+)
+@triton.jit
+def _sparse_mqa_kernel(
+    q_ptr,
+    seq_ptr,
+    position_ptr,
+    window_ptr,
+    window_index_ptr,
+    pool_ptr,
+    selection_ptr,
+    block_table_ptr,
+    sink_ptr,
+    out_ptr,
+    num_heads,
+    num_selected,
+    ring_len,
+    softmax_scale,
+    stride_qt,
+    stride_qh,
+    stride_window_seq,
+    stride_window_row,
+    stride_pool_block,
+    stride_pool_row,
+    stride_sel,
+    stride_table,
+    stride_ot,
+    stride_oh,
+    RATIO: tl.constexpr,
+    WINDOW: tl.constexpr,
+    WINDOW_IN_RING: tl.constexpr,
+    D: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    is_head = heads < num_heads
+    d = tl.arange(0, D)
+    q_ptrs = q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=is_head[:, None], other=0.0).to(tl.float32)
+    # The running max starts finite, so an all-masked tile gives exp(...) = 0, not NaN.
+    m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
+    total = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    seq = tl.load(seq_ptr + token)
+    position = tl.load(position_ptr + token)
+    # Ring: the sequence's slot. Window rows: the token's first row in its sequence's rows.
+    if WINDOW_IN_RING:
+        window_index = tl.load(window_index_ptr + seq)
+    else:
+        window_index = tl.load(window_index_ptr + token)
+    for w0 in range(0, WINDOW, BLOCK_N):
+        offset = w0 + tl.arange(0, BLOCK_N)
+        key_position = position - (WINDOW - 1) + offset
+        valid = (key_position >= 0) & (offset < WINDOW)
+        if WINDOW_IN_RING:
+            row_index = (tl.where(valid, key_position, 0) % ring_len) * stride_window_row
+            rows = _swa_rows(
+                window_ptr + window_index * stride_window_seq, row_index, valid, D, BLOCK_N
+            )
+        else:
+            row_ptrs = (
+                window_ptr
+                + seq * stride_window_seq
+                + (window_index + offset)[:, None] * stride_window_row
+                + d[None, :]
+            )
+            rows = tl.load(row_ptrs, mask=valid[:, None], other=0.0).to(tl.bfloat16)
+        scores = _scores(q, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m, total, acc = _online_update(m, total, acc, scores, rows, DOT_DTYPE)
+    if RATIO > 0:
+        rows_per_block: tl.constexpr = 128 // RATIO
+        for k0 in range(0, num_selected, BLOCK_N):
+            k = k0 + tl.arange(0, BLOCK_N)
+            j = tl.load(selection_ptr + token * stride_sel + k, mask=k < num_selected, other=-1)
+            valid = j >= 0
+            j = tl.where(valid, j, 0)
+            block = tl.load(block_table_ptr + seq * stride_table + (j * RATIO) // 128)
+            row_index = block * stride_pool_block + (j % rows_per_block) * stride_pool_row
+            rows = _global_rows(pool_ptr, row_index, valid, D, BLOCK_N)
+            scores = _scores(q, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m, total, acc = _online_update(m, total, acc, scores, rows, DOT_DTYPE)
+    sink = tl.load(sink_ptr + heads, mask=is_head, other=0.0)
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp(m - m_new)
+    total = total * alpha + tl.exp(sink - m_new)
+    out = acc * alpha[:, None] / total[:, None]
+    out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptrs, out, mask=is_head[:, None])
+
+
+GlobalRows = tuple[Tensor, Tensor, Tensor, int]
+
+
+def sparse_mqa(
+    q: Tensor,
+    seq_of_token: Tensor,
+    positions: Tensor,
+    sink: Tensor,
+    window: int,
+    softmax_scale: float,
+    *,
+    ring: tuple[Tensor, Tensor] | None = None,
+    window_rows: tuple[Tensor, Tensor] | None = None,
+    global_rows: GlobalRows | None = None,
+) -> Tensor:
+    """fp32 [T, H, D] attention output of T query tokens.
+
+    q: [T, H, D] (bf16 or fp32). seq_of_token, positions: int64 [T] (the token's sequence
+    index b and position). sink: fp32 [H]. The window comes from exactly one of
+      ring: (uint8 [slots, R, D + D/32] MXFP8 rows, slots int64 [B]); every position a token
+        reads already written (R > window, so a step may write its own rows first);
+      window_rows: (bf16 [B, L, D], first int64 [T]): token t reads rows first[t] .. first[t] +
+        window − 1 of its sequence, the last one being its own position.
+    global_rows: (pool uint8 [blocks, 128/ratio, D/2 + D/16], selection int64 [T, K] with −1
+    for none, block_tables int64 [B, max_blocks], ratio) for layers with a KV source.
+
+    Raises:
+        ValueError: a shape, dtype or layout the kernel does not take (D not a power of two
+            ≥ 32, an empty window, non-unit row strides, not exactly one window source).
+    """
+    num_tokens, num_heads, dim = q.shape
+    if dim < 32 or dim & (dim - 1) or window < 1:
+        raise ValueError(
+            "need a power-of-two head dim >= 32 and a window of at least one row; got "
+            f"dim {dim}, window {window}"
+        )
+    if (ring is None) == (window_rows is None):
+        raise ValueError("give the window as exactly one of ring= or window_rows=")
+    if q.stride(-1) != 1 or sink.dtype != torch.float32 or sink.shape != (num_heads,):
+        raise ValueError("q needs unit column stride; sink must be fp32 [heads]")
+    if ring is not None:
+        rows, window_index = ring
+        if rows.dtype != torch.uint8 or rows.shape[-1] != dim + dim // 32:
+            raise ValueError(f"ring must be uint8 [.., .., {dim + dim // 32}]")
+    else:
+        rows, window_index = window_rows
+        if (
+            rows.dtype != torch.bfloat16
+            or rows.shape[-1] != dim
+            or window_index.shape != (num_tokens,)
+        ):
+            raise ValueError(f"window rows must be bf16 [B, L, {dim}] with a first row per token")
+    if rows.stride(-1) != 1:
+        raise ValueError("window rows need unit column stride")
+    if not q.is_cuda and not _INTERPRETING:
+        raise ValueError("sparse_mqa runs on CUDA (or Triton's CPU interpreter)")
+    out = torch.empty(num_tokens, num_heads, dim, dtype=torch.float32, device=q.device)
+    if global_rows is None:
+        pool, selection, tables, ratio = rows, positions[:, None], positions[:, None], 0
+    else:
+        pool, selection, tables, ratio = global_rows
+        if pool.dtype != torch.uint8 or pool.shape[-2:] != (128 // ratio, dim // 2 + dim // 16):
+            raise ValueError(f"pool must be uint8 [blocks, {128 // ratio}, {dim // 2 + dim // 16}]")
+        if selection.shape[0] != num_tokens:
+            raise ValueError("the selection needs one row per token")
+    if not num_tokens:
+        return out
+
+    def grid(meta):
+        return (num_tokens, triton.cdiv(num_heads, meta["BLOCK_H"]))
+
+    _sparse_mqa_kernel[grid](
+        q,
+        seq_of_token,
+        positions,
+        rows,
+        window_index,
+        pool,
+        selection,
+        tables,
+        sink,
+        out,
+        num_heads,
+        selection.shape[1] if ratio else 0,
+        rows.shape[1],
+        softmax_scale,
+        q.stride(0),
+        q.stride(1),
+        rows.stride(0),
+        rows.stride(1),
+        pool.stride(0),
+        pool.stride(1),
+        selection.stride(0),
+        tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        RATIO=ratio,
+        WINDOW=window,
+        WINDOW_IN_RING=ring is not None,
+        D=dim,
+        Q_SPLIT=q.dtype != torch.bfloat16,
+        DOT_DTYPE=_DOT_DTYPE,
+    )
+    return out
+
+
+def sparse_mqa_reference(
+    q: Tensor,
+    seq_of_token: Tensor,
+    positions: Tensor,
+    sink: Tensor,
+    window: int,
+    softmax_scale: float,
+    *,
+    ring: tuple[Tensor, Tensor] | None = None,
+    window_rows: tuple[Tensor, Tensor] | None = None,
+    global_rows: GlobalRows | None = None,
+) -> Tensor:
+    """`sparse_mqa` in plain torch: decode the rows with the codecs, one softmax."""
+    from engine.models.deepseek_v41.kv_formats import (
+        global_fp4_dequantize,
+        swa_mxfp8_dequantize,
+    )
+
+    offsets = torch.arange(window, device=q.device)
+    key_positions = positions[:, None] - (window - 1) + offsets[None, :]  # [T, W]
+    if ring is not None:
+        stored, slots = ring
+        slot = slots[seq_of_token][:, None]
+        rows = swa_mxfp8_dequantize(stored[slot, key_positions.clamp(min=0) % stored.shape[1]])
+    else:
+        stored, first = window_rows
+        index = (first[:, None] + offsets[None, :]).clamp(max=stored.shape[1] - 1)
+        rows = stored[seq_of_token[:, None], index].float()
+    masks = [key_positions >= 0]
+    if global_rows is not None:
+        pool, selection, tables, ratio = global_rows
+        j = selection.clamp(min=0)
+        blocks = torch.gather(tables[seq_of_token], 1, j * ratio // 128)
+        selected = global_fp4_dequantize(pool[blocks, j % (128 // ratio)])
+        rows = torch.cat((rows, selected), 1)
+        masks.append(selection >= 0)
+    scores = torch.einsum("thd,tkd->thk", q.float(), rows) * softmax_scale
+    scores = scores.masked_fill(~torch.cat(masks, 1)[:, None, :], float("-inf"))
+    sinks = sink.float()[None, :, None].expand(q.shape[0], -1, 1)
+    probs = torch.cat((scores, sinks), -1).softmax(-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, rows)
