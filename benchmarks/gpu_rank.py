@@ -1,7 +1,8 @@
 """One EP8 rank of DeepSeek-V4.1-Flash on one GPU: ceilings, prefill, decode, roofline, profile.
 
     python3 benchmarks/gpu_rank.py [--prefill 4096 16384 32768] [--decode 16 64 256]
-                                   [--context 8192] [--steps 5] [--profile] [--out DIR]
+                                   [--context 8192] [--steps 5] [--profile] [--eager]
+                                   [--out DIR]
     python3 benchmarks/gpu_rank.py --smoke            # the `tiny` preset on the CPU, seconds
 
 The configuration is `shared/design/performance.md`'s: all 40 layers at real widths, 48 routed
@@ -17,7 +18,9 @@ bf16. It measures the two ceilings (device copy bandwidth; bf16 and fp8 matmul r
 each as a percentage of the roofline: max(FLOPs / fp8 rate, bytes / bandwidth) with FLOPs and
 bytes counted from the configuration (`count_work`). `--profile` adds a `torch.profiler` summary
 of one decode step and one prefill chunk: top kernels by GPU time (with the model parts they ran
-in), GPU time per model part, and the source lines where the step waits for the GPU.
+in), GPU time per model part, and the source lines where the step waits for the GPU. The
+blocks' FFN halves replay from CUDA graphs (as the engine runs them) unless `--eager`; graph
+replays run no module hooks, so the profile attributes their kernels to "other".
 Prints one table; writes `gpu_rank.json` (and `profile_*.txt`) under `--out` (default `$OUT`).
 """
 
@@ -406,6 +409,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on the CPU")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (FFN halves)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
     if args.smoke:
@@ -422,6 +426,9 @@ def main() -> None:
     limits = results["ceilings"] = ceilings(device)
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in limits.items()})}", flush=True)
     model = random_model(cfg, device, dtype, quantized_experts=True)
+    results["cuda_graphs"] = device.type == "cuda" and not args.eager
+    if results["cuda_graphs"]:
+        model.enable_cuda_graphs()
     weights, experts = _weight_bytes(model)
     results["weights_gb"] = weights / 1e9
     results["expert_weights_gb"] = experts / 1e9
@@ -473,6 +480,10 @@ def main() -> None:
                 "roofline_ms": floor,
             }
         )
+        save()
+    if results["cuda_graphs"]:
+        failures = results["graph_failures"] = model.graph_failures()
+        print(f"CUDA graph captures that failed: {failures or 'none'}", flush=True)
         save()
     if args.profile:
         seqs = args.decode[len(args.decode) // 2] if args.decode else 16

@@ -15,6 +15,9 @@ coefficients out.
 
 rms_norm: T rows of the hidden width (bf16); GB/s counts rows read and written.
 
+rope: T tokens' queries (64 heads x 512, 64 rotated channels, bf16); GB/s counts q read and
+written.
+
 mhc_post / mhc_combine: one site's residual update / stream combination (4 streams x 5120,
 bf16); GB/s counts the bf16 rows read and written.
 
@@ -39,10 +42,12 @@ from engine.models.deepseek_v41.kv_formats import (
     swa_mxfp8_quantize,
 )
 from engine.models.deepseek_v41.moe import MoE
+from engine.models.deepseek_v41.primitives import rope_frequencies
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_mix import mhc_mix, mhc_mix_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
 from kernels.rms_norm import rms_norm, rms_norm_reference
+from kernels.rope import apply_rope, apply_rope_reference
 from kernels.sparse_mqa import _sparse_mqa_kernel, sparse_mqa, sparse_mqa_reference
 
 HIDDEN = 5120
@@ -156,6 +161,22 @@ def mhc_update_rows(tokens: list[int], device: torch.device) -> list[dict]:
     return rows
 
 
+def rope_rows(tokens: list[int], device: torch.device) -> list[dict]:
+    """RoPE of T tokens' queries (64 heads x 512, the last 64 channels rotated, bf16)."""
+    freqs = rope_frequencies(64, 10000.0, None).to(device)
+    rows = []
+    for num_tokens in tokens:
+        q = torch.randn(num_tokens, 64, 512, device=device).bfloat16()
+        positions = torch.randint(0, 65536, (num_tokens,), device=device)
+        args = (q, positions, freqs)
+        before = time_ms(lambda a=args: apply_rope_reference(*a), device, 3, 20)
+        after = time_ms(lambda a=args: apply_rope(*a), device, 3, 20)
+        error = _relative(apply_rope(*args), apply_rope_reference(*args))
+        moved = q.numel() * 2 * 2
+        rows.append(_row("rope (queries)", num_tokens, before, after, moved, 0.0, error))
+    return rows
+
+
 def rms_norm_rows(tokens: list[int], device: torch.device) -> list[dict]:
     """RMSNorm of T rows of the hidden width (bf16, weighted)."""
     rows = []
@@ -225,6 +246,7 @@ def main() -> None:
         "mhc_mix": mhc_rows,
         "mhc_update": mhc_update_rows,
         "rms_norm": rms_norm_rows,
+        "rope": rope_rows,
         "attention": lambda _tokens, device: attention_rows([16, 64, 256], device),
     }
     parser.add_argument("--only", nargs="*", choices=sorted(groups), default=sorted(groups))

@@ -52,6 +52,8 @@ class EngineConfig:
     overlap_grammar_mask: fill a step's grammar bitmask on a worker thread while its forward
         runs; None = only when the model is not on the CPU (a CPU forward already uses every
         core, so the fill would compete with it instead of hiding behind it).
+    cuda_graphs: on CUDA, replay each block's FFN half from CUDA graphs in steps of up to 512
+        tokens (`DeepseekV41ForCausalLM.enable_cuda_graphs`); False runs every step eagerly.
     """
 
     model: str = "default"
@@ -62,6 +64,7 @@ class EngineConfig:
     kv_cache_tokens: int = 262144
     max_model_len: int | None = None
     overlap_grammar_mask: bool | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -294,12 +297,17 @@ class AsyncEngine:
 
 def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
     """The configured model; on CUDA in bf16 the routed experts stay MXFP4 (a quarter of the
-    bytes, and the grouped Triton kernel reads them), elsewhere they are dequantised."""
+    bytes, and the grouped Triton kernel reads them), elsewhere they are dequantised; on CUDA
+    the blocks' FFN halves replay from CUDA graphs unless `cuda_graphs` is off."""
     dtype = getattr(torch, config.dtype)
-    keep_mxfp4 = torch.device(config.device).type == "cuda" and dtype == torch.bfloat16
-    return load_model(
+    on_cuda = torch.device(config.device).type == "cuda"
+    model = load_model(
         resolve_model_source(config.model),
         device=config.device,
         dtype=dtype,
-        quantized_experts=keep_mxfp4,
+        quantized_experts=on_cuda and dtype == torch.bfloat16,
     )
+    if on_cuda and config.cuda_graphs:
+        model.enable_cuda_graphs()
+        model.capture_cuda_graphs(config.max_num_seqs)
+    return model

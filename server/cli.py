@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     add("--kv-cache-tokens", type=int, default=_ENGINE_DEFAULTS.kv_cache_tokens)
     add(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step eagerly (no CUDA graphs)",
+    )
+    add(
         "--max-queued-requests",
         type=int,
         default=_SERVER_DEFAULTS.max_queued_requests,
@@ -58,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_num_batched_tokens=max(_ENGINE_DEFAULTS.max_num_batched_tokens, max_num_seqs),
         kv_cache_tokens=args.kv_cache_tokens,
         max_model_len=args.max_model_len,
+        cuda_graphs=not args.enforce_eager,
     )
     return ServerConfig(
         host=args.host,

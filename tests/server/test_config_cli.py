@@ -52,6 +52,7 @@ def test_cli_builds_configs():
             "4096",
             "--max-queued-requests",
             "3",
+            "--enforce-eager",
         ]
     )
     config = config_from_args(args)
@@ -64,11 +65,13 @@ def test_cli_builds_configs():
     engine = config.engine
     assert (engine.model, engine.device, engine.dtype) == ("tiny", "cpu", "bfloat16")
     assert (engine.max_num_seqs, engine.max_model_len, engine.kv_cache_tokens) == (8, 2048, 4096)
+    assert engine.cuda_graphs is False
 
 
 def test_cli_defaults_to_the_default_model():
     config = config_from_args(build_parser().parse_args([]))
     assert config.engine.model == "default" and config.port == 8000
+    assert config.engine.cuda_graphs is True
 
 
 def test_cli_reports_invalid_values(capsys):

@@ -45,6 +45,7 @@ from engine.models.deepseek_v41.state import (
     StepBatch,
     sequential_batch,
 )
+from engine.models.graphed import DEFAULT_BUCKETS, GraphedSegment
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class Block(nn.Module):
         if layer_id in cfg.engram_layer_ids:
             rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer_id)]
             self.engram = Engram(cfg, rows, dtype)
+        self.ffn_graphs: GraphedSegment | None = None  # set by `enable_cuda_graphs`
 
     def triplet(self, site: str, residual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg
@@ -156,6 +158,12 @@ class Block(nn.Module):
         x_attn = self.attn_norm(mhc_combine(residual, pre_prev))
         y_attn = (mixer or self.attn)(x_attn, ctx)
         residual = mhc_post(residual, post_a, comb_a, y_attn)
+        ffn_half = self.ffn_graphs if self.ffn_graphs is not None and ctx.record is None else None
+        return (ffn_half or self.ffn_half)(residual, pre_a)
+
+    def ffn_half(self, residual: Tensor, pre_a: Tensor) -> tuple[Tensor, Tensor]:
+        """The FFN sublayer with its mHC site: (residual, attention `pre`) → (residual, FFN
+        `pre`). Pure and token-parallel, so CUDA graphs may replay it (`ffn_graphs`)."""
         pre_f, post_f, comb_f = self.triplet("ffn", residual)
         x_ffn = self.ffn_norm(mhc_combine(residual, pre_a))
         residual = mhc_post(residual, post_f, comb_f, self.ffn(x_ffn))
@@ -341,6 +349,44 @@ class DeepseekV41ForCausalLM(nn.Module):
                 record[f"layers.{lid}.residual"] = residual
         self._record_tokens(batch, state)
         return residual, pre_prev, torch.cat(features, -1)
+
+    def enable_cuda_graphs(self, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        """Replay each block's FFN half (mHC site, norm, MoE: ~90 launches) from CUDA graphs for
+        steps of up to `buckets[-1]` tokens, captured per bucket on first use. Decode steps are
+        host-bound without them. Target blocks only (a DSpark stage may run several times in
+        one step while its outputs are still read)."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        pool, buffers = torch.cuda.graph_pool_handle(), {}
+        for block in self.layers:
+            block.ffn_graphs = GraphedSegment(block.ffn_half, buckets, pool, buffers)
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, max_tokens: int) -> None:
+        """Capture every bucket up to the one holding `max_tokens` now (at startup: decode
+        steps then never pause to capture)."""
+        cfg = self.config
+        segments = [block.ffn_graphs for block in self.layers]
+        if any(segment is None for segment in segments):
+            raise ValueError("enable_cuda_graphs() first")
+        for bucket in segments[0].buckets:
+            residual = torch.zeros(
+                bucket, cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=self.device
+            )
+            pre = torch.zeros(bucket, cfg.hc_mult, device=self.device)
+            for segment in segments:
+                segment.capture(residual, pre)
+            if bucket >= max_tokens:
+                break
+
+    def graph_failures(self) -> dict[str, str]:
+        """Why a bucket of a block runs eagerly (empty when every capture succeeded)."""
+        return {
+            f"layers.{block.layer_id}[{bucket}]": reason
+            for block in self.layers
+            if block.ffn_graphs is not None
+            for bucket, reason in block.ffn_graphs.failures.items()
+        }
 
     def forward_step(
         self, batch: StepBatch, state: ModelState, record: dict[str, Any] | None = None

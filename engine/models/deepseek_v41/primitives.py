@@ -68,6 +68,18 @@ def rope_frequencies(dim: int, theta: float, yarn: RopeScaling | None) -> Tensor
 
 
 def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
+    """Rotate the trailing `2·len(freqs)` channels of `x[..., D]` by `exp(±j·pos·f_i)`
+    (`apply_rope_reference`; `kernels.rope` on CUDA: one launch instead of ~8)."""
+    if x.is_cuda:
+        from kernels.rope import apply_rope as apply_rope_kernel
+
+        return apply_rope_kernel(x, positions, freqs, inverse)
+    return apply_rope_reference(x, positions, freqs, inverse)
+
+
+def apply_rope_reference(
+    x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False
+) -> Tensor:
     """Rotate the trailing `2·len(freqs)` channels of `x[..., D]` by `exp(±j·pos·f_i)`.
 
     Channels (2i, 2i+1) of the rotated tail form the complex number `a + jb` (interleaved /

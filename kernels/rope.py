@@ -1,0 +1,116 @@
+"""RoPE of rows in one launch (`model.md` §3.3), as `primitives.apply_rope_reference`:
+
+    angle = f32(pos) · f[i];  (x[2i], x[2i+1]) of the rotated tail ← (a·c − b·s, a·s + b·c)
+    with c = cos(angle), s = ±sin(angle) (− for the inverse rotation), in fp32, cast back
+
+The torch version is ~8 launches (angles, polar, casts, complex multiply, concatenation) and the
+model rotates ~5 times per layer. cos and sin come from libdevice, the functions CUDA's cosf and
+sinf (and so torch's `polar`) use.
+
+    grid (positions, rows per position / BLOCK_R): x viewed as [P, R, D], positions [P]
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra import libdevice
+
+from engine.models.deepseek_v41.primitives import apply_rope_reference
+
+__all__ = ["apply_rope", "apply_rope_reference"]
+
+_BLOCK_R = 16
+# Triton's CPU interpreter has no libdevice; there tl.cos / tl.sin (numpy's) stand in.
+_LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    position_ptr,
+    freq_ptr,
+    out_ptr,
+    rows_per_position,
+    width,
+    pass_width,
+    half,
+    sign,
+    BLOCK_R: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    p = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    is_row = rows < rows_per_position
+    base = (p * rows_per_position + rows) * width  # [BLOCK_R]
+    i = tl.arange(0, BLOCK_HALF)
+    in_half = i < half
+    angle = tl.load(position_ptr + p).to(tl.float32) * tl.load(freq_ptr + i, mask=in_half)
+    if LIBDEVICE:
+        c = libdevice.cos(angle)
+        s = libdevice.sin(angle) * sign
+    else:
+        c = tl.cos(angle)
+        s = tl.sin(angle) * sign
+    c = c[None, :]
+    s = s[None, :]
+    mask = is_row[:, None] & in_half[None, :]
+    even = base[:, None] + pass_width + 2 * i[None, :]
+    a = tl.load(x_ptr + even, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + even + 1, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + even, (a * c - b * s).to(dtype), mask=mask)
+    tl.store(out_ptr + even + 1, (a * s + b * c).to(dtype), mask=mask)
+    if BLOCK_PASS > 0:
+        cols = tl.arange(0, BLOCK_PASS)
+        kept = is_row[:, None] & (cols < pass_width)[None, :]
+        offsets = base[:, None] + cols[None, :]
+        tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=kept), mask=kept)
+
+
+def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
+    """`apply_rope_reference` in one launch (same arguments: `positions` has `x`'s leading
+    shape, any dimensions between it and the last one share its angle).
+
+    Raises:
+        ValueError: positions that are not a leading shape of x, a rotated tail wider than x,
+            or not on CUDA.
+    """
+    width, half = x.shape[-1], freqs.numel()
+    lead = positions.dim()
+    if tuple(x.shape[:lead]) != tuple(positions.shape) or lead >= x.dim() or 2 * half > width:
+        raise ValueError(
+            f"positions {tuple(positions.shape)} must lead x {tuple(x.shape)}, whose last "
+            f"dimension must hold the {2 * half} rotated channels"
+        )
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("apply_rope runs on CUDA (or Triton's CPU interpreter)")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    num_positions = positions.numel()
+    rows_per_position = x.numel() // max(1, num_positions * width)
+    if x.numel():
+        pass_width = width - 2 * half
+        grid = (num_positions, triton.cdiv(rows_per_position, _BLOCK_R))
+        _rope_kernel[grid](
+            x,
+            positions.contiguous(),
+            freqs.to(device=x.device, dtype=torch.float32).contiguous(),
+            out,
+            rows_per_position,
+            width,
+            pass_width,
+            half,
+            -1.0 if inverse else 1.0,
+            BLOCK_R=_BLOCK_R,
+            BLOCK_PASS=triton.next_power_of_2(pass_width) if pass_width else 0,
+            BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
+            LIBDEVICE=_LIBDEVICE,
+        )
+    return out
