@@ -19,8 +19,9 @@ each as a percentage of the roofline: max(FLOPs / fp8 rate, bytes / bandwidth) w
 bytes counted from the configuration (`count_work`). `--profile` adds a `torch.profiler` summary
 of one decode step and one prefill chunk: top kernels by GPU time (with the model parts they ran
 in), GPU time per model part, and the source lines where the step waits for the GPU. The
-blocks' FFN halves replay from CUDA graphs (as the engine runs them) unless `--eager`; graph
-replays run no module hooks, so the profile attributes their kernels to "other".
+blocks' pure parts (all but the attention's stateful middle) replay from CUDA graphs, as the
+engine runs them, unless `--eager`; graph replays run no module hooks, so the profile
+attributes their kernels to "other".
 Prints one table; writes `gpu_rank.json` (and `profile_*.txt`) under `--out` (default `$OUT`).
 """
 
@@ -409,7 +410,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on the CPU")
-    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (FFN halves)")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
     if args.smoke:

@@ -52,7 +52,7 @@ class EngineConfig:
     overlap_grammar_mask: fill a step's grammar bitmask on a worker thread while its forward
         runs; None = only when the model is not on the CPU (a CPU forward already uses every
         core, so the fill would compete with it instead of hiding behind it).
-    cuda_graphs: on CUDA, replay each block's FFN half from CUDA graphs in steps of up to 512
+    cuda_graphs: on CUDA, replay each block's pure parts from CUDA graphs in steps of up to 512
         tokens (`DeepseekV41ForCausalLM.enable_cuda_graphs`); False runs every step eagerly.
     """
 
@@ -298,7 +298,7 @@ class AsyncEngine:
 def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
     """The configured model; on CUDA in bf16 the routed experts stay MXFP4 (a quarter of the
     bytes, and the grouped Triton kernel reads them), elsewhere they are dequantised; on CUDA
-    the blocks' FFN halves replay from CUDA graphs unless `cuda_graphs` is off."""
+    the blocks' pure parts replay from CUDA graphs unless `cuda_graphs` is off."""
     dtype = getattr(torch, config.dtype)
     on_cuda = torch.device(config.device).type == "cuda"
     model = load_model(

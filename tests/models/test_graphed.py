@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the blocks' FFN halves (`engine.models.graphed`)."""
+"""CUDA-graph replay of the blocks' pure parts (`engine.models.graphed`)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,11 @@ def test_graphed_decode_matches_eager_decode(tiny_checkpoint: Path) -> None:
     eager, _ = run(False)
     graphed, model = run(True)
     assert model.graph_failures() == {}
-    assert all(block.ffn_graphs.replays == len(schedule) for block in model.layers)
-    assert sorted(model.layers[0].ffn_graphs.graphs) == [2, 4]
+    first, *others = model.layers
+    assert all(block.graphs.attention_out.replays == len(schedule) for block in model.layers)
+    assert all(block.graphs.attention_in.replays == len(schedule) for block in others)
+    assert first.graphs.attention_in.replays == 0  # no previous `pre`: eager
+    assert sorted(first.graphs.attention_out.graphs) == [2, 4]
     differences = [float((g - e).norm() / e.norm()) for g, e in zip(graphed, eager, strict=True)]
     assert differences[:-1] == [0.0] * (len(schedule) - 1), differences
     assert differences[-1] < 1e-2, differences

@@ -168,26 +168,42 @@ class Attention(nn.Module):
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
-        cfg, batch = self.cfg, ctx.batch
-        num_tokens, h, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
-        pos = batch.positions
+        qa, q, window_rows = self.project(x, ctx.batch.positions, ctx.codecs.swa)
+        return self.output(self.attend(x, qa, q, window_rows, ctx), ctx.batch.positions)
+
+    def project(
+        self, x: Tensor, positions: Tensor, window_codec: KVCodec
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(query latent qa [T, q_lora], rotated queries [T, H, hd], encoded window rows).
+        Pure and token-parallel (CUDA graphs may replay it)."""
+        cfg = self.cfg
         qa = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qa).view(num_tokens, h, hd), pos, self.freqs)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), pos, self.freqs)
-        window_rows = ctx.codecs.swa.encode(kv)
+        q = self.wq_b(qa).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
+        q = apply_rope(q, positions, self.freqs)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), positions, self.freqs)
+        return qa, q, window_codec.encode(kv)
+
+    def attend(
+        self, x: Tensor, qa: Tensor, q: Tensor, window_rows: Tensor, ctx: StepContext
+    ) -> Tensor:
+        """Store this step's rows (window, KV source), select, attend: [T, H, hd] in x's dtype."""
         if self.is_source:
             self._write_source(x, ctx)
         if self.is_index:
             self._select(x, qa, ctx)
         if self._attends_in_kernel(q, ctx):
-            o = self._sparse_mqa_kernel(q, window_rows, ctx).to(x.dtype)
-        else:
-            o = self._sparse_mqa(q, window_rows, ctx).to(x.dtype)
-            self._write_window(window_rows, ctx)
-        o = apply_rope(o, pos, self.freqs, inverse=True)
+            return self._sparse_mqa_kernel(q, window_rows, ctx).to(x.dtype)
+        o = self._sparse_mqa(q, window_rows, ctx).to(x.dtype)
+        self._write_window(window_rows, ctx)
+        return o
+
+    def output(self, o: Tensor, positions: Tensor) -> Tensor:
+        """Inverse rotation and the grouped output projection. Pure and token-parallel."""
+        cfg = self.cfg
+        o = apply_rope(o, positions, self.freqs, inverse=True)
         groups = cfg.o_groups
         wo_a = self.wo_a.weight.view(groups, cfg.o_lora_rank, -1)
-        u = torch.einsum("tgi,goi->tgo", o.reshape(num_tokens, groups, -1), wo_a)
+        u = torch.einsum("tgi,goi->tgo", o.reshape(o.shape[0], groups, -1), wo_a)
         return self.wo_b(u.flatten(1))
 
     # ---- window -------------------------------------------------------------------------------

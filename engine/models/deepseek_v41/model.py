@@ -13,6 +13,7 @@ Module and parameter names equal the released checkpoint's tensor names (`layers
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from engine.models.deepseek_v41.engram_hash import (
     build_engram_hash_tables,
     engram_hash_ids,
 )
-from engine.models.deepseek_v41.kv_formats import make_codec
+from engine.models.deepseek_v41.kv_formats import KVCodec, make_codec
 from engine.models.deepseek_v41.moe import MoE
 from engine.models.deepseek_v41.primitives import (
     mhc_combine,
@@ -133,7 +134,7 @@ class Block(nn.Module):
         if layer_id in cfg.engram_layer_ids:
             rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer_id)]
             self.engram = Engram(cfg, rows, dtype)
-        self.ffn_graphs: GraphedSegment | None = None  # set by `enable_cuda_graphs`
+        self.graphs: BlockGraphs | None = None  # set by `enable_cuda_graphs`
 
     def triplet(self, site: str, residual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg
@@ -152,22 +153,70 @@ class Block(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """residual [T, N, D] (after Engram) → (residual out, this block's FFN `pre`).
 
-        `mixer(x_attn, ctx)` replaces the attention sublayer when given (DSpark stages).
+        `mixer(x_attn, ctx)` replaces the attention sublayer when given (DSpark stages). Around
+        the attention's stateful middle (`Attention.attend`), the two pure parts replay from
+        CUDA graphs once `enable_cuda_graphs` has run (the first block's attention input, with
+        no previous `pre`, always runs eagerly).
         """
+        if mixer is not None:
+            pre_a, post_a, comb_a = self.triplet("attn", residual)
+            x_attn = self.attn_norm(mhc_combine(residual, pre_prev))
+            residual = mhc_post(residual, post_a, comb_a, mixer(x_attn, ctx))
+            return self.ffn_half(residual, pre_a)
+        positions = ctx.batch.positions
+        graphs = self.graphs if ctx.record is None else None
+        if graphs is not None and pre_prev is not None:
+            parts = graphs.attention_in(residual, pre_prev, positions)
+        else:
+            parts = self.attention_in(residual, pre_prev, positions, ctx.codecs.swa)
+        x_attn, qa, q, window_rows, pre_a, post_a, comb_a = parts
+        o = self.attn.attend(x_attn, qa, q, window_rows, ctx)
+        finish = graphs.attention_out if graphs is not None else self.attention_out
+        return finish(o, positions, residual, post_a, comb_a, pre_a)
+
+    def attention_in(
+        self, residual: Tensor, pre_prev: Tensor | None, positions: Tensor, window_codec: KVCodec
+    ) -> tuple[Tensor, ...]:
+        """mHC site and norm before attention, then its projections: (x_attn, qa, q, encoded
+        window rows, pre, post, comb). Pure and token-parallel."""
         pre_a, post_a, comb_a = self.triplet("attn", residual)
         x_attn = self.attn_norm(mhc_combine(residual, pre_prev))
-        y_attn = (mixer or self.attn)(x_attn, ctx)
-        residual = mhc_post(residual, post_a, comb_a, y_attn)
-        ffn_half = self.ffn_graphs if self.ffn_graphs is not None and ctx.record is None else None
-        return (ffn_half or self.ffn_half)(residual, pre_a)
+        qa, q, window_rows = self.attn.project(x_attn, positions, window_codec)
+        return x_attn, qa, q, window_rows, pre_a, post_a, comb_a
+
+    def attention_out(
+        self,
+        o: Tensor,
+        positions: Tensor,
+        residual: Tensor,
+        post_a: Tensor,
+        comb_a: Tensor,
+        pre_a: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """Attention output projection and residual update, then the FFN sublayer: (residual,
+        FFN `pre`). Pure and token-parallel."""
+        residual = mhc_post(residual, post_a, comb_a, self.attn.output(o, positions))
+        return self.ffn_half(residual, pre_a)
 
     def ffn_half(self, residual: Tensor, pre_a: Tensor) -> tuple[Tensor, Tensor]:
         """The FFN sublayer with its mHC site: (residual, attention `pre`) → (residual, FFN
-        `pre`). Pure and token-parallel, so CUDA graphs may replay it (`ffn_graphs`)."""
+        `pre`)."""
         pre_f, post_f, comb_f = self.triplet("ffn", residual)
         x_ffn = self.ffn_norm(mhc_combine(residual, pre_a))
         residual = mhc_post(residual, post_f, comb_f, self.ffn(x_ffn))
         return residual, pre_f
+
+
+@dataclass
+class BlockGraphs:
+    """A block's two graph-replayed parts (`Block.attention_in`, `Block.attention_out`)."""
+
+    attention_in: GraphedSegment
+    attention_out: GraphedSegment
+
+    @property
+    def segments(self) -> tuple[GraphedSegment, GraphedSegment]:
+        return self.attention_in, self.attention_out
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -351,41 +400,54 @@ class DeepseekV41ForCausalLM(nn.Module):
         return residual, pre_prev, torch.cat(features, -1)
 
     def enable_cuda_graphs(self, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
-        """Replay each block's FFN half (mHC site, norm, MoE: ~90 launches) from CUDA graphs for
-        steps of up to `buckets[-1]` tokens, captured per bucket on first use. Decode steps are
-        host-bound without them. Target blocks only (a DSpark stage may run several times in
-        one step while its outputs are still read)."""
+        """Replay each block's pure parts (`Block.attention_in`: mHC site, norm, projections,
+        RoPE, window-row encoding; `Block.attention_out`: output projection, mHC update, the
+        FFN sublayer) from CUDA graphs for steps of up to `buckets[-1]` tokens, captured per
+        bucket on first use (or by `capture_cuda_graphs`). Decode steps are host-bound without
+        them. Target blocks only: a DSpark stage may run several times in one step while its
+        outputs are still read."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        pool, buffers = torch.cuda.graph_pool_handle(), {}
+        pool = torch.cuda.graph_pool_handle()
+        shared_in, shared_out = {}, {}
+        attention_in = functools.partial(Block.attention_in, window_codec=self.codecs.swa)
         for block in self.layers:
-            block.ffn_graphs = GraphedSegment(block.ffn_half, buckets, pool, buffers)
+            block.graphs = BlockGraphs(
+                GraphedSegment(functools.partial(attention_in, block), buckets, pool, shared_in),
+                GraphedSegment(block.attention_out, buckets, pool, shared_out),
+            )
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_tokens: int) -> None:
         """Capture every bucket up to the one holding `max_tokens` now (at startup: decode
         steps then never pause to capture)."""
         cfg = self.config
-        segments = [block.ffn_graphs for block in self.layers]
-        if any(segment is None for segment in segments):
+        if any(block.graphs is None for block in self.layers):
             raise ValueError("enable_cuda_graphs() first")
-        for bucket in segments[0].buckets:
-            residual = torch.zeros(
-                bucket, cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=self.device
-            )
-            pre = torch.zeros(bucket, cfg.hc_mult, device=self.device)
-            for segment in segments:
-                segment.capture(residual, pre)
+        n, heads, hd = cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
+        for bucket in self.layers[0].graphs.attention_in.buckets:
+            zeros = functools.partial(torch.zeros, device=self.device)
+            residual = zeros(bucket, n, cfg.hidden_size, dtype=self.dtype)
+            positions = zeros(bucket, dtype=torch.long)
+            o = zeros(bucket, heads, hd, dtype=self.dtype)
+            mix = (zeros(bucket, n), zeros(bucket, n, n), zeros(bucket, n))  # post, comb, pre
+            for index, block in enumerate(self.layers):
+                if index:
+                    block.graphs.attention_in.capture(residual, mix[2], positions)
+                block.graphs.attention_out.capture(o, positions, residual, *mix)
             if bucket >= max_tokens:
                 break
 
     def graph_failures(self) -> dict[str, str]:
-        """Why a bucket of a block runs eagerly (empty when every capture succeeded)."""
+        """Why a bucket of a block's part runs eagerly (empty when every capture succeeded)."""
         return {
-            f"layers.{block.layer_id}[{bucket}]": reason
+            f"layers.{block.layer_id}.{name}[{bucket}]": reason
             for block in self.layers
-            if block.ffn_graphs is not None
-            for bucket, reason in block.ffn_graphs.failures.items()
+            if block.graphs is not None
+            for name, segment in zip(
+                ("attention_in", "attention_out"), block.graphs.segments, strict=True
+            )
+            for bucket, reason in segment.failures.items()
         }
 
     def forward_step(
