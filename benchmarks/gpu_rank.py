@@ -20,8 +20,8 @@ bytes counted from the configuration (`count_work`). `--profile` adds a `torch.p
 of one decode step and one prefill chunk: top kernels by GPU time (with the model parts they ran
 in), GPU time per model part, and the source lines where the step waits for the GPU. The
 blocks' pure parts (all but the attention's stateful middle) replay from CUDA graphs, as the
-engine runs them, unless `--eager`; graph replays run no module hooks, so the profile
-attributes their kernels to "other".
+engine runs them, unless `--eager`; graph replays run no Python, so the profile attributes
+their kernels to "other".
 Prints one table; writes `gpu_rank.json` (and `profile_*.txt`) under `--out` (default `$OUT`).
 """
 
@@ -256,14 +256,28 @@ _BLOCK_PARTS = {
 _MODEL_PARTS = {"embed": "embedding"}
 
 
+# Attention methods a block calls directly (no module call, so no hooks): wrapped instead.
+_ATTENTION_STEPS = ("project", "attend", "output")
+
+
 @contextlib.contextmanager
 def _part_ranges(model):
-    """Profiler ranges around each model part (forward hooks, no model change)."""
+    """Profiler ranges around each model part (forward hooks and per-instance method wrappers,
+    removed afterwards; the model's code is unchanged). Graph-replayed parts run no Python, so
+    their kernels fall outside every range."""
     modules = [(model.get_submodule(path), part) for path, part in _MODEL_PARTS.items()]
     for block in model.layers:
         for path, part in _BLOCK_PARTS.items():
             with contextlib.suppress(AttributeError):
                 modules.append((block.get_submodule(path), part))
+        for step in _ATTENTION_STEPS:
+            method = getattr(block.attn, step)
+
+            def ranged(*args, method=method, **kwargs):
+                with torch.profiler.record_function("part:attention"):
+                    return method(*args, **kwargs)
+
+            setattr(block.attn, step, ranged)
     handles, open_ranges = [], []
     for module, part in modules:
 
@@ -282,6 +296,9 @@ def _part_ranges(model):
     finally:
         for handle in handles:
             handle.remove()
+        for block in model.layers:
+            for step in _ATTENTION_STEPS:
+                delattr(block.attn, step)
 
 
 def _part_of(event) -> str:

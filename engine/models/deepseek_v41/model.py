@@ -153,26 +153,26 @@ class Block(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """residual [T, N, D] (after Engram) → (residual out, this block's FFN `pre`).
 
-        `mixer(x_attn, ctx)` replaces the attention sublayer when given (DSpark stages). Around
-        the attention's stateful middle (`Attention.attend`), the two pure parts replay from
-        CUDA graphs once `enable_cuda_graphs` has run (the first block's attention input, with
-        no previous `pre`, always runs eagerly).
+        `mixer(x_attn, ctx)` replaces the attention sublayer when given (DSpark stages). Once
+        `enable_cuda_graphs` has run (and no record is kept), the two pure parts around the
+        attention's stateful middle (`Attention.attend`) replay from CUDA graphs: the same
+        operations as the eager path (the first block's attention input, with no previous
+        `pre`, runs eagerly).
         """
-        if mixer is not None:
+        graphs = self.graphs if mixer is None and ctx.record is None else None
+        if graphs is None:
             pre_a, post_a, comb_a = self.triplet("attn", residual)
             x_attn = self.attn_norm(mhc_combine(residual, pre_prev))
-            residual = mhc_post(residual, post_a, comb_a, mixer(x_attn, ctx))
+            residual = mhc_post(residual, post_a, comb_a, (mixer or self.attn)(x_attn, ctx))
             return self.ffn_half(residual, pre_a)
         positions = ctx.batch.positions
-        graphs = self.graphs if ctx.record is None else None
-        if graphs is not None and pre_prev is not None:
+        if pre_prev is not None:
             parts = graphs.attention_in(residual, pre_prev, positions)
         else:
             parts = self.attention_in(residual, pre_prev, positions, ctx.codecs.swa)
         x_attn, qa, q, window_rows, pre_a, post_a, comb_a = parts
         o = self.attn.attend(x_attn, qa, q, window_rows, ctx)
-        finish = graphs.attention_out if graphs is not None else self.attention_out
-        return finish(o, positions, residual, post_a, comb_a, pre_a)
+        return graphs.attention_out(o, positions, residual, post_a, comb_a, pre_a)
 
     def attention_in(
         self, residual: Tensor, pre_prev: Tensor | None, positions: Tensor, window_codec: KVCodec
