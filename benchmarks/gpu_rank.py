@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import functools
 import json
-import os
 import statistics
 import time
 import warnings
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from engine import envs
 from engine.models import DeepseekV41Config, StepBatch, preset_config
 from engine.models.deepseek_v41.config import config_with
 from engine.models.deepseek_v41.random_init import random_model
@@ -428,7 +428,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on the CPU")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--out", type=Path, default=envs.benchmark_out_dir())
     args = parser.parse_args()
     if args.smoke:
         cfg, device, dtype = preset_config("tiny"), torch.device("cpu"), torch.float32

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from benchmarks.gpu_rank import RANK_EXPERTS, time_ms
+from engine import envs
 from engine.models.deepseek_v41.kv_formats import (
     global_fp4_quantize,
     swa_mxfp8_dequantize,
@@ -240,7 +240,7 @@ def attention_rows(sequences: list[int], device: torch.device) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--out", type=Path, default=envs.benchmark_out_dir())
     groups = {
         "moe": moe_rows,
         "mhc_mix": mhc_rows,

@@ -25,13 +25,14 @@ One kernel, two uses (the routed half of `MoE.forward`):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels import check_runnable
 
 MXFP4_BLOCK = 32
 
@@ -255,8 +256,7 @@ def grouped_mxfp4_gemm(
     """
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be bf16 [rows, K], unit column stride; got {x.dtype} {x.shape}")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("grouped_mxfp4_gemm runs on CUDA (or Triton's CPU interpreter)")
+    check_runnable(x, "grouped_mxfp4_gemm")
     k = x.shape[1]
     _, n_weight = _check_weights(codes, scales, k)
     gated = gate_limit is not None

@@ -9,14 +9,13 @@ rows once.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from engine.models.deepseek_v41.primitives import mhc_combine_reference
+from kernels import check_runnable
 
 __all__ = ["mhc_combine", "mhc_combine_reference"]
 
@@ -51,8 +50,7 @@ def mhc_combine(residual: Tensor, weights: Tensor) -> Tensor:
                          f"got {tuple(residual.shape)}, {tuple(weights.shape)}")  # fmt: skip
     if weights.dtype != torch.float32:
         raise ValueError("weights must be fp32")
-    if not residual.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("mhc_combine runs on CUDA (or Triton's CPU interpreter)")
+    check_runnable(residual, "mhc_combine")
     residual = residual.contiguous()
     out = torch.empty(num_tokens, dim, dtype=residual.dtype, device=residual.device)
     if num_tokens:

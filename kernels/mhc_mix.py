@@ -14,14 +14,13 @@ through every iteration.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from engine.models.deepseek_v41.primitives import mhc_mix_reference
+from kernels import check_runnable
 
 __all__ = ["mhc_mix", "mhc_mix_reference"]
 
@@ -78,8 +77,7 @@ def mhc_mix(logits: Tensor, n: int, hc_eps: float, iters: int) -> tuple[Tensor, 
         raise ValueError(f"logits must be {expected}, got {logits.dtype} {tuple(logits.shape)}")
     if n < 1 or n & (n - 1) or iters < 1:
         raise ValueError(f"n must be a power of two and iters >= 1, got n={n}, iters={iters}")
-    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("mhc_mix runs on CUDA (or Triton's CPU interpreter)")
+    check_runnable(logits, "mhc_mix")
     logits = logits.contiguous()
     num_tokens = logits.shape[0]
     pre = torch.empty(num_tokens, n, dtype=torch.float32, device=logits.device)

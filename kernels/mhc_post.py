@@ -9,14 +9,13 @@ program reads its token's N rows of R and y once and writes N rows of R'.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from engine.models.deepseek_v41.primitives import mhc_post_reference
+from kernels import check_runnable
 
 __all__ = ["mhc_post", "mhc_post_reference"]
 
@@ -65,8 +64,7 @@ def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
         raise ValueError(f"post must be [T, {n}] and comb [T, {n}, {n}]")
     if post.dtype != torch.float32 or comb.dtype != torch.float32:
         raise ValueError("post and comb must be fp32")
-    if not residual.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("mhc_post runs on CUDA (or Triton's CPU interpreter)")
+    check_runnable(residual, "mhc_post")
     residual, y = residual.contiguous(), y.contiguous()
     out = torch.empty_like(residual)
     if num_tokens:

@@ -8,14 +8,13 @@ the model normalises ~8 times per layer. One program per row, the whole row in r
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from engine.models.deepseek_v41.primitives import rms_norm_reference
+from kernels import check_runnable
 
 __all__ = ["rms_norm", "rms_norm_reference"]
 
@@ -47,8 +46,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     if width > MAX_WIDTH or (weight is not None and weight.shape != (width,)):
         got = None if weight is None else tuple(weight.shape)
         raise ValueError(f"rows of at most {MAX_WIDTH}, weight of their width; got {width}, {got}")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("rms_norm runs on CUDA (or Triton's CPU interpreter)")
+    check_runnable(x, "rms_norm")
     x = x.contiguous()
     out = torch.empty_like(x)
     num_rows = x.numel() // max(width, 1)

@@ -12,21 +12,21 @@ sinf (and so torch's `polar`) use.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from engine import envs
 from engine.models.deepseek_v41.primitives import apply_rope_reference
+from kernels import check_runnable
 
 __all__ = ["apply_rope", "apply_rope_reference"]
 
 _BLOCK_R = 16
 # Triton's CPU interpreter has no libdevice; there tl.cos / tl.sin (numpy's) stand in.
-_LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
+_LIBDEVICE = not envs.triton_interpreter()
 
 
 @triton.jit
@@ -89,8 +89,7 @@ def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = Fals
             f"positions {tuple(positions.shape)} must lead x {tuple(x.shape)}, whose last "
             f"dimension must hold the {2 * half} rotated channels"
         )
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("apply_rope runs on CUDA (or Triton's CPU interpreter)")
+    check_runnable(x, "apply_rope")
     x = x.contiguous()
     out = torch.empty_like(x)
     num_positions = positions.numel()

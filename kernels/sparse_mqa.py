@@ -30,14 +30,15 @@ dequantisation, a direct softmax).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+from engine import envs
+from kernels import check_runnable
+
+_INTERPRETING = envs.triton_interpreter()
 # The interpreter's bf16 dot is not trustworthy: there the operands stay fp32 (the hi/lo split
 # still rounds through bf16, so its logic is exercised).
 _DOT_DTYPE = tl.float32 if _INTERPRETING else tl.bfloat16
@@ -268,8 +269,7 @@ def sparse_mqa(
             raise ValueError(f"window rows must be bf16 [B, L, {dim}] with a first row per token")
     if rows.stride(-1) != 1:
         raise ValueError("window rows need unit column stride")
-    if not q.is_cuda and not _INTERPRETING:
-        raise ValueError("sparse_mqa runs on CUDA (or Triton's CPU interpreter)")
+    check_runnable(q, "sparse_mqa")
     out = torch.empty(num_tokens, num_heads, dim, dtype=torch.float32, device=q.device)
     if global_rows is None:
         pool, selection, tables, ratio = rows, positions[:, None], positions[:, None], 0

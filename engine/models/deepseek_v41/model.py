@@ -425,8 +425,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         if any(block.graphs is None for block in self.layers):
             raise ValueError("enable_cuda_graphs() first")
         n, heads, hd = cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
+        zeros = functools.partial(torch.zeros, device=self.device)
         for bucket in self.layers[0].graphs.attention_in.buckets:
-            zeros = functools.partial(torch.zeros, device=self.device)
             residual = zeros(bucket, n, cfg.hidden_size, dtype=self.dtype)
             positions = zeros(bucket, dtype=torch.long)
             o = zeros(bucket, heads, hd, dtype=self.dtype)
