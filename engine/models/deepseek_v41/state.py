@@ -86,8 +86,9 @@ class StepBatch:
         if any(n <= 0 for n in self.lengths):
             raise ValueError("every sequence in a step needs at least one new token")
         lengths = ints_to_device(self.lengths, device)
+        # output_size from the host: otherwise CUDA reads the sum of lengths back (a host wait).
         self.seq_of_token = torch.repeat_interleave(
-            torch.arange(len(self.lengths), device=device), lengths
+            torch.arange(len(self.lengths), device=device), lengths, output_size=sum(self.lengths)
         )
         first = ints_to_device(self.starts[:-1], device)
         self.start_position_tensor = ints_to_device(self.start_positions, device)
