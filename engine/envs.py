@@ -22,12 +22,6 @@ def cache_dir() -> Path:
     return Path(base) / "deepinfer"
 
 
-def triton_interpreter() -> bool:
-    """`TRITON_INTERPRET=1` (Triton's own variable): kernels run in Triton's CPU interpreter
-    (the kernel tests set it in a subprocess)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def benchmark_out_dir() -> Path:
     """`OUT`: where benchmark scripts write their JSON (the device tool's result folder;
     default the current folder)."""

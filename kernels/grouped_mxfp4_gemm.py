@@ -33,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
+from kernels.element_codes import mxfp4_to_float
 
 MXFP4_BLOCK = 32
 
@@ -313,10 +314,8 @@ def grouped_mxfp4_gemm_reference(
     row_weight: Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """`grouped_mxfp4_gemm` in plain torch (fp32 maths, same rounding points; the weights through
-    the checkpoint loader's own `mxfp4_dequantize`); padding and unused rows are zero here."""
-    from engine.models.deepseek_v41.weight_formats import mxfp4_dequantize
-
+    """`grouped_mxfp4_gemm` in plain torch (fp32 maths, same rounding points; the weights decoded
+    by `element_codes.mxfp4_to_float`); padding and unused rows are zero here."""
     pair_of_pos = blocks.pair_of_pos.long()
     block_expert = blocks.block_expert.long().repeat_interleave(blocks.block_m)
     is_row = pair_of_pos >= 0
@@ -327,7 +326,7 @@ def grouped_mxfp4_gemm_reference(
     in_rows = pair_of_pos // blocks.top_k if gated else positions
     for expert in torch.unique(block_expert[is_row]).tolist():
         mine = is_row & (block_expert == expert)
-        weight = mxfp4_dequantize(codes[expert], scales[expert], torch.bfloat16).float()
+        weight = mxfp4_to_float(codes[expert], scales[expert])
         rows = x[in_rows[mine]].float()
         if gated:
             gate = (rows @ weight[:n].t()).clamp(max=gate_limit)

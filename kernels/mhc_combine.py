@@ -2,9 +2,8 @@
 
     x[t, :] = Σ_k w[t, k] · R[t, k, :]     (fp32, cast to R's dtype)
 
-The torch version (`engine.models.deepseek_v41.primitives.mhc_combine_reference`) upcasts R, forms
-the [T, N, D] products and reduces them over ~4 launches; here each program reads its token's N
-rows once.
+The torch version (`mhc_combine_reference`, below) upcasts R, forms the [T, N, D] products
+and reduces them over ~4 launches; here each program reads its token's N rows once.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.models.deepseek_v41.primitives import mhc_combine_reference
 from kernels import check_runnable
 
 __all__ = ["mhc_combine", "mhc_combine_reference"]
@@ -57,3 +55,8 @@ def mhc_combine(residual: Tensor, weights: Tensor) -> Tensor:
         grid = (num_tokens, triton.cdiv(dim, _BLOCK_D))
         _mhc_combine_kernel[grid](residual, weights.contiguous(), out, dim, N=n, BLOCK_D=_BLOCK_D)
     return out
+
+
+def mhc_combine_reference(residual: Tensor, weights: Tensor) -> Tensor:
+    """`mhc_combine` with weights, in plain torch."""
+    return (weights.unsqueeze(-1) * residual.float()).sum(1).to(residual.dtype)

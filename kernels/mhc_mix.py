@@ -7,7 +7,7 @@ From the fp32 logits [T, 2N + N²] (N streams) of each token:
     comb = softmax over columns of logits[2N:] as [N, N], + eps, then normalised over rows
            (dim −2), then `iters − 1` times: over columns, over rows (Sinkhorn)   [T, N, N]
 
-The torch version (`engine.models.deepseek_v41.primitives.mhc_mix_reference`) is ~120 launches
+The torch version (`mhc_mix_reference`, below) is ~120 launches
 of tiny kernels per site, 80 sites per step; here each token's N² values stay in registers
 through every iteration.
 """
@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.models.deepseek_v41.primitives import mhc_mix_reference
 from kernels import check_runnable
 
 __all__ = ["mhc_mix", "mhc_mix_reference"]
@@ -88,4 +87,21 @@ def mhc_mix(logits: Tensor, n: int, hc_eps: float, iters: int) -> tuple[Tensor, 
         _mhc_mix_kernel[grid](
             logits, pre, post, comb, num_tokens, hc_eps, ITERS=iters, N=n, BLOCK_T=_BLOCK_T
         )
+    return pre, post, comb
+
+
+def mhc_mix_reference(
+    logits: Tensor, n: int, hc_eps: float, iters: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 logits [T, 2N + N²] → (pre [T, N], post [T, N], comb [T, N, N]): sigmoid gates and
+    a softmax made doubly stochastic by `iters` Sinkhorn normalisations (`kernels.mhc_mix` on
+    CUDA: one launch instead of ~120)."""
+    pre = torch.sigmoid(logits[:, :n]) + hc_eps
+    post = 2 * torch.sigmoid(logits[:, n : 2 * n])
+    comb = logits[:, 2 * n :].unflatten(-1, (n, n))
+    comb = comb.softmax(-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
     return pre, post, comb

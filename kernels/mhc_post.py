@@ -2,7 +2,7 @@
 
     R'[t, i, :] = post[t, i] · y[t, :] + Σ_j comb[t, j, i] · R[t, j, :]   (fp32, cast to R's dtype)
 
-The torch version (`engine.models.deepseek_v41.primitives.mhc_post_reference`) materialises the
+The torch version (`mhc_post_reference`, below) materialises the
 [T, N, N, D] fp32 products (1.3 GB for a 4K-token chunk at D = 5120) over ~7 launches; here each
 program reads its token's N rows of R and y once and writes N rows of R'.
 """
@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.models.deepseek_v41.primitives import mhc_post_reference
 from kernels import check_runnable
 
 __all__ = ["mhc_post", "mhc_post_reference"]
@@ -73,3 +72,10 @@ def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
             residual, post.contiguous(), comb.contiguous(), y, out, dim, N=n, BLOCK_D=_BLOCK_D
         )
     return out
+
+
+def mhc_post_reference(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
+    """`mhc_post` in plain torch."""
+    update = post.unsqueeze(-1) * y.float().unsqueeze(1)
+    mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(2)).sum(1)
+    return (update + mixed).to(residual.dtype)

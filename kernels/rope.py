@@ -1,4 +1,4 @@
-"""RoPE of rows in one launch (`model.md` §3.3), as `primitives.apply_rope_reference`:
+"""RoPE of rows in one launch (`model.md` §3.3), as `apply_rope_reference` (below):
 
     angle = f32(pos) · f[i];  (x[2i], x[2i+1]) of the rotated tail ← (a·c − b·s, a·s + b·c)
     with c = cos(angle), s = ±sin(angle) (− for the inverse rotation), in fp32, cast back
@@ -18,15 +18,13 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from engine import envs
-from engine.models.deepseek_v41.primitives import apply_rope_reference
-from kernels import check_runnable
+from kernels import check_runnable, interpreting
 
 __all__ = ["apply_rope", "apply_rope_reference"]
 
 _BLOCK_R = 16
 # Triton's CPU interpreter has no libdevice; there tl.cos / tl.sin (numpy's) stand in.
-_LIBDEVICE = not envs.triton_interpreter()
+_LIBDEVICE = not interpreting()
 
 
 @triton.jit
@@ -113,3 +111,27 @@ def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = Fals
             LIBDEVICE=_LIBDEVICE,
         )
     return out
+
+
+def apply_rope_reference(
+    x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False
+) -> Tensor:
+    """Rotate the trailing `2·len(freqs)` channels of `x[..., D]` by `exp(±j·pos·f_i)`.
+
+    Channels (2i, 2i+1) of the rotated tail form the complex number `a + jb` (interleaved /
+    GPT-J style). `positions` has `x`'s leading shape up to the dims between it and the last one
+    (e.g. `x[T, H, D]` with `positions[T]`). The angle `pos·f` is rounded to fp32 before
+    cos/sin and the rotation is a complex64 multiply, as in the reference implementations
+    (bit-identical rows matter: a 1-ulp difference can flip an FP4 rounding of a stored row).
+    Returned in `x`'s dtype.
+    """
+    rot = 2 * freqs.numel()
+    angles = positions.to(torch.float32)[..., None] * freqs.to(positions.device)
+    cis = torch.polar(torch.ones_like(angles), angles)
+    if inverse:
+        cis = cis.conj()
+    tail = torch.view_as_complex(x[..., -rot:].float().unflatten(-1, (-1, 2)).contiguous())
+    while cis.dim() < tail.dim():
+        cis = cis.unsqueeze(-2)
+    rotated = torch.view_as_real(tail * cis).flatten(-2).to(x.dtype)
+    return torch.cat((x[..., :-rot], rotated), dim=-1)

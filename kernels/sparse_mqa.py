@@ -35,10 +35,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine import envs
-from kernels import check_runnable
+from kernels import check_runnable, interpreting
+from kernels.element_codes import fp4_rows_to_float, mxfp8_rows_to_float
 
-_INTERPRETING = envs.triton_interpreter()
+_INTERPRETING = interpreting()
 # The interpreter's bf16 dot is not trustworthy: there the operands stay fp32 (the hi/lo split
 # still rounds through bf16, so its logic is exercised).
 _DOT_DTYPE = tl.float32 if _INTERPRETING else tl.bfloat16
@@ -332,18 +332,13 @@ def sparse_mqa_reference(
     window_rows: tuple[Tensor, Tensor] | None = None,
     global_rows: GlobalRows | None = None,
 ) -> Tensor:
-    """`sparse_mqa` in plain torch: decode the rows with the codecs, one softmax."""
-    from engine.models.deepseek_v41.kv_formats import (
-        global_fp4_dequantize,
-        swa_mxfp8_dequantize,
-    )
-
+    """`sparse_mqa` in plain torch: decode the rows, one softmax."""
     offsets = torch.arange(window, device=q.device)
     key_positions = positions[:, None] - (window - 1) + offsets[None, :]  # [T, W]
     if ring is not None:
         stored, slots = ring
         slot = slots[seq_of_token][:, None]
-        rows = swa_mxfp8_dequantize(stored[slot, key_positions.clamp(min=0) % stored.shape[1]])
+        rows = mxfp8_rows_to_float(stored[slot, key_positions.clamp(min=0) % stored.shape[1]])
     else:
         stored, first = window_rows
         index = (first[:, None] + offsets[None, :]).clamp(max=stored.shape[1] - 1)
@@ -353,7 +348,7 @@ def sparse_mqa_reference(
         pool, selection, tables, ratio = global_rows
         j = selection.clamp(min=0)
         blocks = torch.gather(tables[seq_of_token], 1, j * ratio // 128)
-        selected = global_fp4_dequantize(pool[blocks, j % (128 // ratio)])
+        selected = fp4_rows_to_float(pool[blocks, j % (128 // ratio)])
         rows = torch.cat((rows, selected), 1)
         masks.append(selection >= 0)
     scores = torch.einsum("thd,tkd->thk", q.float(), rows) * softmax_scale

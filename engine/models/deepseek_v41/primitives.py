@@ -2,6 +2,9 @@
 
 RMSNorm with eps 1e-20 in fp32, interleaved partial RoPE with the plain and YaRN tables, the mHC
 triplet with Sinkhorn normalisation, and sqrt-softplus routing. No module state lives here.
+
+RMSNorm, RoPE and the mHC mix / combine / post run as one Triton launch each on CUDA; elsewhere
+their torch references, which live beside the kernels (`kernels.rms_norm`, ...).
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.models.deepseek_v41.config import RopeScaling
+from kernels import mhc_combine as mhc_combine_kernel
+from kernels import mhc_mix as mhc_mix_kernel
+from kernels import mhc_post as mhc_post_kernel
+from kernels import rms_norm as rms_norm_kernel
+from kernels import rope as rope_kernel
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -23,19 +31,8 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     to zeros, never NaN.
     """
     if x.is_cuda:
-        from kernels.rms_norm import rms_norm as rms_norm_kernel
-
-        return rms_norm_kernel(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
-
-
-def rms_norm_reference(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """`rms_norm` in plain torch."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
+        return rms_norm_kernel.rms_norm(x, weight, eps)
+    return rms_norm_kernel.rms_norm_reference(x, weight, eps)
 
 
 # ---- RoPE ------------------------------------------------------------------------------------
@@ -69,36 +66,10 @@ def rope_frequencies(dim: int, theta: float, yarn: RopeScaling | None) -> Tensor
 
 def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
     """Rotate the trailing `2·len(freqs)` channels of `x[..., D]` by `exp(±j·pos·f_i)`
-    (`apply_rope_reference`; `kernels.rope` on CUDA: one launch instead of ~8)."""
+    (`kernels.rope`: one launch instead of ~8 on CUDA; its torch reference elsewhere)."""
     if x.is_cuda:
-        from kernels.rope import apply_rope as apply_rope_kernel
-
-        return apply_rope_kernel(x, positions, freqs, inverse)
-    return apply_rope_reference(x, positions, freqs, inverse)
-
-
-def apply_rope_reference(
-    x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False
-) -> Tensor:
-    """Rotate the trailing `2·len(freqs)` channels of `x[..., D]` by `exp(±j·pos·f_i)`.
-
-    Channels (2i, 2i+1) of the rotated tail form the complex number `a + jb` (interleaved /
-    GPT-J style). `positions` has `x`'s leading shape up to the dims between it and the last one
-    (e.g. `x[T, H, D]` with `positions[T]`). The angle `pos·f` is rounded to fp32 before
-    cos/sin and the rotation is a complex64 multiply, as in the reference implementations
-    (bit-identical rows matter: a 1-ulp difference can flip an FP4 rounding of a stored row).
-    Returned in `x`'s dtype.
-    """
-    rot = 2 * freqs.numel()
-    angles = positions.to(torch.float32)[..., None] * freqs.to(positions.device)
-    cis = torch.polar(torch.ones_like(angles), angles)
-    if inverse:
-        cis = cis.conj()
-    tail = torch.view_as_complex(x[..., -rot:].float().unflatten(-1, (-1, 2)).contiguous())
-    while cis.dim() < tail.dim():
-        cis = cis.unsqueeze(-2)
-    rotated = torch.view_as_real(tail * cis).flatten(-2).to(x.dtype)
-    return torch.cat((x[..., :-rot], rotated), dim=-1)
+        return rope_kernel.apply_rope(x, positions, freqs, inverse)
+    return rope_kernel.apply_rope_reference(x, positions, freqs, inverse)
 
 
 # ---- mHC ---------------------------------------------------------------------------------------
@@ -126,27 +97,8 @@ def mhc_triplet(
     # One fused multiply-add, as the released kernel rounds it.
     logits = torch.addcmul(base.float(), mix, scales)
     if logits.is_cuda:
-        from kernels.mhc_mix import mhc_mix
-
-        return mhc_mix(logits, n, hc_eps, iters)
-    return mhc_mix_reference(logits, n, hc_eps, iters)
-
-
-def mhc_mix_reference(
-    logits: Tensor, n: int, hc_eps: float, iters: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 logits [T, 2N + N²] → (pre [T, N], post [T, N], comb [T, N, N]): sigmoid gates and
-    a softmax made doubly stochastic by `iters` Sinkhorn normalisations (`kernels.mhc_mix` on
-    CUDA: one launch instead of ~120)."""
-    pre = torch.sigmoid(logits[:, :n]) + hc_eps
-    post = 2 * torch.sigmoid(logits[:, n : 2 * n])
-    comb = logits[:, 2 * n :].unflatten(-1, (n, n))
-    comb = comb.softmax(-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+        return mhc_mix_kernel.mhc_mix(logits, n, hc_eps, iters)
+    return mhc_mix_kernel.mhc_mix_reference(logits, n, hc_eps, iters)
 
 
 def mhc_combine(residual: Tensor, weights: Tensor | None) -> Tensor:
@@ -155,15 +107,8 @@ def mhc_combine(residual: Tensor, weights: Tensor | None) -> Tensor:
     if weights is None:
         return residual[:, 0]
     if residual.is_cuda:
-        from kernels.mhc_combine import mhc_combine as mhc_combine_kernel
-
-        return mhc_combine_kernel(residual, weights)
-    return mhc_combine_reference(residual, weights)
-
-
-def mhc_combine_reference(residual: Tensor, weights: Tensor) -> Tensor:
-    """`mhc_combine` with weights, in plain torch."""
-    return (weights.unsqueeze(-1) * residual.float()).sum(1).to(residual.dtype)
+        return mhc_combine_kernel.mhc_combine(residual, weights)
+    return mhc_combine_kernel.mhc_combine_reference(residual, weights)
 
 
 def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
@@ -173,17 +118,8 @@ def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
     NOTE: the contraction runs over the FIRST index of comb (combᵀ·R); comb·R is a silent bug.
     """
     if residual.is_cuda:
-        from kernels.mhc_post import mhc_post as mhc_post_kernel
-
-        return mhc_post_kernel(residual, post, comb, y)
-    return mhc_post_reference(residual, post, comb, y)
-
-
-def mhc_post_reference(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
-    """`mhc_post` in plain torch."""
-    update = post.unsqueeze(-1) * y.float().unsqueeze(1)
-    mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(2)).sum(1)
-    return (update + mixed).to(residual.dtype)
+        return mhc_post_kernel.mhc_post(residual, post, comb, y)
+    return mhc_post_kernel.mhc_post_reference(residual, post, comb, y)
 
 
 # ---- MoE routing -------------------------------------------------------------------------------
