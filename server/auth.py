@@ -12,14 +12,15 @@ import secrets
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import APIError, ErrorKind, Protocol, error_response, protocol_of
+from recipe.errors import Protocol
+from server.errors import APIError, ErrorKind, error_response, protocol_of
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def presented_key(headers: dict[str, str], protocol: Protocol) -> str | None:
     """The key a request carries for `protocol` (headers lower-cased), or None."""
-    if protocol is Protocol.ANTHROPIC and headers.get("x-api-key"):
+    if protocol.is_anthropic and headers.get("x-api-key"):
         return headers["x-api-key"]
     scheme, _, token = headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
@@ -42,7 +43,7 @@ class ApiKeyMiddleware:
         if key is not None and secrets.compare_digest(key.encode(), self._api_key):
             await self.app(scope, receive, send)
             return
-        header = "x-api-key" if protocol is Protocol.ANTHROPIC else "Authorization: Bearer"
+        header = "x-api-key" if protocol.is_anthropic else "Authorization: Bearer"
         message = "missing API key" if key is None else "invalid API key"
         error = APIError(ErrorKind.AUTHENTICATION, f"{message} (send it as {header})")
         await error_response(scope["path"], error)(scope, receive, send)

@@ -8,17 +8,17 @@ Anthropic routes (`/v1/messages`, `/v1/messages/count_tokens`)::
 
     {"type": "error", "error": {"type": ..., "message": ...}}
 
-Routes raise `APIError(ErrorKind.X, message)`; the status and the `type` string come from
-`ErrorKind` and the protocol of the route. Client mistakes never become a 5xx: malformed JSON
-and validation errors are 400, unknown routes 404, and anything unexpected is a 500 whose body
-says nothing about the exception.
+Routes raise `APIError(ErrorKind.X, message)`; the status comes from `ErrorKind` and the
+protocol of the route, the `type` string from that protocol's table (`recipe.errors`, the one
+`Protocol` enum and status→type table of the project). Client mistakes never become a 5xx:
+malformed JSON and validation errors are 400, unknown routes 404, and anything unexpected is a
+500 whose body says nothing about the exception.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,83 +26,49 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineClosedError
+from recipe.errors import Protocol
+from recipe.errors import error_body as protocol_error_body
 
 logger = logging.getLogger(__name__)
 
 ANTHROPIC_ROUTE_PREFIX = "/v1/messages"
+RESPONSES_ROUTE_PREFIX = "/v1/responses"
 
 
-class Protocol(enum.Enum):
-    OPENAI = "openai"
-    ANTHROPIC = "anthropic"
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
 
 
 def protocol_of(path: str) -> Protocol:
-    """The protocol whose envelope an error on `path` uses."""
-    if path == ANTHROPIC_ROUTE_PREFIX or path.startswith(ANTHROPIC_ROUTE_PREFIX + "/"):
-        return Protocol.ANTHROPIC
-    return Protocol.OPENAI
-
-
-@dataclass(frozen=True)
-class _Wire:
-    status: int
-    type: str
-    code: str | None = None  # OpenAI's `code` when the route gives none
+    """The protocol whose envelope an error on `path` uses: Messages for `/v1/messages*`,
+    Responses for `/v1/responses*`, Chat Completions (OpenAI's envelope) for every other route."""
+    if _under(path, ANTHROPIC_ROUTE_PREFIX):
+        return Protocol.MESSAGES
+    if _under(path, RESPONSES_ROUTE_PREFIX):
+        return Protocol.RESPONSES
+    return Protocol.CHAT
 
 
 class ErrorKind(enum.Enum):
-    """What went wrong, independent of protocol; `wire()` gives status and type per protocol."""
+    """What went wrong, independent of protocol; the value is its HTTP status on OpenAI routes
+    (`status()` gives Anthropic's, whose overload is a 529). The `type` string comes from the
+    protocol's table in `recipe.errors`."""
 
-    INVALID_REQUEST = "invalid_request"
-    AUTHENTICATION = "authentication"
-    PERMISSION = "permission"
-    NOT_FOUND = "not_found"
-    METHOD_NOT_ALLOWED = "method_not_allowed"
-    REQUEST_TOO_LARGE = "request_too_large"
-    OVERLOADED = "overloaded"  # admission queue full
-    UNAVAILABLE = "unavailable"  # engine not running / shutting down
-    INTERNAL = "internal"
+    INVALID_REQUEST = 400
+    AUTHENTICATION = 401
+    PERMISSION = 403
+    NOT_FOUND = 404
+    METHOD_NOT_ALLOWED = 405
+    REQUEST_TOO_LARGE = 413
+    OVERLOADED = 429  # admission queue full
+    INTERNAL = 500
+    UNAVAILABLE = 503  # engine not running / shutting down
 
-    def wire(self, protocol: Protocol) -> _Wire:
-        return _WIRE[protocol][self]
-
-
-_WIRE: dict[Protocol, dict[ErrorKind, _Wire]] = {
-    Protocol.OPENAI: {
-        ErrorKind.INVALID_REQUEST: _Wire(400, "invalid_request_error"),
-        ErrorKind.AUTHENTICATION: _Wire(401, "authentication_error", "invalid_api_key"),
-        ErrorKind.PERMISSION: _Wire(403, "permission_error"),
-        ErrorKind.NOT_FOUND: _Wire(404, "not_found_error"),
-        ErrorKind.METHOD_NOT_ALLOWED: _Wire(405, "invalid_request_error"),
-        ErrorKind.REQUEST_TOO_LARGE: _Wire(413, "invalid_request_error"),
-        ErrorKind.OVERLOADED: _Wire(429, "rate_limit_error", "rate_limit_exceeded"),
-        ErrorKind.UNAVAILABLE: _Wire(503, "server_error", "service_unavailable"),
-        ErrorKind.INTERNAL: _Wire(500, "server_error"),
-    },
-    Protocol.ANTHROPIC: {
-        ErrorKind.INVALID_REQUEST: _Wire(400, "invalid_request_error"),
-        ErrorKind.AUTHENTICATION: _Wire(401, "authentication_error"),
-        ErrorKind.PERMISSION: _Wire(403, "permission_error"),
-        ErrorKind.NOT_FOUND: _Wire(404, "not_found_error"),
-        ErrorKind.METHOD_NOT_ALLOWED: _Wire(405, "invalid_request_error"),
-        ErrorKind.REQUEST_TOO_LARGE: _Wire(413, "request_too_large"),
-        ErrorKind.OVERLOADED: _Wire(529, "overloaded_error"),
-        ErrorKind.UNAVAILABLE: _Wire(529, "overloaded_error"),
-        ErrorKind.INTERNAL: _Wire(500, "api_error"),
-    },
-}
-
-_KIND_OF_STATUS = {
-    400: ErrorKind.INVALID_REQUEST,
-    401: ErrorKind.AUTHENTICATION,
-    403: ErrorKind.PERMISSION,
-    404: ErrorKind.NOT_FOUND,
-    405: ErrorKind.METHOD_NOT_ALLOWED,
-    413: ErrorKind.REQUEST_TOO_LARGE,
-    429: ErrorKind.OVERLOADED,
-    503: ErrorKind.UNAVAILABLE,
-}
+    def status(self, protocol: Protocol) -> int:
+        """The HTTP status of this kind of error on a route of `protocol`."""
+        if protocol.is_anthropic and self in (ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE):
+            return 529
+        return self.value
 
 
 class APIError(Exception):
@@ -139,24 +105,15 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request the client abandoned
 def error_body(
     protocol: Protocol, kind: ErrorKind, message: str, param: str | None, code: str | None
 ) -> dict:
-    wire = kind.wire(protocol)
-    if protocol is Protocol.ANTHROPIC:
-        return {"type": "error", "error": {"type": wire.type, "message": message}}
-    return {
-        "error": {
-            "message": message,
-            "type": wire.type,
-            "param": param,
-            "code": code if code is not None else wire.code,
-        }
-    }
+    """The protocol's error envelope for an error of `kind` (`recipe.errors.error_body`)."""
+    return protocol_error_body(protocol, kind.status(protocol), message, param, code)
 
 
 def error_response(path: str, error: APIError) -> JSONResponse:
     """The JSON response for `error` on a request to `path`."""
     protocol = protocol_of(path)
     body = error_body(protocol, error.kind, error.message, error.param, error.code)
-    return JSONResponse(body, status_code=error.kind.wire(protocol).status, headers=error.headers)
+    return JSONResponse(body, status_code=error.kind.status(protocol), headers=error.headers)
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -194,8 +151,9 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    kind = _KIND_OF_STATUS.get(exc.status_code)
-    if kind is None:
+    try:
+        kind = ErrorKind(exc.status_code)
+    except ValueError:
         kind = ErrorKind.INTERNAL if exc.status_code >= 500 else ErrorKind.INVALID_REQUEST
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
     if kind is ErrorKind.NOT_FOUND and message == "Not Found":

@@ -28,7 +28,8 @@ import anyio
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
-from server.errors import APIError, ErrorKind, Protocol, error_body
+from recipe.errors import Protocol
+from server.errors import APIError, ErrorKind, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def _as_api_error(exc: Exception) -> APIError:
 
 def anthropic_error_event(error: APIError) -> tuple[str, Mapping[str, Any]]:
     """Messages' in-stream error: `event: error` with the Anthropic error envelope."""
-    return "error", error_body(Protocol.ANTHROPIC, error.kind, error.message, None, None)
+    return "error", error_body(Protocol.MESSAGES, error.kind, error.message, None, None)
 
 
 async def _aclose(source: Any) -> None:
@@ -76,7 +77,7 @@ async def _data_events(
                 yield ServerSentEvent(data=encode_json(chunk), sep=_SEP)
         except Exception as exc:  # headers are out: report in-stream (OpenAI/vLLM style)
             error = _as_api_error(exc)
-            body = error_body(Protocol.OPENAI, error.kind, error.message, error.param, error.code)
+            body = error_body(Protocol.CHAT, error.kind, error.message, error.param, error.code)
             yield ServerSentEvent(data=encode_json(body), sep=_SEP)
         if send_done:
             yield ServerSentEvent(data=DONE, sep=_SEP)

@@ -161,9 +161,7 @@ def test_full_admission_queue_is_429_and_529(make_app):
         slot = app.state.server.admission.acquire()
         try:
             body = {"prompt": [5], "max_tokens": 1}
-            error = assert_openai_error(
-                client.post(OPENAI_ROUTE, json=body), 429, "rate_limit_error"
-            )
+            error = assert_openai_error(client.post(OPENAI_ROUTE, json=body), 429, "requests")
             assert error["code"] == "rate_limit_exceeded"
             assert_anthropic_error(client.post(ANTHROPIC_ROUTE, json=body), 529, "overloaded_error")
         finally:

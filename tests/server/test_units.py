@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from recipe.errors import Protocol, RecipeError
 from server.admission import AdmissionController
-from server.errors import APIError, ErrorKind, Protocol, error_body, protocol_of
+from server.errors import APIError, ErrorKind, error_body, protocol_of
 from server.metrics import ServerMetrics
 from server.sse import encode_json
 
@@ -34,11 +35,12 @@ def test_admission_slot_is_released_on_error():
 @pytest.mark.parametrize(
     ("path", "protocol"),
     [
-        ("/v1/messages", Protocol.ANTHROPIC),
-        ("/v1/messages/count_tokens", Protocol.ANTHROPIC),
-        ("/v1/messagesX", Protocol.OPENAI),
-        ("/v1/chat/completions", Protocol.OPENAI),
-        ("/v1/responses", Protocol.OPENAI),
+        ("/v1/messages", Protocol.MESSAGES),
+        ("/v1/messages/count_tokens", Protocol.MESSAGES),
+        ("/v1/messagesX", Protocol.CHAT),
+        ("/v1/chat/completions", Protocol.CHAT),
+        ("/v1/responses", Protocol.RESPONSES),
+        ("/v1/models", Protocol.CHAT),
     ],
 )
 def test_protocol_of_route(path, protocol):
@@ -46,16 +48,33 @@ def test_protocol_of_route(path, protocol):
 
 
 def test_error_wire_statuses():
-    assert ErrorKind.OVERLOADED.wire(Protocol.OPENAI).status == 429
-    assert ErrorKind.OVERLOADED.wire(Protocol.ANTHROPIC).status == 529
-    assert error_body(Protocol.ANTHROPIC, ErrorKind.OVERLOADED, "busy", None, None) == {
+    assert ErrorKind.OVERLOADED.status(Protocol.CHAT) == 429
+    assert ErrorKind.OVERLOADED.status(Protocol.MESSAGES) == 529
+    assert error_body(Protocol.MESSAGES, ErrorKind.OVERLOADED, "busy", None, None) == {
         "type": "error",
         "error": {"type": "overloaded_error", "message": "busy"},
     }
-    body = error_body(Protocol.OPENAI, ErrorKind.INVALID_REQUEST, "bad", "n", None)
+    body = error_body(Protocol.CHAT, ErrorKind.INVALID_REQUEST, "bad", "n", None)
     assert body == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}
     }
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+@pytest.mark.parametrize("kind", list(ErrorKind))
+def test_server_and_recipe_errors_share_one_table(protocol, kind):
+    """An APIError and a RecipeError of the same status answer with the same envelope."""
+    recipe_error = RecipeError(kind.status(protocol), "m", protocol)
+    assert recipe_error.body() == error_body(protocol, kind, "m", None, None)
+
+
+def test_rate_limit_types_are_the_vendors():
+    """OpenAI: type `requests`, code `rate_limit_exceeded`; Anthropic: 413 / 429 / 529 types."""
+    openai = error_body(Protocol.CHAT, ErrorKind.OVERLOADED, "busy", None, None)["error"]
+    assert (openai["type"], openai["code"]) == ("requests", "rate_limit_exceeded")
+    assert RecipeError(429, "m", Protocol.RESPONSES).body()["error"]["type"] == "requests"
+    anthropic = {s: RecipeError(s, "m", Protocol.MESSAGES).error_type for s in (413, 429, 529)}
+    assert anthropic == {413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
 
 
 def _samples(metrics: ServerMetrics) -> dict[str, float]:
