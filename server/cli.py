@@ -1,21 +1,63 @@
-"""`deepinfer-server` / `python -m server`: parse options, build the configs, run uvicorn."""
+"""`deepinfer-server` / `python -m server`: parse options, build the configs, bind the port, run
+uvicorn (which loads the model in the app's lifespan).
+
+The port is bound before anything loads, so a port in use fails in a second with a clear
+message instead of after the model load.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
+import sys
 from collections.abc import Sequence
+
+import torch
 
 from engine.async_engine import EngineConfig
 from server.config import ServerConfig
 
 _ENGINE_DEFAULTS = EngineConfig()
 _SERVER_DEFAULTS = ServerConfig()
+AUTO_DEVICE = "auto"  # CUDA when torch sees a GPU, else the CPU
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows `(default: X)` after each option that has a default worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def resolve_device(device: str) -> str:
+    """`auto` → `cuda` when torch sees a GPU, else `cpu`; any other torch device as given."""
+    if device != AUTO_DEVICE:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening; uvicorn listens once the model is
+    loaded). Raises OSError when the address is in use or cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not past a live listener
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepinfer-server",
         description="OpenAI- and Anthropic-compatible server for DeepSeek-V4.1-Flash.",
+        formatter_class=_DefaultsFormatter,
     )
     add = parser.add_argument
     add("--host", default=_SERVER_DEFAULTS.host, help="address to listen on")
@@ -26,12 +68,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="preset (`default`, `tiny`: random weights generated once into the cache folder) "
         "or a checkpoint folder / Hugging Face hub id",
     )
-    add("--device", default=_ENGINE_DEFAULTS.device, help="torch device, e.g. cpu or cuda")
-    add("--dtype", default=_ENGINE_DEFAULTS.dtype, choices=["float32", "bfloat16", "float16"])
+    add(
+        "--device",
+        default=AUTO_DEVICE,
+        help="torch device, e.g. cpu, cuda, cuda:1; `auto` is cuda when a GPU is visible, else cpu",
+    )
+    add(
+        "--dtype",
+        default=_ENGINE_DEFAULTS.dtype,
+        choices=["float32", "bfloat16", "float16"],
+        help="activation dtype",
+    )
     add("--api-key", default=None, help="require this key (Bearer / x-api-key)")
-    add("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS.max_num_seqs)
+    add(
+        "--max-num-seqs",
+        type=int,
+        default=_ENGINE_DEFAULTS.max_num_seqs,
+        help="sequences decoded together",
+    )
     add("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    add("--kv-cache-tokens", type=int, default=_ENGINE_DEFAULTS.kv_cache_tokens)
+    add(
+        "--kv-cache-tokens",
+        type=int,
+        default=_ENGINE_DEFAULTS.kv_cache_tokens,
+        help="global KV cache capacity in tokens, shared by the running sequences",
+    )
     add(
         "--enforce-eager",
         action="store_true",
@@ -57,7 +118,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     max_num_seqs = args.max_num_seqs
     engine = EngineConfig(
         model=args.model,
-        device=args.device,
+        device=resolve_device(args.device),
         dtype=args.dtype,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(_ENGINE_DEFAULTS.max_num_batched_tokens, max_num_seqs),
@@ -86,4 +147,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info")
+    try:
+        sock = bind_socket(config.host, config.port)
+    except OSError as exc:
+        reason = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc})"
+        print(f"deepinfer-server: {config.host}:{config.port} {reason}", file=sys.stderr)
+        raise SystemExit(1) from None
+    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="info"))
+    server.run(sockets=[sock])

@@ -1,10 +1,20 @@
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
+import torch
 
 from engine.async_engine import EngineConfig
 from server.cli import build_parser, config_from_args, main
 from server.config import API_MODEL_NAME, ServerConfig
+
+REPO = Path(__file__).parents[2]
 
 
 def test_defaults_serve_the_api_model_name():
@@ -79,3 +89,49 @@ def test_cli_reports_invalid_values(capsys):
         main(["--kv-cache-tokens", "5"])
     assert exit_info.value.code == 2
     assert "kv_cache_tokens" in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults():
+    text = " ".join(build_parser().format_help().split())
+    for shown in (
+        "port to listen on (default: 8000)",
+        "(default: 127.0.0.1)",
+        "Hugging Face hub id (default: default)",
+        "else cpu (default: auto)",
+        "(default: float32)",
+        "(default: 64)",
+        "(default: 262144)",
+        "(default: 256)",
+        "(default: 10.0)",
+    ):
+        assert shown in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_auto_device_is_cuda_only_when_torch_sees_a_gpu():
+    config = config_from_args(build_parser().parse_args([]))
+    assert config.engine.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert config_from_args(build_parser().parse_args(["--device", "cpu"])).engine.device == "cpu"
+
+
+def test_a_port_in_use_fails_at_once_before_the_model_loads(tmp_path):
+    """The port is bound before the model loads: a second server exits 1 within seconds."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "server", "--port", str(port), "--model", "default"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+            env={**os.environ, "DEEPINFER_CACHE_DIR": str(tmp_path)},  # no checkpoint: no load
+        )
+        elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    assert f"127.0.0.1:{port} is in use" in result.stderr
+    assert "loading model" not in result.stderr
+    assert not any(tmp_path.iterdir())  # the embedded checkpoint was not even generated
+    assert elapsed < 30, elapsed  # python + torch import; a model load takes far longer
