@@ -2,17 +2,27 @@
 # Install deepinfer-server and its runtime dependencies into the current Python environment.
 # Used by the Dockerfile and (through scripts/setup.sh) by CI, so the image's install is tested.
 #   PYTHON           interpreter to install into (default python3)
-#   TORCH_INDEX_URL  optional package index for torch (e.g. PyTorch's CPU wheel index in Docker)
+#   TORCH_INDEX_URL  optional package index for torch (PyTorch's CPU wheel index for a CPU-only
+#                    image); without it torch comes from PyPI: on Linux x86_64 the CUDA build,
+#                    which also runs on machines without a GPU
 #   EDITABLE=1       install the project in editable mode with its test tools (development)
+# Progress goes to stderr, one line per step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# An environment that already has torch (a CUDA machine) keeps it; otherwise the 2.13.0 CPU build.
-if ! "$PY" -c "import torch" 2>/dev/null; then
+step() { echo "install.sh: $*" >&2; }
+# An environment that already has torch (a CUDA machine) keeps it.
+if "$PY" -c "import torch" 2>/dev/null; then
+    step "[1/2] torch: keeping $("$PY" -c "import torch; print(torch.__version__)")"
+else
+    step "[1/2] torch 2.13.0 from ${TORCH_INDEX_URL:-PyPI} (a large download, minutes)"
     "$PY" -m pip install --quiet ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 fi
 if [ "${EDITABLE:-0}" = "1" ]; then
+    step "[2/2] deepinfer-server (editable) and its test tools"
     "$PY" -m pip install --quiet -e ".[test]"
 else
+    step "[2/2] deepinfer-server and its dependencies"
     "$PY" -m pip install --quiet .
 fi
+step "done: $("$PY" -c "import sys; print(sys.prefix)")"

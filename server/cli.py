@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import socket
 import sys
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from server.config import ServerConfig
 
 _ENGINE_DEFAULTS = EngineConfig()
 _SERVER_DEFAULTS = ServerConfig()
+logger = logging.getLogger(__name__)
 AUTO_DEVICE = "auto"  # CUDA when torch sees a GPU, else the CPU
 
 
@@ -147,11 +149,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    try:
-        sock = bind_socket(config.host, config.port)
-    except OSError as exc:
-        reason = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc})"
-        print(f"deepinfer-server: {config.host}:{config.port} {reason}", file=sys.stderr)
-        raise SystemExit(1) from None
+    sock = _bind_or_exit(config.host, config.port)
+    # The model load and a first checkpoint generation report their steps on stderr.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    host, port = sock.getsockname()[:2]
+    logger.info("bound http://%s:%d; it answers once the model is loaded", host, port)
     server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="info"))
     server.run(sockets=[sock])
+
+
+def _bind_or_exit(host: str, port: int) -> socket.socket:
+    try:
+        return bind_socket(host, port)
+    except OSError as exc:
+        reason = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc})"
+        print(f"deepinfer-server: {host}:{port} {reason}", file=sys.stderr)
+        raise SystemExit(1) from None

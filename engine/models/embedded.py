@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 from engine import envs
@@ -9,6 +11,8 @@ from engine.models.deepseek_v41.checkpoint_writer import write_random_checkpoint
 from engine.models.deepseek_v41.config import preset_names
 
 EMBEDDED_SEED = 0
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_source(model: str) -> Path | str:
@@ -25,5 +29,8 @@ def ensure_embedded_checkpoint(preset: str = "default", cache_dir: Path | None =
     """
     folder = (cache_dir or envs.cache_dir()) / f"{preset}-seed{EMBEDDED_SEED}"
     if not (folder / "config.json").is_file():
+        logger.info("generating the `%s` checkpoint once (random weights) into %s", preset, folder)
+        started = time.monotonic()
         write_random_checkpoint(preset, folder, seed=EMBEDDED_SEED)
+        logger.info("`%s` checkpoint ready in %.0f s", preset, time.monotonic() - started)
     return folder

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import shutil
@@ -385,3 +386,19 @@ def test_rewriting_a_folder_replaces_its_shards(tiny_copy: Path) -> None:
     shards = sorted(p.name for p in tiny_copy.glob("model-*"))
     assert shards == ["model-00001-of-00001.safetensors"]
     load_checkpoint(tiny_copy, progress=False)
+
+
+def test_first_generation_reports_its_progress(tmp_path, caplog):
+    """A preset's first generation says what it writes, shard by shard; the second says nothing."""
+    from engine.models.embedded import ensure_embedded_checkpoint
+
+    with caplog.at_level(logging.INFO, logger="engine.models"):
+        ensure_embedded_checkpoint("tiny", tmp_path)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("generating the `tiny` checkpoint once" in m for m in messages)
+    assert any(m.startswith("checkpoint shard 1/1 written") for m in messages)
+    assert any("`tiny` checkpoint ready" in m for m in messages)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine.models"):
+        ensure_embedded_checkpoint("tiny", tmp_path)
+    assert caplog.records == []

@@ -30,10 +30,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import re
 import struct
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +53,8 @@ from engine.models.deepseek_v41.weight_formats import (
     fp8_row_quantize,
     mxfp4_quantize,
 )
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 INDEX_FILE = "model.safetensors.index.json"
@@ -137,14 +141,23 @@ def write_random_checkpoint(
     shards = plan_shards(specs, block, max_shard_bytes)
     drawing = _Drawing(seed, block, _quantize_device())
 
+    total_size = sum(stored_nbytes(spec, block) for spec in specs)
+    logger.info(
+        "writing a random checkpoint (%.2f GB in %d shards) to %s",
+        total_size / 1e9,
+        len(shards),
+        folder,
+    )
     weight_map: dict[str, str] = {}
+    started = time.monotonic()
     for i, shard_specs in enumerate(shards):
         file_name = shard_file_name(i, len(shards))
         _write_shard(folder / file_name, shard_specs, drawing)
+        elapsed = time.monotonic() - started
+        logger.info("checkpoint shard %d/%d written (%.0f s)", i + 1, len(shards), elapsed)
         for spec in shard_specs:
             weight_map.update(dict.fromkeys(spec.stored_shapes(block), file_name))
     _remove_stale_shards(folder, keep=set(weight_map.values()))
-    total_size = sum(stored_nbytes(spec, block) for spec in specs)
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     _write_json(folder / INDEX_FILE, index)
 
