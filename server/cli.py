@@ -8,6 +8,7 @@ message instead of after the model load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import socket
@@ -155,7 +156,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     host, port = sock.getsockname()[:2]
     logger.info("bound http://%s:%d; it answers once the model is loaded", host, port)
     server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="info"))
-    server.run(sockets=[sock])
+    # uvicorn re-raises the SIGINT it stopped on; `uvicorn.run` swallows it the same way.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[sock])
+    if not server.started:
+        raise SystemExit(3)  # uvicorn's startup failure status
 
 
 def _bind_or_exit(host: str, port: int) -> socket.socket:

@@ -101,7 +101,7 @@ def test_live_errors(live):
     try:
         body = {"prompt": [5], "max_tokens": 1}
         full = client.post(OPENAI_ROUTE, json=body, headers=BEARER)
-        assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
+        assert full.status_code == 429 and full.json()["error"]["type"] == "requests"
         full = client.post(ANTHROPIC_ROUTE, json=body, headers={"x-api-key": API_KEY})
         assert full.status_code == 529 and full.json()["error"]["type"] == "overloaded_error"
     finally:
