@@ -25,6 +25,7 @@ step fits the memory budget (longer requests can never run).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 NUM_FEATURES = 5
@@ -132,9 +133,9 @@ PRIOR_FLOOR = 0.125
 class StepTimeModel:
     """Step seconds as a `LinearCost` fitted to the engine's recent steps.
 
-    Ridge least squares with exponential forgetting (an observation's weight halves about
+    Ridge least squares of the relative error with exponential forgetting (an observation's weight halves about
     every `0.7 * window` steps), pulled toward `prior` with the weight of `prior_weight`
-    observations at each feature's largest value seen (at least `PRIOR_SCALES`), so that a
+    observations at each feature's typical (RMS) value (at least `PRIOR_SCALES`), so that a
     feature no step exercised yet (long prefills during a decode-only stretch) keeps its prior
     value, and a pessimistic prior gives way to the measurements within tens of steps.
     Coefficients stay non-negative (a negative one is pinned to 0 and the rest refitted, as
@@ -148,7 +149,6 @@ class StepTimeModel:
         self._decay = 1.0 - 1.0 / window
         self._xx = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]  # Σ w·x·xᵀ
         self._xy = [0.0] * NUM_FEATURES  # Σ w·x·y
-        self._max = list(PRIOR_SCALES)  # largest value of each feature seen (or its scale)
         self._cost = prior
 
     @property
@@ -162,18 +162,21 @@ class StepTimeModel:
         """Record one executed step (its padded shape and wall time) and refit."""
         if shape.num_seqs == 0 or seconds < 0:
             return
+        # Relative errors: a step's weight is 1 / seconds² (timing noise grows with the time).
         x = shape.features()
+        weight = 1.0 / max(seconds, 1e-4) ** 2
         for r in range(NUM_FEATURES):
-            self._max[r] = max(self._max[r], x[r])
-            self._xy[r] = self._decay * self._xy[r] + x[r] * seconds
+            self._xy[r] = self._decay * self._xy[r] + weight * x[r] * seconds
             for c in range(NUM_FEATURES):
-                self._xx[r][c] = self._decay * self._xx[r][c] + x[r] * x[c]
+                self._xx[r][c] = self._decay * self._xx[r][c] + weight * x[r] * x[c]
         floors = [PRIOR_FLOOR * p for p in self.prior.coefs]
         self._cost = LinearCost(tuple(map(max, self._fit(), floors)))
 
     def _fit(self) -> tuple[float, ...]:
-        # Unknowns scaled by the largest feature values: u_i = coef_i * max_i (conditioning).
-        m = self._max
+        # Unknowns scaled by each feature's RMS over the (decayed) observations, at least its
+        # prior scale: u_i = coef_i * m_i, so the prior weighs as `prior_weight` typical steps.
+        count = max(self._xx[0][0], 1e-9)  # feature 0 is the constant 1: Σ weights
+        m = [max(math.sqrt(self._xx[i][i] / count), PRIOR_SCALES[i]) for i in range(NUM_FEATURES)]
         prior = [p * s for p, s in zip(self.prior.coefs, m, strict=True)]
         pinned: set[int] = set()
         while True:
