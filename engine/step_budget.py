@@ -133,11 +133,12 @@ PRIOR_FLOOR = 0.125
 class StepTimeModel:
     """Step seconds as a `LinearCost` fitted to the engine's recent steps.
 
-    Ridge least squares of the relative error with exponential forgetting (an observation's weight halves about
-    every `0.7 * window` steps), pulled toward `prior` with the weight of `prior_weight`
-    observations at each feature's typical (RMS) value (at least `PRIOR_SCALES`), so that a
-    feature no step exercised yet (long prefills during a decode-only stretch) keeps its prior
-    value, and a pessimistic prior gives way to the measurements within tens of steps.
+    Ridge least squares of the relative error with exponential forgetting (an observation's
+    weight halves about every `0.7 * window` steps), pulled toward `prior` with the weight of
+    `prior_weight` observations at each feature's typical (RMS) value (at least
+    `PRIOR_SCALES`), so that a feature no step exercised yet (long prefills during a
+    decode-only stretch) keeps its prior value, and a pessimistic prior gives way to the
+    measurements within tens of steps.
     Coefficients stay non-negative (a negative one is pinned to 0 and the rest refitted, as
     in an active-set NNLS), and at least `PRIOR_FLOOR` of the prior's. `observe` mutates;
     `predict` does not.
