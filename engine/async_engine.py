@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core import EngineCore
+from engine.core import EngineCore, internal_error_message
 from engine.kv_cache import CacheConfig, KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.models import DeepseekV41ForCausalLM, load_model
@@ -26,11 +26,24 @@ from engine.outputs import Delta
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_budget import (
+    CPU_TIME_PRIOR,
+    CUDA_TIME_PRIOR,
+    StepBudget,
+    StepTimeModel,
+    activation_cost,
+)
 
 if TYPE_CHECKING:
     from engine.structured import CompiledConstraint
 
 logger = logging.getLogger(__name__)
+
+# Target step time by device type when EngineConfig.target_step_ms is None.
+DEFAULT_TARGET_STEP_MS = {"cpu": 2000.0, "cuda": 500.0}
+# Share of the memory free after loading (host RAM on the CPU, device memory on CUDA) that one
+# step's activations may use when EngineConfig.activation_memory_bytes is None.
+ACTIVATION_MEMORY_FRACTION = 0.5
 
 _SEED_MASK = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -54,6 +67,12 @@ class EngineConfig:
         core, so the fill would compete with it instead of hiding behind it).
     cuda_graphs: on CUDA, replay each block's pure parts from CUDA graphs in steps of up to 512
         tokens (`DeepseekV41ForCausalLM.enable_cuda_graphs`); False runs every step eagerly.
+    target_step_ms: prefill chunks are sized so that a step's predicted time (a cost model
+        fitted to the engine's own steps) stays within this; None = by device
+        (`DEFAULT_TARGET_STEP_MS`).
+    activation_memory_bytes: the activation memory one step may use (chunks are sized by the
+        model's estimated bytes per step); None = `ACTIVATION_MEMORY_FRACTION` of the memory
+        free once the model and its state are allocated.
     """
 
     model: str = "default"
@@ -65,6 +84,8 @@ class EngineConfig:
     max_model_len: int | None = None
     overlap_grammar_mask: bool | None = None
     cuda_graphs: bool = True
+    target_step_ms: float | None = None
+    activation_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -73,6 +94,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1 and kv_cache_tokens >= 128")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode row each)")
+        if self.target_step_ms is not None and not self.target_step_ms > 0:
+            raise ValueError(f"target_step_ms must be > 0, not {self.target_step_ms!r}")
+        if self.activation_memory_bytes is not None and self.activation_memory_bytes <= 0:
+            raise ValueError("activation_memory_bytes must be > 0")
 
 
 class AsyncEngine:
@@ -97,22 +122,10 @@ class AsyncEngine:
 
     @classmethod
     def from_model(cls, model: DeepseekV41ForCausalLM, config: EngineConfig) -> AsyncEngine:
-        max_model_len = config.max_model_len or model.config.max_position_embeddings
-        if config.kv_cache_tokens < max_model_len:
-            raise ValueError(
-                f"kv_cache_tokens ({config.kv_cache_tokens}) cannot hold one sequence of "
-                f"max_model_len ({max_model_len}) tokens; raise kv_cache_tokens or lower "
-                "max_model_len"
-            )
+        """The engine over `model`. The context limit is the configured (or the model's) one,
+        lowered to the longest context whose steps fit the activation memory budget, so that
+        the server refuses longer prompts at admission."""
         cache = CacheConfig(num_blocks=config.kv_cache_tokens // 128, num_slots=config.max_num_seqs)
-        scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=max_model_len,
-            ),
-            KVCacheManager(cache),
-        )
         runner = ModelRunner(
             model,
             cache.num_slots,
@@ -122,6 +135,33 @@ class AsyncEngine:
                 if config.overlap_grammar_mask is None
                 else config.overlap_grammar_mask
             ),
+        )
+        step_budget = _step_budget(model, config)
+        max_model_len = config.max_model_len or model.config.max_position_embeddings
+        max_context = step_budget.max_context_len()
+        if max_context is not None and max_context + 1 < max_model_len:
+            logger.warning(
+                "context limit lowered from %d to %d tokens: longer steps exceed the "
+                "activation memory budget",
+                max_model_len,
+                max_context + 1,
+            )
+            max_model_len = max_context + 1
+        logger.info("step budget: %s", step_budget.describe())
+        if config.kv_cache_tokens < max_model_len:
+            raise ValueError(
+                f"kv_cache_tokens ({config.kv_cache_tokens}) cannot hold one sequence of "
+                f"max_model_len ({max_model_len}) tokens; raise kv_cache_tokens or lower "
+                "max_model_len"
+            )
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_model_len,
+            ),
+            KVCacheManager(cache),
+            step_budget,
         )
         return cls(EngineCore(scheduler, runner), model.config.eos_token_id)
 
@@ -255,8 +295,9 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(delta)
 
-    def _fail_all(self, error: str) -> None:
-        """Finish every open stream with ABORT and `error`; free the requests in the core."""
+    def _fail_all(self) -> None:
+        """Finish every open stream with ABORT and a generic error naming its request (the
+        exception is in the log); free the requests in the core."""
         for request_id, queue in list(self._streams.items()):
             request = self.core.scheduler.get_request(request_id)
             self.core.abort(request_id)
@@ -269,7 +310,7 @@ class AsyncEngine:
                     num_prompt_tokens=request.num_prompt_tokens if request else 0,
                     num_output_tokens=request.num_output_tokens if request else 0,
                     finish_reason=FinishReason.ABORT,
-                    error=error,
+                    error=internal_error_message(request_id),
                 )
             )
             self._streams.pop(request_id, None)
@@ -287,12 +328,44 @@ class AsyncEngine:
                 continue
             try:
                 deltas = await asyncio.to_thread(self.core.step)
-            except Exception as exc:  # a failed step must not hang its requests
-                logger.exception("engine step failed; aborting running requests")
-                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            except Exception:  # the scheduler failed (the core isolates runner failures)
+                logger.exception("engine step failed outside the runner; aborting every request")
+                self._fail_all()
                 continue
             self.step_count += 1
             self._dispatch(deltas)
+
+
+def _step_budget(model: DeepseekV41ForCausalLM, config: EngineConfig) -> StepBudget:
+    """The memory budget and step-time target of `config` on `model`'s device."""
+    cfg, device = model.config, model.device
+    memory_bytes = config.activation_memory_bytes or int(
+        ACTIVATION_MEMORY_FRACTION * _free_memory_bytes(device)
+    )
+    target_ms = config.target_step_ms or DEFAULT_TARGET_STEP_MS.get(device.type, 2000.0)
+    memory = activation_cost(
+        hidden_size=cfg.hidden_size,
+        hc_mult=cfg.hc_mult,
+        num_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        sliding_window=cfg.sliding_window,
+        index_topk=cfg.index_topk,
+        index_head_dim=cfg.index_head_dim,
+        vocab_size=cfg.vocab_size,
+    )
+    prior = CUDA_TIME_PRIOR if device.type == "cuda" else CPU_TIME_PRIOR
+    return StepBudget(memory, memory_bytes, StepTimeModel(prior), target_ms / 1000.0)
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    """Memory free for activations now: the device's on CUDA, MemAvailable of the host else."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
 def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:

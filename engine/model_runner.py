@@ -12,12 +12,19 @@ advance the matchers.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.models import DeepseekV41ForCausalLM, StepBatch, ints_to_device
-from engine.outputs import ModelOutput, SamplingInfo, SchedulerOutput, TokenLogprob
+from engine.outputs import (
+    ModelOutput,
+    SamplingInfo,
+    ScheduledChunk,
+    SchedulerOutput,
+    TokenLogprob,
+)
 from engine.sampler import Sampler, SamplingBatch
 
 if TYPE_CHECKING:
@@ -78,9 +85,33 @@ class ModelRunner:
             logits_indices=ints_to_device(sampled_rows, dev),
         )
 
+    def invalid_chunks(self, output: SchedulerOutput) -> dict[str, str]:
+        """Request id -> why its chunk cannot run: a token id outside the vocabulary in its
+        tokens or its sampling parameters (it would fail the whole step). No mutation."""
+        vocab_size = self.model.config.vocab_size
+        return {
+            c.request_id: problem
+            for c in output.chunks
+            if (problem := _token_id_problem(c, vocab_size)) is not None
+        }
+
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
-        """Run one step; sample the next token of every chunk that reaches its request's end."""
+        """Run one step; sample the next token of every chunk that reaches its request's end.
+
+        Chunks that `invalid_chunks` refuses are left out of the step and reported in
+        `ModelOutput.failed`; the others run as if they were alone.
+        """
+        failed = self.invalid_chunks(output)
+        if failed:
+            chunks = tuple(c for c in output.chunks if c.request_id not in failed)
+            output = dataclasses.replace(
+                output, chunks=chunks, num_tokens=sum(len(c.token_ids) for c in chunks)
+            )
+            return dataclasses.replace(self._execute_valid(output), failed=failed)
+        return self._execute_valid(output)
+
+    def _execute_valid(self, output: SchedulerOutput) -> ModelOutput:
         if output.is_empty:
             return ModelOutput(sampled={}, logprobs={})
         batch = self.build_batch(output)
@@ -123,3 +154,20 @@ class ModelRunner:
                 chosen_lp = max(chosen[row], LOGPROB_FLOOR)
                 logprobs[chunk.request_id] = [TokenLogprob(token_ids[row], chosen_lp, top)]
         return ModelOutput(sampled=sampled, logprobs=logprobs)
+
+
+def _token_id_problem(chunk: ScheduledChunk, vocab_size: int) -> str | None:
+    """Which field of a chunk holds a token id outside [0, vocab_size), or None."""
+    fields: list[tuple[str, object]] = [("prompt token ids", chunk.token_ids)]
+    if chunk.sampling is not None:
+        params = chunk.sampling.params
+        fields += [
+            ("logit_bias", params.logit_bias.keys()),
+            ("stop_token_ids", params.stop_token_ids),
+            ("banned_token_ids", params.banned_token_ids),
+        ]
+    for name, ids in fields:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            return f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+    return None

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.step_budget import StepShape
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,15 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def shape(self) -> StepShape:
+        """The padded shape the step budget prices (sequences, longest chunk, furthest end)."""
+        return StepShape(
+            len(self.chunks),
+            max((len(c.token_ids) for c in self.chunks), default=0),
+            max((c.start_position + len(c.token_ids) for c in self.chunks), default=0),
+        )
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -61,10 +71,15 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """Sampled tokens for every chunk that had `sampling` (several per request later: drafts)."""
+    """Sampled tokens for every chunk that had `sampling` (several per request later: drafts).
+
+    failed: request id -> why its chunk was not run (e.g. a token id outside the vocabulary);
+    that request alone ends with an error, the others of the step proceed.
+    """
 
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprob]]
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

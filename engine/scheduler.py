@@ -32,9 +32,16 @@ engine keys randomness by (seed, position), it then samples exactly the tokens i
 sampled without preemption. The victim is never better than the request that needs the block
 (possibly it is that request itself), so the best running request always makes progress.
 
+Chunk lengths. Besides the token budget, each chunk is bounded by the `StepBudget`
+(`engine/step_budget.py`): the step's estimated activation memory and predicted time, both
+functions of its padded shape, stay within the memory budget and the target step time. A long
+prefill therefore advances in chunks that each take about the target time, and an abort takes
+effect at the next chunk boundary.
+
 Requests that can never run (empty prompt, prompt + max_tokens > max_model_len, more blocks than
-the whole pool) are rejected in `add_request`: finished at once with `FinishReason.ABORT` and an
-`error`. They, and aborted requests, surface as Deltas through `update` (see its docstring).
+the whole pool, a context whose one-token step exceeds the memory budget) are rejected in
+`add_request`: finished at once with `FinishReason.ABORT` and an `error`. They, and aborted
+requests, surface as Deltas through `update` (see its docstring).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from engine.kv_cache import KVCacheManager
 from engine.outputs import Delta, ModelOutput, SamplingInfo, ScheduledChunk, SchedulerOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.step_budget import StepBudget, StepShape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,16 +90,35 @@ class SchedulerConfig:
 class _StepPlan:
     """Positions chosen so far in one `schedule()` call; insertion order is batch order."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, step_budget: StepBudget) -> None:
         self.budget_left = budget
+        self.step_budget = step_budget
         self.num_new_tokens: dict[str, int] = {}
+        self.end_positions: dict[str, int] = {}
         self.num_preempted = 0
 
-    def add(self, request_id: str, num_tokens: int) -> None:
-        self.num_new_tokens[request_id] = num_tokens
+    def chunk_len(self, request: Request) -> int:
+        """Positions the request's next chunk may take: what is left, within the token budget
+        and the step budget (memory, time); 0 only when the token budget is spent."""
+        start = request.num_computed_tokens
+        wanted = min(request.num_tokens - start, self.budget_left)
+        return self.step_budget.max_chunk(self.shape(), start, wanted)
+
+    def shape(self) -> StepShape:
+        ends = self.end_positions.values()
+        return StepShape(
+            len(self.num_new_tokens),
+            max(self.num_new_tokens.values(), default=0),
+            max(ends, default=0),
+        )
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.num_new_tokens[request.request_id] = num_tokens
+        self.end_positions[request.request_id] = request.num_computed_tokens + num_tokens
         self.budget_left -= num_tokens
 
     def drop(self, request_id: str) -> None:
+        self.end_positions.pop(request_id, None)
         self.budget_left += self.num_new_tokens.pop(request_id, 0)
 
 
@@ -103,9 +130,17 @@ class Scheduler:
     two calls. Not thread-safe: the engine calls it from one thread.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        step_budget: StepBudget | None = None,
+    ) -> None:
+        """step_budget: bounds each chunk by activation memory and step time (default: the
+        token budget alone)."""
         self.config = config
         self.kv_manager = kv_manager
+        self.step_budget = step_budget or StepBudget()
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._waiting: list[Request] = []  # sorted by _order_key
         self._running: list[Request] = []  # sorted by _order_key (best first)
@@ -189,7 +224,7 @@ class Scheduler:
         WAITING); `num_computed_tokens` is left for `update`. Never exceeds the token budget and
         never lists a request twice. Returns an empty output when nothing can run.
         """
-        plan = _StepPlan(self.config.max_num_batched_tokens)
+        plan = _StepPlan(self.config.max_num_batched_tokens, self.step_budget)
         self._schedule_running(plan, decoding=True)
         self._schedule_running(plan, decoding=False)
         if plan.num_preempted == 0:
@@ -212,7 +247,9 @@ class Scheduler:
         Returns: first the final Deltas of requests rejected or aborted since the last `update`
         (no new tokens, `finish_reason=ABORT`, `error` for rejections), then one Delta per
         sampled request (cumulative counts; `finish_reason` set on its last Delta). Chunks of
-        requests aborted after `schedule` are ignored. Raises RuntimeError if the runner did not
+        requests aborted after `schedule` are ignored; a request in `model_output.failed` is
+        FINISHED with ABORT and that reason as its `error` (its final Delta follows the
+        rejections), and its chunk is not counted. Raises RuntimeError if the runner did not
         sample for a chunk that asked for it, or if the output does not match the request state.
         """
         deltas, self._outbox = self._outbox, []
@@ -220,6 +257,11 @@ class Scheduler:
             request = self._requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted after schedule()
+            if chunk.request_id in model_output.failed:
+                request.error = model_output.failed[chunk.request_id]
+                self._finish(request, FinishReason.ABORT)
+                deltas.append(_final_delta(request))
+                continue
             if request.num_computed_tokens != chunk.start_position:
                 raise RuntimeError(
                     f"request {chunk.request_id!r}: chunk starts at {chunk.start_position} but "
@@ -296,9 +338,11 @@ class Scheduler:
             num_left = request.num_tokens - request.num_computed_tokens
             if (num_left == 1) != decoding or request.request_id in plan.num_new_tokens:
                 continue
-            num_new = min(num_left, plan.budget_left)
+            num_new = plan.chunk_len(request)
+            if num_new == 0:
+                continue  # the step budget is spent: this chunk waits for the next step
             if self._allocate_or_preempt(request, request.num_computed_tokens + num_new, plan):
-                plan.add(request.request_id, num_new)
+                plan.add(request, num_new)
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _StepPlan) -> bool:
         """Give a running request blocks for positions `< num_tokens`, preempting the worst
@@ -323,20 +367,22 @@ class Scheduler:
         bisect.insort(self._waiting, request, key=self._order_key)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
-        """Admit waiting requests in order until one does not fit (budget, seqs, slots, KV)."""
+        """Admit waiting requests in order until one does not fit (token or step budget, seqs,
+        slots, KV)."""
         while (
             self._waiting and plan.budget_left > 0 and len(self._running) < self.config.max_num_seqs
         ):
             request = self._waiting[0]
+            num_new = plan.chunk_len(request)
             # Reserve every known position, so the prefill never waits for blocks midway.
-            if not self.kv_manager.allocate(request.request_id, request.num_tokens):
+            if num_new == 0 or not self.kv_manager.allocate(request.request_id, request.num_tokens):
                 return
             self._waiting.pop(0)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             bisect.insort(self._running, request, key=self._order_key)
-            plan.add(request.request_id, min(request.num_tokens, plan.budget_left))
+            plan.add(request, num_new)
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         chunks = []
@@ -445,6 +491,12 @@ class Scheduler:
                 f"the request may reach {max_len} tokens, which needs {num_blocks} KV blocks, "
                 f"but the whole cache holds {pool.num_blocks} blocks "
                 f"({pool.num_blocks * pool.block_tokens} tokens)"
+            )
+        max_context = self.step_budget.max_context_len()
+        if max_context is not None and max_len - 1 > max_context:
+            return (
+                f"the request may reach {max_len} tokens, but a step over more than "
+                f"{max_context} tokens of context exceeds the activation memory budget"
             )
         return None
 

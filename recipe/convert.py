@@ -2,10 +2,11 @@
 
 The package parses, validates and renders; around it this module closes the gaps of §9/§10:
 Chat `developer` -> system, `max_completion_tokens` honoured, `n` > 1 run as n engine choices,
-`logit_bias` / penalties forwarded, Responses `stop` honoured and `previous_response_id` /
-`store` / `background` refused, Messages `top_k` forwarded, output constraints turned into a
-grammar (`recipe/constraints.py`: Messages `tool_choice: any` and `output_config.format`, Chat
-grammar extensions, `parallel_tool_calls`), images refused with a 400.
+`logit_bias` (every protocol, ids checked against the vocabulary) / penalties forwarded,
+Responses `stop` honoured and `previous_response_id` / `store` / `background` refused,
+Messages `top_k` forwarded, output constraints turned into a grammar (`recipe/constraints.py`:
+Messages `tool_choice: any` and `output_config.format`, Chat grammar extensions,
+`parallel_tool_calls`), images refused with a 400.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ MAX_STOP_SEQUENCES = 4
 @dataclass(frozen=True)
 class RecipeConfig:
     """model_names: the names requests may use (all render as V4.1-Flash); context_len: the
-    model's context length; default_thinking_mode: thinking when a request does not say."""
+    model's context length; default_thinking_mode: thinking when a request does not say;
+    vocab_size: the model's logits width, the bound on client token ids (`logit_bias`);
+    None = the tokenizer's vocabulary."""
 
     model_names: tuple[str, ...]
     context_len: int
     default_thinking_mode: bool = True
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model_names:
@@ -111,6 +115,7 @@ class Recipe:
             .with_special_tokens(tokenizer.special_tokens)
         )
         self._encoding = dr.DeepseekV41Encoding().with_special_tokens(tokenizer.special_tokens)
+        self._vocab_size = config.vocab_size or tokenizer.full.get_vocab_size(True)
 
     def prepare(self, protocol: Protocol, body: Any) -> PreparedRequest:
         """Parse, validate, render and encode one request body (a JSON object as a dict).
@@ -123,6 +128,9 @@ class Recipe:
             raise RecipeError(400, "request body must be a JSON object", protocol)
         body = copy.deepcopy(body)
         extras = _PREPROCESSORS[protocol](body, protocol)
+        bias = body.pop("logit_bias", None)  # every protocol (an extension outside Chat)
+        if bias is not None:
+            extras.logit_bias = _parse_logit_bias(bias, protocol, self._vocab_size)
         try:
             request = _REQUEST_TYPES[protocol](body)
         except (ValueError, TypeError, OverflowError) as exc:  # Overflow: ints beyond i64/u64
@@ -279,9 +287,6 @@ def _preprocess_chat(body: dict[str, Any], protocol: Protocol) -> _Extras:
         if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
             raise RecipeError(400, f"n must be an integer in [1, {MAX_CHOICES}]", protocol, "n")
         extras.n = n
-    bias = body.pop("logit_bias", None)
-    if bias is not None:
-        extras.logit_bias = _parse_logit_bias(bias, protocol)
     for name in ("presence_penalty", "frequency_penalty"):
         value = body.get(name)
         if value is not None:
@@ -329,7 +334,7 @@ def _preprocess_messages(body: dict[str, Any], protocol: Protocol) -> _Extras:
     return extras
 
 
-def _parse_logit_bias(bias: Any, protocol: Protocol) -> dict[int, float]:
+def _parse_logit_bias(bias: Any, protocol: Protocol, vocab_size: int) -> dict[int, float]:
     if not isinstance(bias, dict):
         raise RecipeError(400, "logit_bias must be an object", protocol, "logit_bias")
     parsed: dict[int, float] = {}
@@ -341,6 +346,13 @@ def _parse_logit_bias(bias: Any, protocol: Protocol) -> dict[int, float]:
         if token_id < 0 or not isinstance(value, int | float) or isinstance(value, bool):
             raise RecipeError(
                 400, f"logit_bias: invalid entry {key!r}: {value!r}", protocol, "logit_bias"
+            )
+        if token_id >= vocab_size:
+            raise RecipeError(
+                400,
+                f"logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                protocol,
+                "logit_bias",
             )
         parsed[token_id] = float(value)
     return parsed

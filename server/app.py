@@ -58,6 +58,7 @@ def build_recipe(engine: AsyncEngine, config: ServerConfig) -> Recipe:
         RecipeConfig(
             model_names=config.served_model_names,
             context_len=engine.core.scheduler.config.max_model_len,
+            vocab_size=engine.core.runner.model.config.vocab_size,
         ),
     )
 

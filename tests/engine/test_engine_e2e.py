@@ -220,3 +220,105 @@ def test_shutdown_without_drain_aborts_in_flight_requests(tiny_model) -> None:
 def test_a_cache_smaller_than_the_context_is_refused_at_startup(tiny_model) -> None:
     with pytest.raises(ValueError, match="kv_cache_tokens"):
         _engine(tiny_model, kv_cache_tokens=1024, max_model_len=4096)
+
+
+def test_a_request_with_an_out_of_vocabulary_id_fails_alone(tiny_model) -> None:
+    vocab = tiny_model.config.vocab_size
+    engine = _engine(tiny_model)
+    good = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = asyncio.run(_run_all(_engine(tiny_model), [([0, 5, 6], good)]))[0]
+
+    async def scenario():
+        await engine.start()
+        try:
+            jobs = [
+                _collect(engine, [0, 5, 6], good, "good"),
+                _failure(engine, [0, 7], SamplingParams(max_tokens=4, logit_bias={vocab: 1.0})),
+                _failure(engine, [0, vocab + 3], SamplingParams(max_tokens=4), "bad-prompt"),
+            ]
+            return await asyncio.gather(*jobs)
+        finally:
+            await engine.shutdown()
+
+    (tokens, finish), bias_error, prompt_error = asyncio.run(scenario())
+    assert (tokens, finish) == alone and finish == {0: FinishReason.LENGTH}
+    assert bias_error.startswith("logit_bias: token id 1024 is outside the vocabulary")
+    assert prompt_error.startswith("prompt token ids: token id 1027")
+    assert_all_released(engine)
+
+
+async def _failure(engine, prompt, params, rid="bad-bias") -> str:
+    async for delta in engine.generate(prompt, params, rid):
+        if delta.finish_reason is not None:
+            assert delta.finish_reason is FinishReason.ABORT and not delta.token_ids
+            return delta.error
+    raise AssertionError("no final delta")
+
+
+def test_a_failing_step_fails_only_its_requests_without_their_exception_text(tiny_model) -> None:
+    engine = _engine(tiny_model)
+    runner = engine.core.runner
+    execute = runner.execute
+
+    def failing(output):  # the model raises on steps that carry the poisoned request
+        if any(c.request_id == "poisoned" for c in output.chunks):
+            raise RuntimeError("secret detail of the poisoned request")
+        return execute(output)
+
+    runner.execute = failing
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def scenario():
+        await engine.start()
+        try:
+            first = await _collect(engine, [0, 5, 6], params, "before")
+            error = await _failure(engine, [0, 9, 9], params, "poisoned")
+            after = await _collect(engine, [0, 5, 6], params, "after")
+            return first, error, after
+        finally:
+            await engine.shutdown()
+
+    first, error, after = asyncio.run(scenario())
+    assert first == after and after[1] == {0: FinishReason.LENGTH}
+    assert "poisoned" in error and "secret" not in error
+    assert_all_released(engine)
+
+
+def test_an_aborted_long_prefill_stops_within_one_chunk(tiny_model) -> None:
+    # A 4,000-token prompt in one step takes seconds on the tiny model; with a 300 ms target the
+    # prefill runs in short chunks, so a request sent after the abort is served within a bound.
+    engine = _engine(tiny_model, target_step_ms=300)
+    computed: list[int] = []
+    update = engine.core.scheduler.update
+
+    def recording_update(scheduled, model_output):
+        computed.extend(len(c.token_ids) for c in scheduled.chunks if c.request_id == "long")
+        return update(scheduled, model_output)
+
+    engine.core.scheduler.update = recording_update
+    long_prompt = [0] + [3 + i % 990 for i in range(4000)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    async def scenario() -> float:
+        await engine.start()
+        try:
+            stream = engine.generate(long_prompt, SamplingParams(max_tokens=1), "long")
+            task = asyncio.create_task(stream.__anext__())
+            while engine.step_count < 2:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await stream.aclose()  # the client left: the engine aborts the request
+            num_at_abort = len(computed)
+            t0 = time.perf_counter()
+            await _collect(engine, [0, 5, 6], params, "short")
+            assert len(computed) <= num_at_abort + 1  # at most the chunk already running
+            return time.perf_counter() - t0
+        finally:
+            await engine.shutdown()
+
+    elapsed = asyncio.run(scenario())
+    assert sum(computed) < len(long_prompt) and max(computed) < 1000
+    assert elapsed < 3.0
+    assert_all_released(engine)

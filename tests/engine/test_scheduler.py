@@ -22,6 +22,7 @@ from engine.outputs import Delta, ModelOutput, SchedulerOutput, TokenLogprob
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_budget import LinearCost, StepBudget, StepShape, StepTimeModel
 
 BLOCK_TOKENS = 4
 EOS = 0
@@ -108,13 +109,14 @@ class Harness:
         max_num_seqs: int = 8,
         script: dict[str, dict[int, int]] | None = None,
         num_sampled: int = 1,
+        step_budget: StepBudget | None = None,
     ) -> None:
         self.cache = CacheConfig(num_blocks, num_slots, BLOCK_TOKENS)
         self.kv = KVCacheManager(self.cache)
         self.config = SchedulerConfig(
             max_model_len=max_model_len, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs
         )
-        self.scheduler = Scheduler(self.config, self.kv)
+        self.scheduler = Scheduler(self.config, self.kv, step_budget)
         self.runner = FakeRunner(self.cache, script, num_sampled)
         self.requests: dict[str, Request] = {}
         self.deltas: dict[str, list[Delta]] = defaultdict(list)
@@ -805,3 +807,86 @@ def test_randomized_requests_with_aborts(seed: int) -> None:
         assert request.output_token_ids == reference_output(
             request.prompt_token_ids, request.seed, request.params.max_tokens
         )
+
+
+# ------------------------------------------------------------------------ step budget
+
+
+def test_memory_budget_bounds_every_chunk_and_shrinks_them_as_the_context_grows() -> None:
+    # bytes = 10 per padded row + 1 per (row, context position): the indexer's [T, J] term.
+    memory = LinearCost((0.0, 0.0, 10.0, 1.0, 0.0))
+    h = Harness(budget=256, step_budget=StepBudget(memory, 2000.0))
+    h.add("long", 200, max_tokens=2)
+    h.run()
+    chunks = chunks_of(h, "long")
+    assert [n for _, n in chunks][:3] == [40, 26, 20]  # the largest that fit, context growing
+    assert sum(n for _, n in chunks[:-1]) == 200  # every prompt position once
+    assert all(memory(out.shape) <= 2000 for out in h.outputs)
+    assert h.requests["long"].output_token_ids == reference_output(
+        h.requests["long"].prompt_token_ids, h.requests["long"].seed, 2
+    )
+
+
+def test_memory_budget_counts_the_padding_of_decode_rows() -> None:
+    memory = LinearCost((0.0, 0.0, 10.0, 1.0, 0.0))
+    h = Harness(budget=256, step_budget=StepBudget(memory, 4000.0))
+    for rid in ("a", "b", "c"):
+        h.add(rid, 3, max_tokens=50)
+    h.step()
+    h.add("long", 100, max_tokens=1)
+    h.step()  # three decode rows + a chunk: the batch is padded to 4 rows of the chunk
+    (start, length), *_ = chunks_of(h, "long")
+    assert start == 0 and 4 * length * 10 + 4 * length * length <= 4000
+    assert 4 * (length + 1) * 10 + 4 * (length + 1) ** 2 > 4000
+    h.run()
+    assert all(memory(out.shape) <= 4000 for out in h.outputs)
+
+
+def test_a_prompt_that_can_never_fit_the_memory_budget_is_rejected() -> None:
+    memory = LinearCost((100.0, 0.0, 10.0, 1.0, 1.0))
+    budget = StepBudget(memory, 1000.0)
+    assert budget.max_context_len() == (1000 - 100 - 10) // 2
+    h = Harness(budget=64, max_model_len=1024, num_blocks=256, step_budget=budget)
+    h.add("huge", 500, max_tokens=1)
+    h.add("small", 5, max_tokens=2)
+    h.run()
+    assert h.requests["huge"].finish_reason is FinishReason.ABORT
+    assert "activation memory budget" in h.deltas["huge"][-1].error
+    assert h.requests["small"].finish_reason is FinishReason.LENGTH
+
+
+def test_time_budget_sizes_chunks_to_the_target_step_time() -> None:
+    # 10 ms per step + 1 ms per row + 10 µs per (row, context position).
+    cost = LinearCost((0.01, 0.0, 1e-3, 1e-5, 0.0))
+    model = StepTimeModel(cost, prior_weight=1e6)  # held at the prior: a known model
+    h = Harness(
+        budget=256,
+        max_model_len=1024,
+        num_blocks=256,
+        step_budget=StepBudget(time_model=model, target_step_s=0.1),
+    )
+    h.add("long", 600, max_tokens=1)
+    h.run()
+    lengths = [n for _, n in chunks_of(h, "long")]
+    assert lengths[0] == 57  # 10 ms + 57 ms + 57 · 57 · 10 µs <= 0.1 s (58 would not fit)
+    assert all(cost(out.shape) <= 0.1 for out in h.outputs if out.shape.max_new_tokens > 1)
+    assert lengths == sorted(lengths, reverse=True)  # later chunks see more context
+
+
+def test_a_spent_step_budget_defers_a_second_chunk_but_never_a_decode_row() -> None:
+    budget = StepBudget(LinearCost((0.0, 0.0, 1.0, 0.0, 0.0)), 10.0)
+    assert budget.max_chunk(StepShape(), 0, 50) == 10
+    assert budget.max_chunk(StepShape(num_seqs=12, max_new_tokens=1, max_context=5), 7, 1) == 1
+    assert budget.max_chunk(StepShape(num_seqs=12, max_new_tokens=1, max_context=5), 7, 30) == 1
+    assert budget.max_chunk(StepShape(num_seqs=1, max_new_tokens=10, max_context=10), 0, 30) == 0
+
+
+def test_time_model_learns_the_step_cost_from_observed_steps() -> None:
+    truth = LinearCost((0.05, 0.004, 5e-4, 6e-7, 1e-5))
+    model = StepTimeModel(LinearCost((0.3, 0.02, 3e-3, 3e-6, 3e-5)))
+    rng = random.Random(0)
+    for _ in range(300):
+        shape = StepShape(rng.randint(1, 16), rng.choice([1, 1, 8, 64, 512]), rng.randint(1, 8192))
+        model.observe(shape, truth(shape))
+    for shape in (StepShape(1, 1, 100), StepShape(8, 1, 4000), StepShape(1, 512, 8000)):
+        assert model.predict(shape) == pytest.approx(truth(shape), rel=0.15)
