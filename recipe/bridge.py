@@ -32,6 +32,10 @@ _FINISH_REASONS = {
     FinishReason.STOP: dr.InferenceFinishReason.Stop,
     FinishReason.LENGTH: dr.InferenceFinishReason.Length,
 }
+_REASONING_STAGES = (
+    dr.ThinkingInitialStage.ReasoningStart,
+    dr.ThinkingInitialStage.ReasoningContinuation,
+)
 _RESPONSE_TYPES: dict[Protocol, Any] = {
     Protocol.CHAT: dr.ChatCompletionResponse,
     Protocol.RESPONSES: dr.ResponsesResponse,
@@ -78,6 +82,9 @@ class _Choice:
         )
         self.usage: dict[str, Any] | None = None
         self.is_done = False
+        self.num_tokens = 0  # every token the engine generated for this choice, EOS included
+        self.num_reasoning_tokens = 0  # tokens before the end of the reasoning (markers not)
+        self.is_reasoning = prepared.parsing_options.thinking_initial_stage in _REASONING_STAGES
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,10 @@ class ResponseBridge:
     ) -> None:
         self.prepared = prepared
         self._eos_id = tokenizer.eos_token_id
+        ends = [tokenizer.special_ids[tokenizer.special_tokens.token(dr.SpecialToken.ThinkingEnd)]]
+        if prepared.parsing_options.parse_tool_calls:
+            ends.append(tokenizer.dsml_token_id)  # a tool call ends the reasoning too
+        self._reasoning_end_ids = frozenset(ends)
         self._response_type = _RESPONSE_TYPES[prepared.protocol]
         self._ids = _Ids(
             response_id, int(time.time()) if created is None else created, num_cached_tokens
@@ -185,6 +196,8 @@ class ResponseBridge:
     def response(self) -> dict[str, Any]:
         """The accumulated non-streaming body (Chat choices merged, usage summed)."""
         bodies = [json.loads(choice.response.to_json()) for choice in self._choices]
+        for choice, one in zip(self._choices, bodies, strict=True):
+            _set_usage(self.prepared.protocol, one, choice, is_body=True)
         body = bodies[0]
         if self.prepared.protocol is not Protocol.CHAT:
             return body
@@ -201,25 +214,38 @@ class ResponseBridge:
     def _push_tokens(self, delta: Delta, choice: _Choice) -> list[StreamEvent]:
         """Push a delta's tokens into the choice's processor. EOS ids are not parsed (they are
         no text) but still count as generated tokens in usage, as every token the engine
-        produced does (`ignore_eos` may sample EOS mid-answer)."""
+        produced does (`ignore_eos` may sample EOS mid-answer).
+
+        NOTE: the package's own count is not used for EOS: a text chunk's `token_count`
+        replaces the count of the current stage instead of adding to it, so usage is set from
+        `choice.num_tokens` (`_set_usage`)."""
+        choice.num_tokens += len(delta.token_ids)
+        self._count_reasoning(delta.token_ids, choice)
         kept = [i for i, token_id in enumerate(delta.token_ids) if token_id != self._eos_id]
-        events: list[StreamEvent] = []
-        if kept:
-            token_ids = [delta.token_ids[i] for i in kept]
-            logprobs = None
-            if delta.logprobs is not None:
-                if len(delta.logprobs) != len(delta.token_ids):
-                    raise RuntimeError(
-                        f"{len(delta.logprobs)} logprobs for {len(delta.token_ids)} tokens"
-                    )
-                logprobs = [_native_logprob(delta.logprobs[i]) for i in kept]
-            chunk = dr.InferenceChunk.tokens(token_ids, logprobs)
-            events += self._emit(delta.index, choice.processor.push(chunk))
-        num_eos = len(delta.token_ids) - len(kept)
-        if num_eos:
-            chunk = dr.InferenceChunk.text("", token_count=num_eos)
-            events += self._emit(delta.index, choice.processor.push(chunk))
-        return events
+        if not kept:
+            return []
+        token_ids = [delta.token_ids[i] for i in kept]
+        logprobs = None
+        if delta.logprobs is not None:
+            if len(delta.logprobs) != len(delta.token_ids):
+                raise RuntimeError(
+                    f"{len(delta.logprobs)} logprobs for {len(delta.token_ids)} tokens"
+                )
+            logprobs = [_native_logprob(delta.logprobs[i]) for i in kept]
+        chunk = dr.InferenceChunk.tokens(token_ids, logprobs)
+        return self._emit(delta.index, choice.processor.push(chunk))
+
+    def _count_reasoning(self, token_ids: list[int], choice: _Choice) -> None:
+        """Reasoning tokens: those generated before `</think>` (or the tool-call marker that
+        ends reasoning), EOS and the markers excluded. NOTE: the package's own count (tokens
+        that emitted reasoning text) can exceed the tokens generated, so it is not used."""
+        for token_id in token_ids:
+            if not choice.is_reasoning:
+                return
+            if token_id in self._reasoning_end_ids:
+                choice.is_reasoning = False
+            elif token_id != self._eos_id:
+                choice.num_reasoning_tokens += 1
 
     def _emit(self, index: int, native_events: list[Any]) -> list[StreamEvent]:
         choice = self._choices[index]
@@ -228,6 +254,7 @@ class ResponseBridge:
             data = json.loads(native.to_json())
             name = self._response_type.sse_event_name(native)
             choice.response.accumulate(native)  # NOTE: consumes `native`
+            _set_usage(self.prepared.protocol, data, choice)
             if self.prepared.protocol is Protocol.CHAT:
                 for entry in data.get("choices", ()):
                     entry["index"] = index
@@ -279,3 +306,30 @@ class ResponseBridge:
 
 def _native_logprob(entry: TokenLogprob) -> tuple[float, list[tuple[int, float]]]:
     return entry.logprob, [(token_id, logprob) for token_id, logprob in entry.top]
+
+
+def _set_usage(
+    protocol: Protocol, data: dict[str, Any], choice: _Choice, is_body: bool = False
+) -> None:
+    """Set the output and reasoning token counts of the usage in `data` (an event or a response
+    body) to the choice's own counts of what the engine generated."""
+    if protocol is Protocol.RESPONSES and not is_body:
+        data = data.get("response") or {}
+    usage = data.get("usage")
+    if not isinstance(usage, dict):
+        return
+    if protocol is Protocol.MESSAGES:
+        if "output_tokens" in usage:
+            usage["output_tokens"] = choice.num_tokens
+        return
+    output, details, prompt = _USAGE_KEYS[protocol]
+    usage[output] = choice.num_tokens
+    usage["total_tokens"] = usage.get(prompt, 0) + choice.num_tokens
+    if isinstance(usage.get(details), dict):
+        usage[details]["reasoning_tokens"] = choice.num_reasoning_tokens
+
+
+_USAGE_KEYS = {
+    Protocol.CHAT: ("completion_tokens", "completion_tokens_details", "prompt_tokens"),
+    Protocol.RESPONSES: ("output_tokens", "output_tokens_details", "input_tokens"),
+}

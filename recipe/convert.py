@@ -134,7 +134,7 @@ class Recipe:
         try:
             request = _REQUEST_TYPES[protocol](body)
         except (ValueError, TypeError, OverflowError) as exc:  # Overflow: ints beyond i64/u64
-            raise RecipeError(400, f"invalid request body: {exc}", protocol) from exc
+            raise RecipeError(400, _body_error_message(exc), protocol) from exc
         echo = request.echo() if protocol is Protocol.RESPONSES else None
         namespace_map = None
         try:
@@ -158,10 +158,7 @@ class Recipe:
                 protocol,
             )
         prompt_ids = self.tokenizer.encode_prompt(rendered)
-        try:
-            max_tokens = converted.resolve_max_tokens(len(prompt_ids), self.config.context_len)
-        except dr.ConversionError as exc:
-            raise _conversion_error(exc, protocol) from exc
+        max_tokens = self._max_tokens(converted, len(prompt_ids), protocol)
         parsing = converted.parsing_options
         if extras.stop is not None:
             parsing.stop_sequences = extras.stop
@@ -182,6 +179,35 @@ class Recipe:
             echo=echo,
             namespace_tool_map=namespace_map,
         )
+
+    def _max_tokens(
+        self, converted: dr.ConversationRequest, num_prompt_tokens: int, protocol: Protocol
+    ) -> int:
+        """The request's output limit. Without one (Chat, Responses; Messages requires it) the
+        rest of the context, as vLLM does, not the package's per-mode defaults (8,192 / 65,536).
+
+        Raises:
+            RecipeError: 400 when prompt + limit exceed the context.
+        """
+        context_len = self.config.context_len
+        try:
+            max_tokens = converted.resolve_max_tokens(num_prompt_tokens, context_len)
+        except dr.ConversionError as exc:
+            raise _conversion_error(exc, protocol) from exc
+        if converted.inference_options.max_tokens is None:
+            return max(1, context_len - num_prompt_tokens)
+        return max_tokens
+
+
+_BODY_ERROR_PREFIXES = ("invalid request body: ", "invalid JSON request: ")
+
+
+def _body_error_message(exc: Exception) -> str:
+    """The package's parse errors carry their prefix already; ours adds it to the others."""
+    message = str(exc)
+    if message.startswith(_BODY_ERROR_PREFIXES):
+        return message
+    return _BODY_ERROR_PREFIXES[0] + message
 
 
 def _conversion_error(exc: dr.ConversionError, protocol: Protocol) -> RecipeError:
@@ -318,13 +344,45 @@ def _preprocess_responses(body: dict[str, Any], protocol: Protocol) -> _Extras:
         )
     _refuse_unsupported(body, protocol, _RESPONSES_UNSUPPORTED)
     extras = _Extras(constraints=pop_responses_options(body, protocol))
+    _apply_thinking_extension(body, protocol)
     stop = body.pop("stop", None)
     if stop is not None:
         extras.stop = _parse_stop(stop, protocol)
     return extras
 
 
+def _apply_thinking_extension(body: dict[str, Any], protocol: Protocol) -> None:
+    """Responses `thinking: {"type": "enabled" | "adaptive" | "disabled"}`, the extension Chat
+    and Messages take, as `reasoning.effort` (the package reads only that): `disabled` turns
+    thinking off whatever the effort says (as in Chat); `enabled` / `adaptive` keep it on (the
+    default) and override an effort of `none`."""
+    thinking = body.pop("thinking", None)
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in _THINKING_TYPES or set(thinking) - {"type", "budget_tokens"}:
+        raise RecipeError(
+            400,
+            'thinking: must be {"type": "enabled" | "adaptive" | "disabled"}',
+            protocol,
+            "thinking",
+        )
+    reasoning = body.get("reasoning")
+    reasoning = dict(reasoning) if isinstance(reasoning, dict) else {}
+    effort = reasoning.get("effort")
+    if kind == "disabled":
+        reasoning["effort"] = "none"
+    elif effort == "none":
+        reasoning["effort"] = "high"  # the effort of an unspecified one
+    body["reasoning"] = reasoning
+
+
+_THINKING_TYPES = ("enabled", "adaptive", "disabled")
+
+
 def _preprocess_messages(body: dict[str, Any], protocol: Protocol) -> _Extras:
+    if body.get("max_tokens") is None:
+        raise RecipeError(400, "max_tokens: Field required", protocol, "max_tokens")
     extras = _Extras(constraints=messages_options(body, protocol))
     top_k = body.pop("top_k", None)
     if top_k is not None:

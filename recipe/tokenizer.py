@@ -87,6 +87,24 @@ class ModelTokenizer:
         ids.extend(self._encode_plain(prompt[position:]))
         return ids
 
+    def encode_text(self, text: str, add_bos: bool) -> tuple[list[int], list[str]]:
+        """Ids and token strings of `text` as a prompt's plain text encodes it: every special
+        spelling (`<｜User｜>`, `</think>`, ...) stays ordinary tokens; `add_bos` puts BOS
+        first, as every rendered prompt starts.
+
+        Raises:
+            ValueError: `text` is not valid Unicode (a lone surrogate).
+        """
+        check_text(text)
+        encoding = self.plain.encode(text, add_special_tokens=False) if text else None
+        ids = list(encoding.ids) if encoding else []
+        tokens = list(encoding.tokens) if encoding else []
+        if add_bos:
+            bos_id = V41_SPECIAL_TOKEN_IDS["bos"]
+            ids.insert(0, bos_id)
+            tokens.insert(0, self.special_tokens.token(dr.SpecialToken.Bos))
+        return ids, tokens
+
     def decode(self, token_ids: list[int]) -> str:
         """Text of `token_ids` with special tokens spelled out."""
         return self.full.decode(token_ids, skip_special_tokens=False)
@@ -95,6 +113,15 @@ class ModelTokenizer:
         if not text:
             return []
         return self.plain.encode(text, add_special_tokens=False).ids
+
+
+def check_text(text: str) -> None:
+    """Raises ValueError when `text` cannot be UTF-8 encoded (a lone surrogate such as the
+    JSON escape `\\ud800`), the same 400 the generation routes give."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode: {exc}") from exc
 
 
 def load_tokenizer(folder: Path | str) -> ModelTokenizer:

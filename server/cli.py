@@ -84,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--api-key", default=None, help="require this key (Bearer / x-api-key)")
     add(
+        "--served-model-name",
+        nargs="+",
+        default=list(_SERVER_DEFAULTS.served_model_names),
+        metavar="NAME",
+        help="names requests may use in `model` (the first is reported in responses); "
+        "independent of --model",
+    )
+    add(
         "--max-num-seqs",
         type=int,
         default=_ENGINE_DEFAULTS.max_num_seqs,
@@ -141,6 +149,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        served_model_names=tuple(args.served_model_name),
         max_queued_requests=args.max_queued_requests,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
         engine=engine,

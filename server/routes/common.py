@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
+import deepseek_recipe as dr
 from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
+from recipe.convert import Recipe
+from recipe.errors import Protocol
+from recipe.tokenizer import check_text
 from server.config import ServerConfig
 from server.dependencies import (
     ServerState,
@@ -33,11 +37,37 @@ class _Strict(BaseModel):
 
 
 class TokenizeRequest(_Strict):
-    """vLLM's completion-style `/tokenize` body."""
+    """vLLM's completion-style `/tokenize` body.
+
+    `prompt` is plain text, encoded as a prompt's text is: special spellings (`<｜User｜>`,
+    `</think>`, ...) stay ordinary tokens. add_special_tokens: BOS first (as every rendered
+    prompt starts); false: the text's tokens only.
+    """
 
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class ChatTokenizeRequest(_Strict):
+    """vLLM's chat-style `/tokenize` body: the ids of the prompt a Chat request with these
+    `messages` / `tools` renders (`usage.prompt_tokens` of that request).
+
+    add_generation_prompt: end with the assistant header (`<｜Assistant｜><think>` or
+    `</think>`), as a request does; false: end after the last message.
+    chat_template_kwargs: `thinking` / `enable_thinking` (bool) and `reasoning_effort` only.
+    add_special_tokens: false only (the rendered prompt has its BOS); continue_final_message:
+    false only (send an assistant message with `prefix: true` instead).
+    """
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: Literal[False] = False
+    add_special_tokens: Literal[False] = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -107,19 +137,77 @@ async def retrieve_model(
 
 @router.post("/tokenize")
 async def tokenize(
-    body: TokenizeRequest,
-    config: Annotated[ServerConfig, Depends(get_config)],
+    body: TokenizeRequest | ChatTokenizeRequest,
+    state: Annotated[ServerState, Depends(get_state)],
     engine: Annotated[AsyncEngine, Depends(get_engine)],
     tokenizer: Annotated[Tokenizer, Depends(get_tokenizer)],
 ) -> TokenizeResponse:
-    resolve_model_name(config, body.model)
-    encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    model = resolve_model_name(state.config, body.model)
+    recipe = state.recipe
+    if isinstance(body, ChatTokenizeRequest):
+        if recipe is None:
+            raise APIError(ErrorKind.UNAVAILABLE, "this model has no chat template")
+        ids = _chat_prompt_ids(recipe, model, body)
+        strs = [tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+    elif recipe is not None:
+        try:
+            ids, strs = recipe.tokenizer.encode_text(body.prompt, body.add_special_tokens)
+        except ValueError as exc:
+            raise APIError(ErrorKind.INVALID_REQUEST, str(exc), param="prompt") from exc
+    else:  # a model without the chat template (`tiny`): its own tokenizer's rules
+        try:
+            check_text(body.prompt)
+        except ValueError as exc:
+            raise APIError(ErrorKind.INVALID_REQUEST, str(exc), param="prompt") from exc
+        encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids, strs = list(encoding.ids), list(encoding.tokens)
     return TokenizeResponse(
-        count=len(encoding.ids),
+        count=len(ids),
         max_model_len=engine.core.scheduler.config.max_model_len,
-        tokens=list(encoding.ids),
-        token_strs=list(encoding.tokens) if body.return_token_strs else None,
+        tokens=ids,
+        token_strs=strs if body.return_token_strs else None,
     )
+
+
+_TEMPLATE_KWARGS = {"thinking": bool, "enable_thinking": bool, "reasoning_effort": str}
+
+
+def _chat_prompt_ids(recipe: Recipe, model: str, body: ChatTokenizeRequest) -> list[int]:
+    """The prompt ids of the Chat request these fields make (`RecipeError` 400 as it would)."""
+    chat: dict[str, Any] = {"model": model, "messages": body.messages, "max_tokens": 1}
+    if body.tools is not None:
+        chat["tools"] = body.tools
+    for name, value in (body.chat_template_kwargs or {}).items():
+        if name not in _TEMPLATE_KWARGS or not isinstance(value, _TEMPLATE_KWARGS[name]):
+            raise APIError(
+                ErrorKind.INVALID_REQUEST,
+                f"chat_template_kwargs.{name}: not supported (only thinking / enable_thinking "
+                "(bool) and reasoning_effort (str))",
+                param=f"chat_template_kwargs.{name}",
+            )
+        if name == "reasoning_effort":
+            chat["reasoning_effort"] = value
+        else:
+            chat["thinking"] = {"type": "enabled" if value else "disabled"}
+    ids = recipe.prepare(Protocol.CHAT, chat).prompt_token_ids
+    if not body.add_generation_prompt:
+        ids = ids[: -len(_generation_header(recipe, ids))]
+    return ids
+
+
+def _generation_header(recipe: Recipe, ids: list[int]) -> list[int]:
+    """The assistant header a rendered prompt ends with: `<｜Assistant｜>` then `<think>` or
+    `</think>`."""
+    special = recipe.tokenizer.special_ids
+    tokens = recipe.tokenizer.special_tokens
+    assistant = special[tokens.token(dr.SpecialToken.Assistant)]
+    thinking = {
+        special[tokens.token(dr.SpecialToken.ThinkingStart)],
+        special[tokens.token(dr.SpecialToken.ThinkingEnd)],
+    }
+    if len(ids) < 2 or ids[-2] != assistant or ids[-1] not in thinking:
+        raise APIError(ErrorKind.INTERNAL, "the rendered prompt has no generation header")
+    return ids[-2:]
 
 
 @router.post("/detokenize")
@@ -128,6 +216,8 @@ async def detokenize(
     config: Annotated[ServerConfig, Depends(get_config)],
     tokenizer: Annotated[Tokenizer, Depends(get_tokenizer)],
 ) -> DetokenizeResponse:
+    """Text of `tokens`, special tokens spelled out: the inverse of `/tokenize` (whose plain
+    text never holds special ids, so a round trip gives the text back)."""
     resolve_model_name(config, body.model)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     for i, token in enumerate(body.tokens):

@@ -79,6 +79,13 @@ async def _compile_constraint(
         raise RecipeError(400, str(exc), prepared.protocol) from exc
 
 
+def _check_model(request: Request, body: Any) -> None:
+    """404 `model_not_found` for a model this server does not serve (before the package's 400
+    for names it does not know)."""
+    if isinstance(body, dict) and isinstance(body.get("model"), str):
+        resolve_model_name(get_config(request), body["model"])
+
+
 class _Call:
     """One protocol request in flight: its prepared form, grammar, bridge, engine and metrics."""
 
@@ -143,8 +150,7 @@ async def _serve(
     metrics: ServerMetrics,
 ):
     body = await _json_body(request)
-    if isinstance(body, dict) and isinstance(body.get("model"), str):
-        resolve_model_name(get_config(request), body["model"])  # unknown model: 404
+    _check_model(request, body)
     prepared = recipe.prepare(protocol, body)
     constraint = await _compile_constraint(prepared, get_state(request))
     call = _Call(prepared, constraint, recipe, engine, metrics)
@@ -222,6 +228,7 @@ async def messages(
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request, recipe: RecipeDep) -> dict[str, int]:
     body = await _json_body(request)
+    _check_model(request, body)
     if isinstance(body, dict) and "max_tokens" not in body:
         body = {**body, "max_tokens": 1}
     return {"input_tokens": recipe.prepare(Protocol.MESSAGES, body).num_prompt_tokens}

@@ -274,7 +274,10 @@ def test_prompt_longer_than_context(tokenizer) -> None:
     long_text = "word " * 200
     for protocol, body in (
         (Protocol.CHAT, {"messages": [{"role": "user", "content": long_text}]}),
-        (Protocol.MESSAGES, {"messages": [{"role": "user", "content": long_text}]}),
+        (
+            Protocol.MESSAGES,
+            {"messages": [{"role": "user", "content": long_text}], "max_tokens": 1},
+        ),
     ):
         with pytest.raises(RecipeError) as info:
             small.prepare(protocol, {"model": "default", **body})
