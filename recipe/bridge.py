@@ -85,6 +85,9 @@ class _Choice:
         self.num_tokens = 0  # every token the engine generated for this choice, EOS included
         self.num_reasoning_tokens = 0  # tokens before the end of the reasoning (markers not)
         self.is_reasoning = prepared.parsing_options.thinking_initial_stage in _REASONING_STAGES
+        self.is_in_tool_calls = prepared.parsing_options.starts_in_tool_calls
+        self.tool_logprobs: list[dict[str, Any]] = []  # Chat: entries of tool-call tokens
+        self.num_unsent_tool_logprobs = 0  # the tail of `tool_logprobs` no chunk carried yet
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class ResponseBridge:
         if prepared.parsing_options.parse_tool_calls:
             ends.append(tokenizer.dsml_token_id)  # a tool call ends the reasoning too
         self._reasoning_end_ids = frozenset(ends)
+        self._tokenizer = tokenizer
         self._response_type = _RESPONSE_TYPES[prepared.protocol]
         self._ids = _Ids(
             response_id, int(time.time()) if created is None else created, num_cached_tokens
@@ -183,6 +187,7 @@ class ResponseBridge:
             if choice.processor.finished or delta.finish_reason is not None:
                 events += self._emit(delta.index, choice.processor.finish())
                 choice.is_done = True
+            _attach_tool_logprobs(events, delta.index, choice)
         except RuntimeError as exc:
             self._is_closed = True
             raise RecipeError(
@@ -206,6 +211,11 @@ class ResponseBridge:
             for index, other in enumerate(bodies)
             for entry in other["choices"]
         ]
+        for entry, choice in zip(body["choices"], self._choices, strict=True):
+            if choice.tool_logprobs:
+                logprobs = entry.get("logprobs") or {"content": None, "refusal": None}
+                logprobs["content"] = (logprobs.get("content") or []) + choice.tool_logprobs
+                entry["logprobs"] = logprobs
         body["usage"] = self._total_usage([b.get("usage") for b in bodies])
         return body
 
@@ -232,8 +242,26 @@ class ResponseBridge:
                     f"{len(delta.logprobs)} logprobs for {len(delta.token_ids)} tokens"
                 )
             logprobs = [_native_logprob(delta.logprobs[i]) for i in kept]
+            self._record_tool_logprobs(token_ids, [delta.logprobs[i] for i in kept], choice)
         chunk = dr.InferenceChunk.tokens(token_ids, logprobs)
         return self._emit(delta.index, choice.processor.push(chunk))
+
+    def _record_tool_logprobs(
+        self, token_ids: list[int], logprobs: list[TokenLogprob], choice: _Choice
+    ) -> None:
+        """Chat: logprob entries for the tokens of tool-call markup (from the marker that opens
+        it on), which the package leaves without any, so a tool-call choice keeps `logprobs`
+        (as vLLM reports every output token)."""
+        if self.prepared.protocol is not Protocol.CHAT:
+            return
+        if not self.prepared.parsing_options.parse_tool_calls:
+            return
+        for token_id, entry in zip(token_ids, logprobs, strict=True):
+            if token_id == self._tokenizer.dsml_token_id:
+                choice.is_in_tool_calls = True
+            if choice.is_in_tool_calls:
+                choice.tool_logprobs.append(_logprob_entry(self._tokenizer, entry))
+                choice.num_unsent_tool_logprobs += 1
 
     def _count_reasoning(self, token_ids: list[int], choice: _Choice) -> None:
         """Reasoning tokens: those generated before `</think>` (or the tool-call marker that
@@ -333,3 +361,37 @@ _USAGE_KEYS = {
     Protocol.CHAT: ("completion_tokens", "completion_tokens_details", "prompt_tokens"),
     Protocol.RESPONSES: ("output_tokens", "output_tokens_details", "input_tokens"),
 }
+
+
+def _attach_tool_logprobs(events: list[StreamEvent], index: int, choice: _Choice) -> None:
+    """Put the tool-call logprob entries no chunk carried yet on the last Chat chunk of
+    choice `index` in `events` (kept for a later chunk when there is none)."""
+    if not choice.num_unsent_tool_logprobs:
+        return
+    for event in reversed(events):
+        entries = event.data.get("choices") if isinstance(event.data, dict) else None
+        if entries and entries[0].get("index") == index:
+            logprobs = entries[0].get("logprobs") or {"content": None, "refusal": None}
+            unsent = choice.tool_logprobs[-choice.num_unsent_tool_logprobs :]
+            logprobs["content"] = (logprobs.get("content") or []) + unsent
+            entries[0]["logprobs"] = logprobs
+            choice.num_unsent_tool_logprobs = 0
+            return
+
+
+def _logprob_entry(tokenizer: ModelTokenizer, entry: TokenLogprob) -> dict[str, Any]:
+    """One Chat logprob entry in the package's shape (`token`, `logprob`, `bytes`,
+    `top_logprobs`)."""
+    return {
+        **_token_entry(tokenizer, entry.token_id, entry.logprob),
+        "top_logprobs": [_token_entry(tokenizer, i, lp) for i, lp in entry.top],
+    }
+
+
+def _token_entry(tokenizer: ModelTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    data = tokenizer.token_bytes(token_id)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:  # part of a character: escaped bytes, as the package writes them
+        text = "".join(f"\\x{byte:02x}" for byte in data)
+    return {"token": text, "logprob": logprob, "bytes": list(data)}

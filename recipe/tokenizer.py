@@ -105,6 +105,15 @@ class ModelTokenizer:
             tokens.insert(0, self.special_tokens.token(dr.SpecialToken.Bos))
         return ids, tokens
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (an added token: its spelling)."""
+        piece = self.full.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.full.get_added_tokens_decoder():
+            return piece.encode("utf-8")
+        return bytes(_BYTE_OF_CHAR.get(char, 0) for char in piece)
+
     def decode(self, token_ids: list[int]) -> str:
         """Text of `token_ids` with special tokens spelled out."""
         return self.full.decode(token_ids, skip_special_tokens=False)
@@ -113,6 +122,19 @@ class ModelTokenizer:
         if not text:
             return []
         return self.plain.encode(text, add_special_tokens=False).ids
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character -> the byte it stands for (printable
+    Latin-1 bytes stand for themselves, the others map to U+0100 on, in byte order)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(0x100 + n): b for n, b in enumerate(others)})
+    return alphabet
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def check_text(text: str) -> None:

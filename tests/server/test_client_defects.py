@@ -299,3 +299,49 @@ def test_usage_counts_every_generated_token(default_server) -> None:
             reasoning = usage["completion_tokens_details"]["reasoning_tokens"]
             assert reasoning <= usage["completion_tokens"], (seed, usage)
             assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+# --------------------------------------------------------------- 12.3: cut tool calls
+
+
+def _cut_tool_call(oai, max_tokens: int, stream: bool):
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Lima?"}],
+        tools=[CHAT_TOOL],
+        tool_choice="required",
+        max_tokens=max_tokens,
+        logprobs=True,
+        extra_body=OFF,
+    )
+    if not stream:
+        out = oai.chat.completions.create(**kwargs)
+        choice = out.choices[0]
+        calls = choice.message.tool_calls or []
+        entries = choice.logprobs.content if choice.logprobs else None
+        return choice.finish_reason, [c.function.arguments for c in calls], entries, out.usage
+    chunks = list(
+        oai.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    arguments: dict[int, str] = {}
+    entries: list = []
+    finish = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            if choice.logprobs and choice.logprobs.content:
+                entries += choice.logprobs.content
+            for call in choice.delta.tool_calls or []:
+                arguments[call.index] = arguments.get(call.index, "") + (
+                    call.function.arguments or ""
+                )
+    return finish, list(arguments.values()), entries or None, chunks[-1].usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_tool_call_cut_by_max_tokens_keeps_its_logprobs(oai, stream) -> None:
+    finish, arguments, entries, usage = _cut_tool_call(oai, 30, stream)
+    assert finish == "length"
+    assert len(arguments) == 1 and arguments[0].startswith('{"'), arguments
+    # Every generated token is tool-call markup (the prompt opened the calls block).
+    assert entries is not None and len(entries) == usage.completion_tokens
