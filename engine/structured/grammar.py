@@ -228,17 +228,43 @@ def _strict_schema_text(schema: str) -> str:
 
 
 def _with_strict_formats(tools: object) -> object:
-    """Chat-style tools with `strict_formats` applied to each function's parameters."""
+    """Chat-style tools with `strict_formats` applied to each function's parameters and the
+    length bounds of their raw-string parameters dropped (`_without_raw_string_bounds`)."""
     if not isinstance(tools, list):
         return tools
     fixed = []
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(function, dict) and isinstance(function.get("parameters"), dict):
-            function = {**function, "parameters": strict_formats(function["parameters"])}
+            parameters = _without_raw_string_bounds(strict_formats(function["parameters"]))
+            function = {**function, "parameters": parameters}
             tool = {**tool, "function": function}
         fixed.append(tool)
     return fixed
+
+
+def _without_raw_string_bounds(parameters: dict) -> dict:
+    """`parameters` without `minLength` / `maxLength` on its top-level string properties.
+
+    NOTE: DSML writes a string parameter raw (`string="true"`), and xgrammar 0.2 expands a
+    length bound there into one grammar rule per allowed character, each with its own token
+    mask: `maxLength: 256` alone took ~13 s to compile on 2 cores, and coding agents send such
+    bounds on every turn. Tool schemas are not strict (strict ones reach us without length
+    bounds: OpenAI's strict subset has none), so the bound is left to the client's validation.
+    Strings nested in object / array parameters are JSON inside the parameter and keep theirs.
+    """
+    properties = parameters.get("properties")
+    if not isinstance(properties, dict):
+        return parameters
+    unbounded = {
+        name: (
+            {k: v for k, v in prop.items() if k not in ("minLength", "maxLength")}
+            if isinstance(prop, dict) and prop.get("type") == "string"
+            else prop
+        )
+        for name, prop in properties.items()
+    }
+    return {**parameters, "properties": unbounded}
 
 
 def _without_calls_opening(required: st.Format) -> st.Format:
