@@ -26,6 +26,8 @@ class SamplingParams:
     max_tokens: generated tokens at most (None = up to the context length).
     seed: makes sampling reproducible for this request whatever else is in the batch.
     priority: lower value is scheduled first (FCFS within a priority).
+    affinity_key: requests sharing a key share a prompt prefix (Responses `prompt_cache_key`):
+    the placement hint for data-parallel ranks. A single-rank engine has nothing to place.
     """
 
     temperature: float = 1.0
@@ -46,6 +48,7 @@ class SamplingParams:
     min_tokens: int = 0
     seed: int | None = None
     priority: int = 0
+    affinity_key: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0, "temperature must be >= 0")

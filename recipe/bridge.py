@@ -8,7 +8,10 @@ One `ResponseBridge` per user request. It owns one package `StreamProcessor` per
   choice's engine request; later deltas of a finished choice are ignored;
 * Chat: `usage` leaves the per-choice chunks and, with `stream_options.include_usage`, comes in
   a final chunk with empty `choices` (summed over choices), as OpenAI sends it;
-* prompt usage carries the cached prompt tokens given to `start`.
+* prompt usage carries the cached prompt tokens given to `start`;
+* Responses: reasoning items carry `encrypted_content` sealed by the request's
+  `reasoning_sealer` (once complete; null when `include` did not ask for it, not the package's
+  `"{id}-{n}"` placeholder), and the response object echoes `prompt_cache_key`.
 """
 
 from __future__ import annotations
@@ -204,6 +207,8 @@ class ResponseBridge:
         for choice, one in zip(self._choices, bodies, strict=True):
             _set_usage(self.prepared.protocol, one, choice, is_body=True)
         body = bodies[0]
+        if self.prepared.protocol is Protocol.RESPONSES:
+            _finish_response_object(body, self.prepared)
         if self.prepared.protocol is not Protocol.CHAT:
             return body
         body["choices"] = [
@@ -283,6 +288,8 @@ class ResponseBridge:
             name = self._response_type.sse_event_name(native)
             choice.response.accumulate(native)  # NOTE: consumes `native`
             _set_usage(self.prepared.protocol, data, choice)
+            if self.prepared.protocol is Protocol.RESPONSES:
+                _finish_response_event(data, self.prepared)
             if self.prepared.protocol is Protocol.CHAT:
                 for entry in data.get("choices", ()):
                     entry["index"] = index
@@ -330,6 +337,33 @@ class ResponseBridge:
                 for u in present
             )
         return total
+
+
+def _finish_response_event(data: dict[str, Any], prepared: PreparedRequest) -> None:
+    """A Responses event as this server sends it (see the module docstring)."""
+    if isinstance(data.get("response"), dict):
+        _finish_response_object(data["response"], prepared)
+    if isinstance(data.get("item"), dict):
+        _seal_reasoning(data["item"], prepared)
+
+
+def _finish_response_object(response: dict[str, Any], prepared: PreparedRequest) -> None:
+    response["prompt_cache_key"] = prepared.prompt_cache_key
+    for item in response.get("output") or ():
+        _seal_reasoning(item, prepared)
+
+
+def _seal_reasoning(item: dict[str, Any], prepared: PreparedRequest) -> None:
+    if item.get("type") != "reasoning":
+        return
+    sealer = prepared.reasoning_sealer
+    if sealer is None or item.get("status") == "in_progress":
+        item["encrypted_content"] = None
+        return
+    text = "".join(
+        part.get("text", "") for part in item.get("content") or () if isinstance(part, dict)
+    )
+    item["encrypted_content"] = sealer.seal(text)
 
 
 def _native_logprob(entry: TokenLogprob) -> tuple[float, list[tuple[int, float]]]:

@@ -7,6 +7,12 @@ Responses `stop` honoured and `previous_response_id` / `store` / `background` re
 Messages `top_k` forwarded, output constraints turned into a grammar (`recipe/constraints.py`:
 Messages `tool_choice: any` and `output_config.format`, Chat grammar extensions,
 `parallel_tool_calls`), images refused with a 400.
+
+Coding agents (issue 14): Responses `include: ["reasoning.encrypted_content"]` seals each
+reasoning item (`recipe/sealing.py`) and sealed items in `input` are opened back into reasoning
+text; `prompt_cache_key` is echoed and becomes the engine request's affinity key;
+`client_metadata` is validated; Messages `context_management` accepts `clear_thinking` edits.
+The server's `default_max_tokens` / `max_tokens_limit` apply to every protocol.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from recipe.constraints import (
     pop_responses_options,
 )
 from recipe.errors import Protocol, RecipeError
+from recipe.sealing import ReasoningSealer, SealError
 from recipe.tokenizer import ModelTokenizer
 
 MAX_CHOICES = 16
@@ -43,18 +50,30 @@ class RecipeConfig:
     """model_names: the names requests may use (all render as V4.1-Flash); context_len: the
     model's context length; default_thinking_mode: thinking when a request does not say;
     vocab_size: the model's logits width, the bound on client token ids (`logit_bias`);
-    None = the tokenizer's vocabulary."""
+    None = the tokenizer's vocabulary.
+
+    default_max_tokens: output tokens of a request that sets none (None: the rest of the
+    context), always lowered to the context left; max_tokens_limit: the most a request may ask
+    for (None: the package's bound, 393216): Chat and Responses answer 400 above it, Messages
+    lowers it (as the package does).
+    """
 
     model_names: tuple[str, ...]
     context_len: int
     default_thinking_mode: bool = True
     vocab_size: int | None = None
+    default_max_tokens: int | None = None
+    max_tokens_limit: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model_names:
             raise ValueError("model_names must not be empty")
         if self.context_len < 2:
             raise ValueError("context_len must be >= 2")
+        for name in ("default_max_tokens", "max_tokens_limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,8 @@ class PreparedRequest:
     parsing_options: the stream parser settings, stop sequences included (Responses too);
     echo / namespace_tool_map: Responses only; output_constraint: what the output must
     follow, and grammar: its compiled form's spec (both None when unconstrained).
+    reasoning_sealer: Responses asking for `reasoning.encrypted_content` (the bridge seals each
+    reasoning item with it), else None; prompt_cache_key: Responses, echoed in the response.
     """
 
     protocol: Protocol
@@ -82,6 +103,8 @@ class PreparedRequest:
     grammar: GrammarSpec | None = None
     echo: dr.ResponsesEcho | None = None
     namespace_tool_map: dict[str, tuple[str, str]] | None = None
+    reasoning_sealer: ReasoningSealer | None = None
+    prompt_cache_key: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,20 +123,37 @@ class _Extras:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     constraints: ConstraintOptions = field(default_factory=ConstraintOptions)
+    include_encrypted_reasoning: bool = False
+    prompt_cache_key: str | None = None
 
 
 class Recipe:
-    """Converts protocol request bodies into `PreparedRequest`s for one model."""
+    """Converts protocol request bodies into `PreparedRequest`s for one model.
 
-    def __init__(self, tokenizer: ModelTokenizer, config: RecipeConfig) -> None:
+    reasoning_sealer: seals and opens Responses `encrypted_content` (default: a random key,
+    so sealed reasoning opens only in this process).
+    """
+
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer,
+        config: RecipeConfig,
+        reasoning_sealer: ReasoningSealer | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.config = config
+        self._sealer = reasoning_sealer or ReasoningSealer.random()
         names = {name: dr.ModelVersion.DeepseekV41Flash for name in config.model_names}
-        self._options = (
+        options = (
             dr.ConversionOptions(default_thinking_mode=config.default_thinking_mode)
             .with_model_versions_by_name(names)
             .with_special_tokens(tokenizer.special_tokens)
         )
+        if config.max_tokens_limit is not None:
+            options = options.with_thinking_max_tokens_upper_bound(
+                config.max_tokens_limit
+            ).with_non_thinking_max_tokens_upper_bound(config.max_tokens_limit)
+        self._options = options
         self._encoding = dr.DeepseekV41Encoding().with_special_tokens(tokenizer.special_tokens)
         self._vocab_size = config.vocab_size or tokenizer.full.get_vocab_size(True)
 
@@ -127,6 +167,8 @@ class Recipe:
         if not isinstance(body, dict):
             raise RecipeError(400, "request body must be a JSON object", protocol)
         body = copy.deepcopy(body)
+        if protocol is Protocol.RESPONSES:
+            _open_sealed_reasoning(body, self._sealer, protocol)
         extras = _PREPROCESSORS[protocol](body, protocol)
         bias = body.pop("logit_bias", None)  # every protocol (an extension outside Chat)
         if bias is not None:
@@ -178,13 +220,16 @@ class Recipe:
             grammar=grammar_spec(constraint, conversation, parsing, options, protocol),
             echo=echo,
             namespace_tool_map=namespace_map,
+            reasoning_sealer=self._sealer if extras.include_encrypted_reasoning else None,
+            prompt_cache_key=extras.prompt_cache_key,
         )
 
     def _max_tokens(
         self, converted: dr.ConversationRequest, num_prompt_tokens: int, protocol: Protocol
     ) -> int:
         """The request's output limit. Without one (Chat, Responses; Messages requires it) the
-        rest of the context, as vLLM does, not the package's per-mode defaults (8,192 / 65,536).
+        rest of the context, as vLLM does, not the package's per-mode defaults (8,192 / 65,536),
+        lowered to `default_max_tokens` and `max_tokens_limit` when they are set.
 
         Raises:
             RecipeError: 400 when prompt + limit exceed the context.
@@ -195,7 +240,9 @@ class Recipe:
         except dr.ConversionError as exc:
             raise _conversion_error(exc, protocol) from exc
         if converted.inference_options.max_tokens is None:
-            return max(1, context_len - num_prompt_tokens)
+            max_tokens = max(1, context_len - num_prompt_tokens)
+            for bound in (self.config.default_max_tokens, self.config.max_tokens_limit):
+                max_tokens = min(max_tokens, bound or max_tokens)
         return max_tokens
 
 
@@ -258,6 +305,7 @@ def _sampling_params(
             max_tokens=max_tokens,
             seed=options.seed,
             banned_token_ids=banned_token_ids,
+            affinity_key=extras.prompt_cache_key,
         )
     except (TypeError, ValueError) as exc:
         raise RecipeError(400, str(exc), protocol) from exc
@@ -292,9 +340,11 @@ _CHAT_UNSUPPORTED = {
 }
 _RESPONSES_UNSUPPORTED = {
     "truncation": (("disabled",), "over-long inputs are rejected, not truncated"),
-    "include": (([],), "no additional output data is available"),
     "metadata": (({},), "this server does not store responses"),
 }
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+_REASONING_SUMMARIES = (None, "auto", "concise", "detailed")
+_CONTEXT_EDITS = ("clear_thinking_20251015",)
 
 
 def _preprocess_chat(body: dict[str, Any], protocol: Protocol) -> _Extras:
@@ -348,6 +398,20 @@ def _preprocess_responses(body: dict[str, Any], protocol: Protocol) -> _Extras:
     stop = body.pop("stop", None)
     if stop is not None:
         extras.stop = _parse_stop(stop, protocol)
+    extras.include_encrypted_reasoning = _pop_include(body, protocol)
+    extras.prompt_cache_key = _pop_prompt_cache_key(body, protocol)
+    _check_client_metadata(body.pop("client_metadata", None), protocol)
+    reasoning = body.get("reasoning")
+    summary = reasoning.get("summary") if isinstance(reasoning, dict) else None
+    if summary not in _REASONING_SUMMARIES:
+        # NOTE: summaries are not generated (`summary` stays []): the whole reasoning streams
+        # as `reasoning_text`. The setting is checked and echoed, as OpenAI does.
+        raise RecipeError(
+            400,
+            f"reasoning.summary: expected one of auto, concise, detailed, got {summary!r}",
+            protocol,
+            "reasoning",
+        )
     return extras
 
 
@@ -380,16 +444,112 @@ def _apply_thinking_extension(body: dict[str, Any], protocol: Protocol) -> None:
 _THINKING_TYPES = ("enabled", "adaptive", "disabled")
 
 
+def _pop_include(body: dict[str, Any], protocol: Protocol) -> bool:
+    """Whether `include` asks for sealed reasoning (the one extra output this server has)."""
+    include = body.pop("include", None)
+    if include is None:
+        return False
+    if not isinstance(include, list) or not all(isinstance(item, str) for item in include):
+        raise RecipeError(400, "include: must be a list of strings", protocol, "include")
+    for item in include:
+        if item != ENCRYPTED_REASONING:
+            raise RecipeError(
+                400,
+                f"'include': {json.dumps(item)} is not supported: the only additional output "
+                f"data is {json.dumps(ENCRYPTED_REASONING)}",
+                protocol,
+                "include",
+            )
+    return bool(include)
+
+
+def _pop_prompt_cache_key(body: dict[str, Any], protocol: Protocol) -> str | None:
+    key = body.pop("prompt_cache_key", None)
+    if key is not None and not isinstance(key, str):
+        raise RecipeError(400, "prompt_cache_key: must be a string", protocol, "prompt_cache_key")
+    return key
+
+
+def _check_client_metadata(metadata: Any, protocol: Protocol) -> None:
+    """`client_metadata` (Codex's per-turn ids): an object of strings. It describes the
+    client, not the generation; with `store: false` nothing keeps it."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or not all(
+        isinstance(value, str) for value in metadata.values()
+    ):
+        raise RecipeError(
+            400, "client_metadata: must be an object of strings", protocol, "client_metadata"
+        )
+
+
+def _open_sealed_reasoning(
+    body: dict[str, Any], sealer: ReasoningSealer, protocol: Protocol
+) -> None:
+    """Reasoning items of `input` with an `encrypted_content` get their reasoning back.
+
+    The opened text replaces the item's `content` (as one `reasoning_text` part), so the
+    package replays it where the recipe renders history (`recipe.md` §5.3).
+
+    Raises:
+        RecipeError: 400 for a token this server did not seal (forged, altered, or sealed
+            under another key: a restart without `--reasoning-key-file`).
+    """
+    items = body.get("input")
+    if not isinstance(items, list):
+        return
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or item.get("type") != "reasoning":
+            continue
+        token = item.pop("encrypted_content", None)
+        if token is None:
+            continue
+        param = f"input[{index}].encrypted_content"
+        try:
+            if not isinstance(token, str):
+                raise SealError("must be a string")
+            text = sealer.unseal(token)
+        except SealError as exc:
+            raise RecipeError(
+                400,
+                f"{param}: the encrypted content could not be verified ({exc}); it opens only "
+                "on the server that sealed it, with the same --reasoning-key-file",
+                protocol,
+                param,
+            ) from exc
+        item["content"] = [{"type": "reasoning_text", "text": text}]
+
+
 def _preprocess_messages(body: dict[str, Any], protocol: Protocol) -> _Extras:
     if body.get("max_tokens") is None:
         raise RecipeError(400, "max_tokens: Field required", protocol, "max_tokens")
     extras = _Extras(constraints=messages_options(body, protocol))
+    _check_context_management(body.pop("context_management", None), protocol)
     top_k = body.pop("top_k", None)
     if top_k is not None:
         if not _is_int(top_k) or top_k < 0:
             raise RecipeError(400, "top_k: must be a non-negative integer", protocol, "top_k")
         extras.top_k = top_k
     return extras
+
+
+def _check_context_management(value: Any, protocol: Protocol) -> None:
+    """Messages `context_management` (Claude Code): `clear_thinking` edits are what the
+    recipe does anyway (history renders the reasoning DeepSeek's template keeps, whatever the
+    request keeps); other edits (clearing tool results) are refused."""
+    if value is None:
+        return
+    edits = value.get("edits") if isinstance(value, dict) else None
+    if not isinstance(edits, list) or not all(isinstance(edit, dict) for edit in edits):
+        raise RecipeError(400, "context_management.edits: must be a list of objects", protocol)
+    for edit in edits:
+        if edit.get("type") not in _CONTEXT_EDITS:
+            raise RecipeError(
+                400,
+                f"context_management: edit {json.dumps(edit.get('type'))} is not supported; "
+                f"supported: {', '.join(_CONTEXT_EDITS)}",
+                protocol,
+            )
 
 
 def _parse_logit_bias(bias: Any, protocol: Protocol, vocab_size: int) -> dict[int, float]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from recipe import Protocol, Recipe, RecipeError
+from recipe import Protocol, Recipe, RecipeConfig, RecipeError
 
 from .conftest import CONTEXT_LEN
 
@@ -300,7 +302,7 @@ def test_penalty_type_checked(recipe: Recipe) -> None:
         (Protocol.CHAT, "store", True),
         (Protocol.CHAT, "service_tier", "flex"),
         (Protocol.RESPONSES, "truncation", "auto"),
-        (Protocol.RESPONSES, "include", ["reasoning.encrypted_content"]),
+        (Protocol.RESPONSES, "include", ["message.output_text.logprobs"]),
         (Protocol.RESPONSES, "metadata", {"k": "v"}),
     ],
 )
@@ -321,3 +323,210 @@ def test_fields_asking_for_missing_behaviour_are_refused(recipe, protocol, field
         "metadata": {},
     }[field]
     recipe.prepare(protocol, {**base, field: fine})
+
+
+# ------------------------------------------------------------------ coding agents (issue 14)
+
+CODEX_TOOLS = [
+    {"type": "function", "name": "exec_command", "strict": False, "parameters": SCHEMA_CMD}
+    for SCHEMA_CMD in [
+        {
+            "type": "object",
+            "properties": {"cmd": {"type": "string"}, "timeout_ms": {"type": "number"}},
+            "required": ["cmd"],
+            "additionalProperties": False,
+        }
+    ]
+] + [
+    {
+        "type": "namespace",
+        "name": "agents_ns",
+        "description": "sub agents",
+        "tools": [
+            {
+                "type": "function",
+                "name": "spawn",
+                "strict": False,
+                "parameters": {"type": "object", "properties": {"task": {"type": "string"}}},
+            }
+        ],
+    },
+    {"type": "web_search", "external_web_access": False},
+]
+
+
+def codex_body(**overrides) -> dict:
+    """Codex CLI's request shape (synthetic texts)."""
+    body = {
+        "model": "default",
+        "stream": True,
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "You are a test agent."}],
+            },
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        ],
+        "tools": CODEX_TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "thread-1",
+        "client_metadata": {"turn_id": "t1", "session_id": "s1"},
+    }
+    return {**body, **overrides}
+
+
+def test_codex_request_shape_is_accepted(recipe: Recipe) -> None:
+    prepared = recipe.prepare(Protocol.RESPONSES, codex_body())
+    assert prepared.reasoning_sealer is not None
+    assert prepared.prompt_cache_key == "thread-1"
+    assert prepared.sampling_params.affinity_key == "thread-1"
+    names = [t["function"]["name"] for t in json.loads(prepared.output_constraint.schema)]
+    # namespace tools are flattened; web_search is dropped (the package's documented rule)
+    assert names == ["exec_command", "agents_ns::spawn"]
+    plain = recipe.prepare(Protocol.RESPONSES, codex_body(include=[], prompt_cache_key=None))
+    assert plain.reasoning_sealer is None and plain.sampling_params.affinity_key is None
+    assert plain.prompt_token_ids == prepared.prompt_token_ids
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("include", ["reasoning.encrypted_content", "file_search_call.results"]),
+        ("include", "reasoning.encrypted_content"),
+        ("prompt_cache_key", 7),
+        ("client_metadata", {"turn": 1}),
+        ("reasoning", {"summary": "verbose"}),
+    ],
+)
+def test_codex_fields_are_checked(recipe: Recipe, field: str, value) -> None:
+    with pytest.raises(RecipeError) as err:
+        recipe.prepare(Protocol.RESPONSES, codex_body(**{field: value}))
+    assert err.value.status_code == 400 and field.split(".")[0] in err.value.message
+
+
+def _turn_two(reasoning_item: dict) -> dict:
+    call = {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "exec_command",
+        "arguments": '{"cmd": "ls"}',
+    }
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "a.txt"}
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+    return codex_body(input=[user, reasoning_item, call, output])
+
+
+def test_sealed_reasoning_comes_back_as_history(recipe: Recipe) -> None:
+    sealer = recipe.prepare(Protocol.RESPONSES, codex_body()).reasoning_sealer
+    thought = "I should list the files first."
+    sealed = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "encrypted_content": sealer.seal(thought),
+    }
+    plain = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": thought}],
+    }
+    restored = recipe.prepare(Protocol.RESPONSES, _turn_two(sealed))
+    assert (
+        restored.prompt_token_ids
+        == recipe.prepare(Protocol.RESPONSES, _turn_two(plain)).prompt_token_ids
+    )
+    empty = recipe.prepare(Protocol.RESPONSES, _turn_two({"type": "reasoning", "summary": []}))
+    assert len(restored.prompt_token_ids) > len(empty.prompt_token_ids)
+    # sealing hides the reasoning from the client; a forged or foreign token is a 400
+    assert thought not in sealed["encrypted_content"]
+    for forged in ("rs_1-0", sealer.seal(thought)[:-4] + "AAAA", 3):
+        with pytest.raises(RecipeError) as err:
+            recipe.prepare(Protocol.RESPONSES, _turn_two({**sealed, "encrypted_content": forged}))
+        assert err.value.status_code == 400 and "could not be verified" in err.value.message
+
+
+def test_default_max_tokens_and_limit(tokenizer) -> None:
+    config = RecipeConfig(
+        model_names=("default",),
+        context_len=CONTEXT_LEN,
+        default_max_tokens=100,
+        max_tokens_limit=500,
+    )
+    capped = Recipe(tokenizer, config)
+    responses = {"model": "default", "input": "hi"}
+    assert capped.prepare(Protocol.RESPONSES, responses).sampling_params.max_tokens == 100
+    asked = capped.prepare(Protocol.RESPONSES, {**responses, "max_output_tokens": 400})
+    assert asked.sampling_params.max_tokens == 400
+    with pytest.raises(RecipeError) as err:  # OpenAI protocols refuse more than the limit
+        capped.prepare(Protocol.RESPONSES, {**responses, "max_output_tokens": 501})
+    assert err.value.status_code == 400
+    with pytest.raises(RecipeError):
+        capped.prepare(Protocol.CHAT, chat(max_tokens=501))
+    messages = {
+        "model": "default",
+        "max_tokens": 32000,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    assert capped.prepare(Protocol.MESSAGES, messages).sampling_params.max_tokens == 500
+    limited = Recipe(tokenizer, RecipeConfig(("default",), CONTEXT_LEN, max_tokens_limit=50))
+    assert limited.prepare(Protocol.CHAT, chat()).sampling_params.max_tokens == 50
+    with pytest.raises(ValueError):
+        RecipeConfig(("default",), CONTEXT_LEN, default_max_tokens=0)
+
+
+def claude_code_body(**overrides) -> dict:
+    """Claude Code's request shape (synthetic texts)."""
+    body = {
+        "model": "default",
+        "max_tokens": 64,
+        "system": [
+            {"type": "text", "text": "billing header line"},
+            {
+                "type": "text",
+                "text": "You are a test agent.",
+                "cache_control": {"type": "ephemeral"},
+            },
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<reminder>be brief</reminder>"},
+                    {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}},
+                ],
+            },
+            {"role": "system", "content": [{"type": "text", "text": "# Environment: test"}]},
+        ],
+        "tools": [
+            {
+                "name": "Bash",
+                "description": "run a command",
+                "input_schema": {
+                    "$schema": "https://json-schema.org/draft/2020-12/schema",
+                    "type": "object",
+                    "properties": {"command": {"type": "string", "maxLength": 4096}},
+                    "required": ["command"],
+                    "additionalProperties": False,
+                },
+            }
+        ],
+        "metadata": {"user_id": '{"device_id":"d","session_id":"s"}'},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "stream": True,
+    }
+    return {**body, **overrides}
+
+
+def test_claude_code_request_shape_is_accepted(recipe: Recipe) -> None:
+    prepared = recipe.prepare(Protocol.MESSAGES, claude_code_body())
+    assert prepared.output_constraint.kind == "tool_call"
+    for bad in ({"edits": [{"type": "clear_tool_uses_20250919"}]}, {"edits": "all"}):
+        with pytest.raises(RecipeError) as err:
+            recipe.prepare(Protocol.MESSAGES, claude_code_body(context_management=bad))
+        assert err.value.status_code == 400 and "context_management" in err.value.message
