@@ -25,6 +25,7 @@ from engine.async_engine import AsyncEngine
 from engine.structured import GrammarCompiler
 from recipe.convert import Recipe, RecipeConfig
 from recipe.errors import RecipeError
+from recipe.sealing import ReasoningSealer
 from recipe.tokenizer import load_tokenizer as load_model_tokenizer
 from server.admission import AdmissionController
 from server.auth import ApiKeyMiddleware
@@ -53,13 +54,17 @@ def load_tokenizer(engine: AsyncEngine) -> Tokenizer:
 
 def build_recipe(engine: AsyncEngine, config: ServerConfig) -> Recipe:
     """The protocol layer over the checkpoint's own tokenizer and the engine's context limit."""
+    key_file = config.reasoning_key_file
     return Recipe(
         load_model_tokenizer(checkpoint_folder(engine)),
         RecipeConfig(
             model_names=config.served_model_names,
             context_len=engine.core.scheduler.config.max_model_len,
             vocab_size=engine.core.runner.model.config.vocab_size,
+            default_max_tokens=config.default_max_tokens,
+            max_tokens_limit=config.max_tokens_limit,
         ),
+        ReasoningSealer.from_file(key_file) if key_file else None,
     )
 
 

@@ -2,7 +2,7 @@
 
 OpenAI routes take `Authorization: Bearer <key>`; Messages routes (`/v1/messages*`) take
 `x-api-key: <key>`, or the Bearer header as the Anthropic SDK sends with `auth_token`.
-`/health` and `/metrics` are always open. A missing or wrong key is a 401 in the route's own
+`/`, `/health` and `/metrics` are always open. A missing or wrong key is a 401 in the route's own
 envelope.
 """
 
@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from recipe.errors import Protocol
 from server.errors import APIError, ErrorKind, error_response, protocol_of
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
 
 
 def presented_key(headers: dict[str, str], protocol: Protocol) -> str | None:

@@ -128,6 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=_SERVER_DEFAULTS.grammar_compile_timeout_s,
         help="seconds a JSON schema / regex / EBNF / tool list may take to compile (else 400)",
     )
+    add(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="output tokens of a request that sets none (default: the rest of the context)",
+    )
+    add(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="most output tokens a request may ask for: Chat/Responses answer 400 above it, "
+        "Messages lowers it (default: 393216, i.e. the context)",
+    )
+    add(
+        "--reasoning-key-file",
+        default=None,
+        help="file with >= 32 secret bytes sealing Responses reasoning (encrypted_content) "
+        "across restarts and replicas (default: a random key per process)",
+    )
     return parser
 
 
@@ -152,6 +171,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         served_model_names=tuple(args.served_model_name),
         max_queued_requests=args.max_queued_requests,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
+        default_max_tokens=args.default_max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        reasoning_key_file=args.reasoning_key_file,
         engine=engine,
     )
 

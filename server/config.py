@@ -22,6 +22,9 @@ class ServerConfig:
         `/v1/models` lists first and responses report.
     grammar_compile_timeout_s: longest wait for a grammar (JSON schema, regex, EBNF, tool
         list) to compile; a request whose grammar takes longer is answered 400.
+    default_max_tokens / max_tokens_limit: see `recipe.RecipeConfig` (None: the recipe's).
+    reasoning_key_file: the key that seals Responses reasoning (`encrypted_content`), so it
+        opens across restarts and replicas; None: a random key per process.
     engine: handed to `AsyncEngine.from_config` when the app builds its own engine.
     """
 
@@ -31,6 +34,9 @@ class ServerConfig:
     max_queued_requests: int = 256
     served_model_names: tuple[str, ...] = (API_MODEL_NAME,)
     grammar_compile_timeout_s: float = 10.0
+    default_max_tokens: int | None = None
+    max_tokens_limit: int | None = None
+    reasoning_key_file: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -48,6 +54,10 @@ class ServerConfig:
             raise ValueError("served_model_names needs at least one non-empty name")
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError("served_model_names must not repeat a name")
+        for name in ("default_max_tokens", "max_tokens_limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
 
     @property
     def model_name(self) -> str:

@@ -1,9 +1,11 @@
-"""Protocol-independent routes: health, model list, tokenize/detokenize, metrics."""
+"""Protocol-independent routes: what the server is (`/`), health, model list,
+tokenize/detokenize, metrics."""
 
 from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
+from importlib import metadata
 from typing import Annotated, Any, Literal
 
 import deepseek_recipe as dr
@@ -30,6 +32,18 @@ from server.metrics import CONTENT_TYPE
 router = APIRouter()
 
 _CREATED = int(time.time())  # "created" of the model list: the process start
+_PACKAGE = "deepinfer-server"
+_ROUTES = (
+    "POST /v1/chat/completions",
+    "POST /v1/responses",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
+    "GET /v1/models",
+    "POST /tokenize",
+    "POST /detokenize",
+    "GET /health",
+    "GET /metrics",
+)
 
 
 class _Strict(BaseModel):
@@ -85,6 +99,22 @@ class DetokenizeRequest(_Strict):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+@router.api_route("/", methods=["GET", "HEAD"])
+async def root(config: Annotated[ServerConfig, Depends(get_config)]) -> dict:
+    """What this server is (clients such as Claude Code probe `HEAD /` at start)."""
+    try:
+        version = metadata.version(_PACKAGE)
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {
+        "name": _PACKAGE,
+        "version": version,
+        "models": list(config.served_model_names),
+        "routes": list(_ROUTES),
+        "docs": "/docs",
+    }
 
 
 @router.get("/health")

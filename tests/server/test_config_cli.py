@@ -135,3 +135,25 @@ def test_a_port_in_use_fails_at_once_before_the_model_loads(tmp_path):
     assert "loading model" not in result.stderr
     assert not any(tmp_path.iterdir())  # the embedded checkpoint was not even generated
     assert elapsed < 30, elapsed  # python + torch import; a model load takes far longer
+
+
+def test_cli_output_limits_and_reasoning_key(tmp_path):
+    defaults = config_from_args(build_parser().parse_args([]))
+    assert (defaults.default_max_tokens, defaults.max_tokens_limit) == (None, None)
+    assert defaults.reasoning_key_file is None
+    key = tmp_path / "key"
+    args = build_parser().parse_args(
+        [
+            "--default-max-tokens",
+            "2048",
+            "--max-tokens-limit",
+            "8192",
+            "--reasoning-key-file",
+            str(key),
+        ]
+    )
+    config = config_from_args(args)
+    assert (config.default_max_tokens, config.max_tokens_limit) == (2048, 8192)
+    assert config.reasoning_key_file == str(key)
+    with pytest.raises(ValueError):
+        ServerConfig(default_max_tokens=0)
