@@ -95,57 +95,100 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> Expe
     return ExpertBlocks(pair_of_pos, block_expert, block_m, top_k, num_tokens)
 
 
+# In-register dequantisation. One 32-bit word of codes holds 8 values v0..v7 (byte i: v2i low
+# nibble, v2i+1 high). Masks and shifts place e2m1 magnitudes (e1 e0 m) at bf16 bits 8..6 and
+# the sign at bit 15, which reads as e2m1 · 2^-126 (code 1, 0.5, becomes the bf16 subnormal
+# 2^-127: exact); one bf16x2 multiply by 2^(scale - 1) restores the scale. Word j of the four
+# outputs pairs values (vj, vj+4) in one register, the wgmma A operand's two adjacent K:
+#
+#     out j   low half   high half      shifts of the word (magnitude, sign)
+#       0       v0         v4             << 6, << 12
+#       1       v1         v5             << 2, << 8
+#       2       v2         v6             >> 2, << 4
+#       3       v3         v7             >> 6,    0
+#
+# NOTE: exact for e8m0 scales up to 128 (2^1); larger ones overflow 2^(scale - 1) in bf16.
+_UNPACK = [
+    tl.constexpr(
+        "{ .reg .b32 t, m; " + magnitude + " t, $1, " + str(m_shift) + "; "
+        "and.b32 m, t, 0x01C001C0; " + sign + "lop3.b32 m, m, " + sign_reg + ", 0x80008000, 0xF8; "
+        "mul.rn.bf16x2 $0, m, $2; }"
+    )
+    for magnitude, m_shift, sign, sign_reg in (
+        ("shl.b32", 6, "shl.b32 t, $1, 12; ", "t"),
+        ("shl.b32", 2, "shl.b32 t, $1, 8; ", "t"),
+        ("shr.b32", 2, "shl.b32 t, $1, 4; ", "t"),
+        ("shr.b32", 6, "", "$1"),
+    )
+]
+_UNPACK_0, _UNPACK_1, _UNPACK_2, _UNPACK_3 = _UNPACK
+
+
 @triton.jit
-def _dequantize_tile(
-    codes_ptr,
-    scales_ptr,
-    offs_n,
-    n_mask,
-    k0,
-    stride_cn,
-    stride_sn,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """[BLOCK_N, BLOCK_K] bf16 weights of rows `offs_n`, columns k0 .. k0 + BLOCK_K."""
-    offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    code_ptrs = codes_ptr + offs_n[:, None] * stride_cn + offs_byte[None, :]
-    packed = tl.load(code_ptrs, mask=n_mask[:, None], other=0).to(tl.uint8, bitcast=True)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
-    # fp16 bits with the 3-bit magnitude code at the exponent's low bits: code (e, m) reads as
-    # 2^(e-15)·(1 + m/2), or m·2^-15 when e = 0 (subnormal) — e2m1 times 2^-14 in both cases.
-    codes = codes.to(tl.uint16)
-    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-    values = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    offs_scale = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scale_ptrs = scales_ptr + offs_n[:, None] * stride_sn + offs_scale[None, :]
-    exponent = tl.load(scale_ptrs, mask=n_mask[:, None], other=0).to(tl.uint8, bitcast=True)
-    multiplier = tl.exp2(exponent.to(tl.float32) - (127.0 - 14.0))
-    values = tl.reshape(values, (BLOCK_N, BLOCK_K // 32, 32)) * multiplier[:, :, None]
-    return tl.reshape(values, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+def _as_bf16_pairs(packed):
+    low = (packed & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.join(low, (packed >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+
+
+@triton.jit
+def _weight_tile(codes_ptr, scales_ptr, rows, k0, K, stride_cn, stride_sn,
+                 BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """bf16 weights [BLOCK_N, 128] of `rows`, columns k0 .. k0 + 128 in the kernel's K order.
+
+    K order: the tile's 16 words per row are read as [lane quad q (4), word w (4)]; logical
+    column k = h | q << 1 | j << 3 | w << 5 takes value j + 4h of word 4q + w (`_x_columns`).
+    With it the words' natural layout (each lane 16 contiguous bytes) is the wgmma A operand's,
+    and lane quad q needs the one scale of its 32 columns.
+    """
+    offs_word = k0 // 8 + tl.arange(0, 16)
+    word_ptrs = codes_ptr + rows[:, None] * (stride_cn // 4) + offs_word[None, :]
+    if EVEN_K:  # the four scales of a row's step as one word (rows are 4-byte aligned)
+        words = tl.load(word_ptrs)
+        scale_words = (scales_ptr + rows * stride_sn + k0 // 32).to(tl.pointer_type(tl.uint32))
+        scales = (tl.load(scale_words)[:, None] >> (8 * tl.arange(0, 4))[None, :]) & 0xFF
+    else:  # K is a multiple of 32: whole words and scale groups are in or out
+        words = tl.load(word_ptrs, mask=(offs_word < K // 8)[None, :], other=0)
+        offs_scale = k0 // 32 + tl.arange(0, 4)
+        scale_ptrs = scales_ptr + rows[:, None] * stride_sn + offs_scale[None, :]
+        scales = tl.load(scale_ptrs, mask=(offs_scale < K // 32)[None, :], other=0)
+        scales = scales.to(tl.uint32)
+    multiplier = (scales + 126) << 7  # bf16 2^(scale - 1)
+    multiplier = tl.broadcast_to((multiplier | (multiplier << 16))[:, :, None], (BLOCK_N, 4, 4))
+    words = tl.reshape(words, (BLOCK_N, 4, 4))
+    args = [words, multiplier]
+    out0 = tl.inline_asm_elementwise(_UNPACK_0, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out1 = tl.inline_asm_elementwise(_UNPACK_1, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out2 = tl.inline_asm_elementwise(_UNPACK_2, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out3 = tl.inline_asm_elementwise(_UNPACK_3, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    pairs = tl.join(
+        tl.join(_as_bf16_pairs(out0), _as_bf16_pairs(out1)),
+        tl.join(_as_bf16_pairs(out2), _as_bf16_pairs(out3)),
+    )  # [BLOCK_N, q, w, h, j & 1, j >> 1]
+    pairs = tl.permute(pairs, (0, 2, 5, 4, 1, 3))  # [BLOCK_N, w, j >> 1, j & 1, q, h]
+    return tl.reshape(pairs, (BLOCK_N, 128))
+
+
+@triton.jit
+def _x_columns():
+    """Physical column (within a 128-column step) of each logical K of `_weight_tile`."""
+    k = tl.arange(0, 128)
+    word = 4 * ((k >> 1) & 3) + (k >> 5)
+    return 8 * word + ((k >> 3) & 3) + 4 * (k & 1)
 
 
 def _configs() -> list[triton.Config]:
-    shapes = [(32, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3),
-              (64, 256, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4)]  # fmt: skip
+    """(BLOCK_N, warps, stages): weight rows per program, mapped to the wgmma's M (64 per
+    warpgroup); the block's token rows are its N (BLOCK_M, 16 .. 128); K steps by 128."""
+    shapes = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 4, 2), (128, 8, 4)]
     return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-        for n, k, warps, stages in shapes
+        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        for n, warps, stages in shapes
     ]
-
-
-def _keep_dividing(configs: list[triton.Config], named_args: dict, **_: object) -> list:
-    k = named_args["K"]
-    return [config for config in configs if k % config.kwargs["BLOCK_K"] == 0]
 
 
 # Tuned once per (N, K, block size, use) on first launch; the output is written, never
 # accumulated, so the tuner's repeated launches are harmless.
-@triton.autotune(
-    configs=_configs(),
-    key=["N", "K", "BLOCK_M", "GATED"],
-    prune_configs_by={"early_config_prune": _keep_dividing},
-)
+@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "GATED"])
 @triton.jit
 def _grouped_mxfp4_gemm_kernel(
     x_ptr,
@@ -167,10 +210,13 @@ def _grouped_mxfp4_gemm_kernel(
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
     HAS_ROW_WEIGHT: tl.constexpr,
+    EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
+    # Computed transposed, out[rows]ᵀ = W · x[rows]ᵀ: the dequantised weight tile is the wgmma's
+    # A operand, straight from registers, and a block's few token rows are its N, so decode
+    # blocks of 16 rows cost no more weight reads than full ones.
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -186,37 +232,36 @@ def _grouped_mxfp4_gemm_kernel(
         out_row = pair
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_up = offs_n + N  # W3's rows follow W1's (gated only)
-    codes_ptr += expert.to(tl.int64) * stride_ce
+    offs_n = tl.where(n_mask, offs_n, N - 1)  # tail rows recompute row N-1, never stored
+    codes_ptr += expert.to(tl.int64) * (stride_ce // 4)
     scales_ptr += expert.to(tl.int64) * stride_se
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + in_row[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-            mask=is_row[:, None],
-            other=0.0,
+    x_ptrs = x_ptr + in_row[None, :].to(tl.int64) * stride_xm + _x_columns()[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, 128):
+        if EVEN_K:
+            x_t = tl.load(x_ptrs + k0, mask=is_row[None, :], other=0.0)
+        else:
+            in_k = k0 + _x_columns() < K
+            x_t = tl.load(x_ptrs + k0, mask=is_row[None, :] & in_k[:, None], other=0.0)
+        w = _weight_tile(
+            codes_ptr, scales_ptr, offs_n, k0, K, stride_cn, stride_sn, BLOCK_N, EVEN_K
         )
-        w = _dequantize_tile(
-            codes_ptr, scales_ptr, offs_n, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
-        )
-        acc = tl.dot(x, tl.trans(w), acc)
-        if GATED:
-            w_up = _dequantize_tile(
-                codes_ptr, scales_ptr, offs_up, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
-            )
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+        acc = tl.dot(w, x_t, acc)
+        if GATED:  # W3's rows follow W1's
+            w = _weight_tile(codes_ptr, scales_ptr, offs_n + N, k0, K, stride_cn, stride_sn,
+                             BLOCK_N, EVEN_K)  # fmt: skip
+            acc_up = tl.dot(w, x_t, acc_up)
     if GATED:
         gate = tl.minimum(acc, gate_limit)
         acc = gate * tl.sigmoid(gate) * tl.clamp(acc_up, -gate_limit, gate_limit)
     if HAS_ROW_WEIGHT:
         weight = tl.load(row_weight_ptr + tl.where(is_row, pair, 0), mask=is_row, other=0.0)
-        acc = acc * weight[:, None]
+        acc = acc * weight[None, :]
     tl.store(
-        out_ptr + out_row[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+        out_ptr + out_row[None, :].to(tl.int64) * stride_om + offs_n[:, None],
         acc.to(out_ptr.dtype.element_ty),
-        mask=is_row[:, None] & n_mask[None, :],
+        mask=is_row[None, :] & n_mask[:, None],
     )
 
 
@@ -281,7 +326,7 @@ def grouped_mxfp4_gemm(
 
     _grouped_mxfp4_gemm_kernel[grid](
         x,
-        codes,
+        codes.view(torch.int32),
         scales.view(torch.uint8),
         out,
         blocks.pair_of_pos,
@@ -299,6 +344,7 @@ def grouped_mxfp4_gemm(
         TOP_K=blocks.top_k,
         GATED=gated,
         HAS_ROW_WEIGHT=row_weight is not None,
+        EVEN_K=k % 128 == 0,
         BLOCK_M=blocks.block_m,
     )
     return out

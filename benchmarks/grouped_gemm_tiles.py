@@ -1,0 +1,165 @@
+"""Tile sweep of the grouped MXFP4 GEMM at one EP8 rank's MoE shapes (48 experts, top-6, hidden
+5120, expert width 2304): each (tokens, use, tiles) timed alone, against the copy bandwidth.
+
+    python3 benchmarks/grouped_gemm_tiles.py [--tokens 16 64 256 4096] [--baseline MODULE]
+
+GB/s counts the codes and scales of the experts that got rows (each read once); "% copy" is that
+over a device-to-device copy's bandwidth (bytes read + written) measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+import triton
+import triton.testing
+
+from kernels import grouped_mxfp4_gemm as grouped
+
+EXPERTS, HIDDEN, WIDTH, TOP_K, LIMIT = 48, 5120, 2304, 6, 10.0
+DECODE_TILES = [(64, 4, 3), (64, 4, 4), (64, 4, 2), (64, 4, 6), (128, 8, 3), (128, 8, 4),
+                (128, 4, 3)]  # fmt: skip
+PREFILL_TILES = [(128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 2), (64, 8, 3)]
+
+
+def copy_gbs() -> float:
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * 2 / ms / 1e6
+
+
+def block_m_of(num_tokens: int) -> list[int]:
+    per_expert = num_tokens * TOP_K / EXPERTS
+    if per_expert <= 16:
+        return [16]
+    if per_expert <= 32:
+        return [32, 16]
+    return [64, 128]
+
+
+def weights(generator: torch.Generator):
+    def codes(*shape):
+        return torch.randint(-128, 128, shape, generator=generator, device="cuda", dtype=torch.int8)
+
+    def scales(*shape):
+        return torch.randint(118, 124, shape, generator=generator, device="cuda", dtype=torch.uint8)
+
+    return {
+        "gate_up": (
+            codes(EXPERTS, 2 * WIDTH, HIDDEN // 2),
+            scales(EXPERTS, 2 * WIDTH, HIDDEN // 32),
+        ),
+        "down": (codes(EXPERTS, HIDDEN, WIDTH // 2), scales(EXPERTS, HIDDEN, WIDTH // 32)),
+    }
+
+
+def launch_tiles(x, blocks, codes, scales, gated, row_weight, tiles):
+    n_weight = codes.shape[1]
+    n = n_weight // 2 if gated else n_weight
+    out_rows = blocks.num_positions if gated else blocks.num_pairs
+    out = torch.empty(out_rows, n, dtype=torch.bfloat16 if gated else torch.float32, device="cuda")
+    block_n, warps, stages = tiles
+    grid = (blocks.block_expert.numel(), triton.cdiv(n, block_n))
+    grouped._grouped_mxfp4_gemm_kernel.fn[grid](
+        x, codes.view(torch.int32), scales, out, blocks.pair_of_pos, blocks.block_expert,
+        row_weight if row_weight is not None else x, n, x.shape[1], LIMIT, x.stride(0),
+        codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
+        TOP_K=TOP_K, GATED=gated, HAS_ROW_WEIGHT=row_weight is not None,
+        EVEN_K=x.shape[1] % 128 == 0, BLOCK_M=blocks.block_m, BLOCK_N=block_n, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def relative(ours, reference, used=None):
+    if used is not None:
+        ours, reference = ours[used], reference[used]
+    return float((ours.float() - reference.float()).norm() / reference.float().norm())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
+    parser.add_argument("--baseline", default=None, help="module with an older launcher")
+    args = parser.parse_args()
+    baseline = importlib.import_module(args.baseline) if args.baseline else None
+    copy = copy_gbs()
+    print(f"copy bandwidth: {copy:.0f} GB/s (read + write)", flush=True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    w = weights(generator)
+    rows = []
+    for num_tokens in args.tokens:
+        scores = torch.rand(num_tokens, EXPERTS, generator=generator, device="cuda")
+        ids = torch.topk(scores, TOP_K, dim=-1).indices
+        used = int(torch.unique(ids).numel())
+        x = torch.randn(num_tokens, HIDDEN, generator=generator, device="cuda").bfloat16()
+        pair_weight = torch.rand(num_tokens * TOP_K, generator=generator, device="cuda")
+        tiles_list = DECODE_TILES if num_tokens <= 256 else PREFILL_TILES
+        for block_m in block_m_of(num_tokens):
+            blocks = grouped.align_to_experts(ids, EXPERTS, block_m)
+            is_pos = blocks.pair_of_pos >= 0
+            codes, scales = w["gate_up"]
+            act_ref = grouped.grouped_mxfp4_gemm_reference(
+                x, blocks, codes, scales, gate_limit=LIMIT
+            )
+            act_ref[~is_pos] = 0
+            cases = {
+                "gate_up": (x, True, None, act_ref),
+                "down": (act_ref, False, pair_weight, None),
+            }
+            for use, (inp, gated, row_weight, ref) in cases.items():
+                codes, scales = w[use]
+                if ref is None:
+                    ref = grouped.grouped_mxfp4_gemm_reference(
+                        inp, blocks, codes, scales, row_weight=row_weight, out_dtype=torch.float32
+                    )
+                n_w, half_k = codes.shape[1], codes.shape[2]
+                moved = used * n_w * (half_k + half_k * 2 // 32)
+                flops = 2 * num_tokens * TOP_K * n_w * half_k * 2
+                candidates = [("new " + str(t), t) for t in tiles_list]
+                if baseline is not None:
+                    candidates.insert(0, ("baseline (autotuned)", None))
+                for name, tiles in candidates:
+                    try:
+                        if tiles is None:
+                            kw = (
+                                {"gate_limit": LIMIT}
+                                if gated
+                                else {"row_weight": row_weight, "out_dtype": torch.float32}
+                            )
+
+                            def fn(inp=inp, kw=kw, codes=codes, scales=scales):
+                                return baseline.grouped_mxfp4_gemm(
+                                    inp, baseline.ExpertBlocks(**vars(blocks)), codes, scales, **kw
+                                )
+                        else:
+
+                            def fn(inp=inp, codes=codes, scales=scales, gated=gated,
+                                   row_weight=row_weight, tiles=tiles):  # fmt: skip
+                                return launch_tiles(inp, blocks, codes, scales, gated, row_weight,
+                                                    tiles)  # fmt: skip
+
+                        out = fn()
+                        error = relative(out, ref, is_pos if gated else None)
+                        ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+                    except Exception as exc:  # noqa: BLE001 - a sweep reports and goes on
+                        print(f"{num_tokens} {use} {name}: FAILED {type(exc).__name__}: "
+                              f"{str(exc)[:300]}", flush=True)  # fmt: skip
+                        continue
+                    row = (num_tokens, block_m, use, name, ms, moved / ms / 1e6,
+                           100 * moved / ms / 1e6 / copy, flops / ms / 1e9, error)  # fmt: skip
+                    rows.append(row)
+                    print(" ".join(str(v) for v in row), flush=True)
+    print(f"\ncopy {copy:.0f} GB/s")
+    print(f"{'T':>5} {'BM':>4} {'use':<8} {'tiles':<24} {'ms':>8} {'GB/s':>7} {'%copy':>6} "
+          f"{'TFLOP/s':>8} {'rel err':>8}")  # fmt: skip
+    for t, bm, use, name, ms, gbs, pct, tflops, err in rows:
+        print(f"{t:>5} {bm:>4} {use:<8} {name:<24} {ms:>8.4f} {gbs:>7.0f} {pct:>6.1f} "
+              f"{tflops:>8.1f} {err:>8.1e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
