@@ -19,9 +19,8 @@ import triton.testing
 from kernels import grouped_mxfp4_gemm as grouped
 
 EXPERTS, HIDDEN, WIDTH, TOP_K, LIMIT = 48, 5120, 2304, 6, 10.0
-DECODE_TILES = [(64, 4, 3), (64, 4, 4), (64, 4, 2), (64, 4, 6), (128, 8, 3), (128, 8, 4),
-                (128, 4, 3)]  # fmt: skip
-PREFILL_TILES = [(128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 2), (64, 8, 3)]
+DECODE_TILES = [(64, 4, 3), (64, 4, 4), (64, 4, 3, 128), (64, 4, 4, 128), (64, 4, 6, 128),
+                (128, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3)]  # fmt: skip
 
 
 def copy_gbs() -> float:
@@ -37,7 +36,7 @@ def block_m_of(num_tokens: int) -> list[int]:
         return [16]
     if per_expert <= 32:
         return [32, 16]
-    return [64, 128]
+    return [64, 128] if per_expert > 128 else [64]
 
 
 def weights(generator: torch.Generator):
@@ -57,19 +56,23 @@ def weights(generator: torch.Generator):
 
 
 def launch_tiles(x, blocks, codes, scales, gated, row_weight, tiles):
+    """One launch with explicit tiles (decode: BLOCK_N, warps, stages) or the tuned launcher
+    (tiles None)."""
     n_weight = codes.shape[1]
     n = n_weight // 2 if gated else n_weight
     out_rows = blocks.num_positions if gated else blocks.num_pairs
     out = torch.empty(out_rows, n, dtype=torch.bfloat16 if gated else torch.float32, device="cuda")
-    block_n, warps, stages = tiles
-    grid = (blocks.block_expert.numel(), triton.cdiv(n, block_n))
-    grouped._grouped_mxfp4_gemm_kernel.fn[grid](
-        x, codes.view(torch.int32), scales, out, blocks.pair_of_pos, blocks.block_expert,
-        row_weight if row_weight is not None else x, n, x.shape[1], LIMIT, x.stride(0),
-        codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-        TOP_K=TOP_K, GATED=gated, HAS_ROW_WEIGHT=row_weight is not None,
-        EVEN_K=x.shape[1] % 128 == 0, BLOCK_M=blocks.block_m, BLOCK_N=block_n, num_warps=warps,
-        num_stages=stages,
+    gate_limit = LIMIT if gated else None
+    if tiles is None:
+        return grouped.grouped_mxfp4_gemm(
+            x, blocks, codes, scales, gate_limit=gate_limit, row_weight=row_weight,
+            out_dtype=out.dtype,
+        )  # fmt: skip
+    block_n, warps, stages, *maxnreg = tiles
+    extra = {"maxnreg": maxnreg[0]} if maxnreg else {}
+    grouped._launch_decode(
+        x, blocks, (codes, scales), out, gate_limit, row_weight, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages, **extra,
     )  # fmt: skip
     return out
 
@@ -97,7 +100,6 @@ def main() -> None:
         used = int(torch.unique(ids).numel())
         x = torch.randn(num_tokens, HIDDEN, generator=generator, device="cuda").bfloat16()
         pair_weight = torch.rand(num_tokens * TOP_K, generator=generator, device="cuda")
-        tiles_list = DECODE_TILES if num_tokens <= 256 else PREFILL_TILES
         for block_m in block_m_of(num_tokens):
             blocks = grouped.align_to_experts(ids, EXPERTS, block_m)
             is_pos = blocks.pair_of_pos >= 0
@@ -119,7 +121,9 @@ def main() -> None:
                 n_w, half_k = codes.shape[1], codes.shape[2]
                 moved = used * n_w * (half_k + half_k * 2 // 32)
                 flops = 2 * num_tokens * TOP_K * n_w * half_k * 2
-                candidates = [("new " + str(t), t) for t in tiles_list]
+                candidates = [("new (tuned)", None)]
+                if block_m <= grouped.DECODE_MAX_BLOCK_M:
+                    candidates += [("new " + str(t), t) for t in DECODE_TILES]
                 if baseline is not None:
                     candidates.insert(0, ("baseline (autotuned)", None))
                 for name, tiles in candidates:
@@ -131,14 +135,14 @@ def main() -> None:
                                 else {"row_weight": row_weight, "out_dtype": torch.float32}
                             )
 
-                            def fn(inp=inp, kw=kw, codes=codes, scales=scales):
+                            def fn(inp=inp, kw=kw, codes=codes, scales=scales, blocks=blocks):
                                 return baseline.grouped_mxfp4_gemm(
                                     inp, baseline.ExpertBlocks(**vars(blocks)), codes, scales, **kw
                                 )
                         else:
 
                             def fn(inp=inp, codes=codes, scales=scales, gated=gated,
-                                   row_weight=row_weight, tiles=tiles):  # fmt: skip
+                                   row_weight=row_weight, tiles=tiles, blocks=blocks):  # fmt: skip
                                 return launch_tiles(inp, blocks, codes, scales, gated, row_weight,
                                                     tiles)  # fmt: skip
 

@@ -9,6 +9,12 @@ per-expert path (`MoE` unpacked: host-read counts, each expert's weights dequant
 synchronised), the weight bytes of the experts that got rows over the time (GB/s), the routed
 FLOPs over the time (TFLOP/s), and the two outputs' relative difference.
 
+grouped: the two grouped-GEMM launches of that layer alone (gate/up + SwiGLU, down), timed
+with CUDA events (`triton.testing.do_bench`, median); GB/s counts the codes and scales of the
+experts that got rows, "% copy" that over a device-to-device copy's bandwidth (bytes read +
+written, 2 GiB) measured in the same run; "before" is the tuned kernel of the other regime
+(decode tiles for prefill blocks and the reverse) where it applies, else NaN.
+
 mhc_mix: one hyper-connection site's gates and Sinkhorn (4 streams, 20 iterations) for T tokens;
 "before" the torch reference (~120 launches), "after" the kernel; GB/s counts logits in and
 coefficients out.
@@ -33,6 +39,8 @@ import json
 from pathlib import Path
 
 import torch
+import triton
+import triton.testing
 
 from benchmarks.gpu_rank import RANK_EXPERTS, time_ms
 from engine import envs
@@ -41,8 +49,13 @@ from engine.models.deepseek_v41.kv_formats import (
     swa_mxfp8_dequantize,
     swa_mxfp8_quantize,
 )
-from engine.models.deepseek_v41.moe import MoE
+from engine.models.deepseek_v41.moe import MoE, _block_m
 from engine.models.deepseek_v41.primitives import rope_frequencies
+from kernels.grouped_mxfp4_gemm import (
+    align_to_experts,
+    grouped_mxfp4_gemm,
+    grouped_mxfp4_gemm_reference,
+)
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_mix import mhc_mix, mhc_mix_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
@@ -118,6 +131,58 @@ def moe_rows(tokens: list[int], device: torch.device) -> list[dict]:
         flops = 2 * num_tokens * TOP_K * 3 * HIDDEN * EXPERT_WIDTH
         name = "grouped_mxfp4_gemm (MoE layer)"
         rows.append(_row(name, num_tokens, before, after, moved, flops, error))
+    return rows
+
+
+def copy_gbs(device: torch.device) -> float:
+    """Device-to-device copy bandwidth, bytes read + written, GB/s."""
+    src = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def grouped_rows(tokens: list[int], device: torch.device) -> list[dict]:
+    """The routed experts' two grouped-GEMM launches alone, against the copy bandwidth."""
+    copy = copy_gbs(device)
+    print(f"copy bandwidth: {copy:.0f} GB/s (read + write)", flush=True)
+    moe = quantized_moe(device)
+    moe.pack_experts()
+    rows = []
+    for num_tokens in tokens:
+        x = torch.randn(num_tokens, HIDDEN, device=device, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            ids, weights = moe.route(x)
+            blocks = align_to_experts(ids, RANK_EXPERTS, _block_m(ids.numel(), RANK_EXPERTS))
+            pair_weight = weights.flatten().float().contiguous()
+            used = int(torch.unique(ids).numel())
+            gate_up = {"gate_limit": SWIGLU_LIMIT}
+            act = grouped_mxfp4_gemm(x, blocks, moe.w13_codes, moe.w13_scales, **gate_up)
+            down = {"row_weight": pair_weight, "out_dtype": torch.float32}
+            cases = (
+                ("gate/up", x, moe.w13_codes, moe.w13_scales, gate_up),
+                ("down", act, moe.w2_codes, moe.w2_scales, down),
+            )
+            for use, inp, codes, scales, kwargs in cases:
+
+                def launch(inp=inp, codes=codes, scales=scales, kwargs=kwargs, blocks=blocks):
+                    return grouped_mxfp4_gemm(inp, blocks, codes, scales, **kwargs)
+
+                out = launch()
+                reference = grouped_mxfp4_gemm_reference(inp, blocks, codes, scales, **kwargs)
+                is_row = blocks.pair_of_pos >= 0
+                if use == "gate/up":
+                    out, reference = out[is_row], reference[is_row]
+                ms = triton.testing.do_bench(launch, warmup=25, rep=100, return_mode="median")
+                n_weight, half_k = codes.shape[1], codes.shape[2]
+                moved = used * n_weight * half_k * (1 + 1 / 16)
+                flops = 2 * num_tokens * TOP_K * n_weight * half_k * 2
+                row = _row(f"grouped_mxfp4_gemm {use}", num_tokens, float("nan"), ms, moved,
+                           flops, _relative(out, reference))  # fmt: skip
+                row["pct_copy"] = 100 * row["after_gbs"] / copy
+                row["block_m"] = blocks.block_m
+                row["copy_gbs"] = copy
+                rows.append(row)
     return rows
 
 
@@ -243,6 +308,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=envs.benchmark_out_dir())
     groups = {
         "moe": moe_rows,
+        "grouped": grouped_rows,
         "mhc_mix": mhc_rows,
         "mhc_update": mhc_update_rows,
         "rms_norm": rms_norm_rows,
@@ -257,13 +323,13 @@ def main() -> None:
     ]
     print(
         f"\n{'kernel':<32} {'T':>5} {'before ms':>10} {'after ms':>9} {'GB/s':>7} "
-        f"{'TFLOP/s':>8} {'rel diff':>9}"
+        f"{'TFLOP/s':>8} {'rel diff':>9} {'% copy':>7}"
     )
     for row in rows:
         print(
             f"{row['kernel']:<32} {row['tokens']:>5} {row['before_ms']:>10.3f} "
             f"{row['after_ms']:>9.3f} {row['after_gbs']:>7.0f} {row['after_tflops']:>8.1f} "
-            f"{row['rel_diff']:>9.2e}"
+            f"{row['rel_diff']:>9.2e} {row.get('pct_copy', float('nan')):>7.1f}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel_speed.json").write_text(json.dumps(rows, indent=2))

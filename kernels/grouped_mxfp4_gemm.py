@@ -25,6 +25,7 @@ One kernel, two uses (the routed half of `MoE.forward`):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from kernels import check_runnable
 from kernels.element_codes import mxfp4_to_float
 
 MXFP4_BLOCK = 32
+DECODE_MAX_BLOCK_M = 32  # blocks of up to this many rows take the decode kernel
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,15 @@ def _x_columns():
     return 8 * word + ((k >> 3) & 3) + 4 * (k & 1)
 
 
-def _configs() -> list[triton.Config]:
+@functools.cache
+def _kernel_columns(device: torch.device) -> Tensor:
+    """`_x_columns` as an index: x's columns in the kernel's K order, per 128."""
+    k = torch.arange(128)
+    word = 4 * ((k >> 1) & 3) + (k >> 5)
+    return (8 * word + ((k >> 3) & 3) + 4 * (k & 1)).to(device)
+
+
+def _decode_configs() -> list[triton.Config]:
     """(BLOCK_N, warps, stages): weight rows per program, mapped to the wgmma's M (64 per
     warpgroup); the block's token rows are its N (BLOCK_M, 16 .. 128); K steps by 128."""
     shapes = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 4, 2), (128, 8, 4)]
@@ -188,9 +198,9 @@ def _configs() -> list[triton.Config]:
 
 # Tuned once per (N, K, block size, use) on first launch; the output is written, never
 # accumulated, so the tuner's repeated launches are harmless.
-@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "GATED"])
+@triton.autotune(configs=_decode_configs(), key=["N", "K", "BLOCK_M", "GATED"])
 @triton.jit
-def _grouped_mxfp4_gemm_kernel(
+def _decode_kernel(
     x_ptr,
     codes_ptr,
     scales_ptr,
@@ -235,14 +245,17 @@ def _grouped_mxfp4_gemm_kernel(
     offs_n = tl.where(n_mask, offs_n, N - 1)  # tail rows recompute row N-1, never stored
     codes_ptr += expert.to(tl.int64) * (stride_ce // 4)
     scales_ptr += expert.to(tl.int64) * stride_se
-    x_ptrs = x_ptr + in_row[None, :].to(tl.int64) * stride_xm + _x_columns()[:, None]
+    # EVEN_K: the launcher hands x in the weights' K order (`_kernel_columns`), so each step's
+    # 128 columns of a row are one contiguous run; otherwise they are gathered here.
+    columns = tl.arange(0, 128) if EVEN_K else _x_columns()
+    x_ptrs = x_ptr + in_row[None, :].to(tl.int64) * stride_xm + columns[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, 128):
         if EVEN_K:
             x_t = tl.load(x_ptrs + k0, mask=is_row[None, :], other=0.0)
         else:
-            in_k = k0 + _x_columns() < K
+            in_k = k0 + columns < K
             x_t = tl.load(x_ptrs + k0, mask=is_row[None, :] & in_k[:, None], other=0.0)
         w = _weight_tile(
             codes_ptr, scales_ptr, offs_n, k0, K, stride_cn, stride_sn, BLOCK_N, EVEN_K
@@ -262,6 +275,130 @@ def _grouped_mxfp4_gemm_kernel(
         out_ptr + out_row[None, :].to(tl.int64) * stride_om + offs_n[:, None],
         acc.to(out_ptr.dtype.element_ty),
         mask=is_row[None, :] & n_mask[:, None],
+    )
+
+
+@triton.jit
+def _dequantize_tile(
+    codes_ptr,
+    scales_ptr,
+    offs_n,
+    n_mask,
+    k0,
+    stride_cn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[BLOCK_N, BLOCK_K] bf16 weights of rows `offs_n`, columns k0 .. k0 + BLOCK_K."""
+    offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    code_ptrs = codes_ptr + offs_n[:, None] * stride_cn + offs_byte[None, :]
+    packed = tl.load(code_ptrs, mask=n_mask[:, None], other=0).to(tl.uint8, bitcast=True)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
+    # fp16 bits with the 3-bit magnitude code at the exponent's low bits: code (e, m) reads as
+    # 2^(e-15)·(1 + m/2), or m·2^-15 when e = 0 (subnormal) — e2m1 times 2^-14 in both cases.
+    codes = codes.to(tl.uint16)
+    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+    values = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    offs_scale = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale_ptrs = scales_ptr + offs_n[:, None] * stride_sn + offs_scale[None, :]
+    exponent = tl.load(scale_ptrs, mask=n_mask[:, None], other=0).to(tl.uint8, bitcast=True)
+    multiplier = tl.exp2(exponent.to(tl.float32) - (127.0 - 14.0))
+    values = tl.reshape(values, (BLOCK_N, BLOCK_K // 32, 32)) * multiplier[:, :, None]
+    return tl.reshape(values, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+
+
+def _prefill_configs() -> list[triton.Config]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the prefill kernel (token rows as the wgmma's M)."""
+    shapes = [(32, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3),
+              (64, 256, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4)]  # fmt: skip
+    return [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+        for n, k, warps, stages in shapes
+    ]
+
+
+def _keep_dividing(configs: list[triton.Config], named_args: dict, **_: object) -> list:
+    k = named_args["K"]
+    return [config for config in configs if k % config.kwargs["BLOCK_K"] == 0]
+
+
+@triton.autotune(
+    configs=_prefill_configs(),
+    key=["N", "K", "BLOCK_M", "GATED"],
+    prune_configs_by={"early_config_prune": _keep_dividing},
+)
+@triton.jit
+def _prefill_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    pair_of_pos_ptr,
+    block_expert_ptr,
+    row_weight_ptr,
+    N,
+    K,
+    gate_limit,
+    stride_xm,
+    stride_ce,
+    stride_cn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_ROW_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    offs_pos = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_of_pos_ptr + offs_pos)
+    is_row = pair >= 0
+    if GATED:  # input rows: tokens; output rows: positions
+        in_row = pair // TOP_K
+        out_row = offs_pos
+    else:  # input rows: positions; output rows: (token, slot) pairs
+        in_row = offs_pos
+        out_row = pair
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_up = offs_n + N  # W3's rows follow W1's (gated only)
+    codes_ptr += expert.to(tl.int64) * stride_ce
+    scales_ptr += expert.to(tl.int64) * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + in_row[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+            mask=is_row[:, None],
+            other=0.0,
+        )
+        w = _dequantize_tile(
+            codes_ptr, scales_ptr, offs_n, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
+        )
+        acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            w_up = _dequantize_tile(
+                codes_ptr, scales_ptr, offs_up, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
+            )
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    if GATED:
+        gate = tl.minimum(acc, gate_limit)
+        acc = gate * tl.sigmoid(gate) * tl.clamp(acc_up, -gate_limit, gate_limit)
+    if HAS_ROW_WEIGHT:
+        weight = tl.load(row_weight_ptr + tl.where(is_row, pair, 0), mask=is_row, other=0.0)
+        acc = acc * weight[:, None]
+    tl.store(
+        out_ptr + out_row[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=is_row[:, None] & n_mask[None, :],
     )
 
 
@@ -320,14 +457,30 @@ def grouped_mxfp4_gemm(
         raise ValueError(f"row_weight must be contiguous fp32 [{blocks.num_pairs}]")
     out_rows = blocks.num_positions if gated else blocks.num_pairs
     out = torch.empty(out_rows, n, dtype=out_dtype, device=x.device)
+    weights = (codes, scales.view(torch.uint8))
+    if blocks.block_m <= DECODE_MAX_BLOCK_M:
+        _launch_decode(x, blocks, weights, out, gate_limit, row_weight)
+    else:
+        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight)
+    return out
+
+
+def _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **tiles) -> None:
+    """`_decode_kernel` over `blocks`; `tiles` (BLOCK_N, num_warps, num_stages) bypass the tuner."""
+    codes, scales = weights
+    k, n = x.shape[1], out.shape[1]
+    even_k = k % 128 == 0
+    if even_k:  # x's columns in the weights' K order, so the kernel reads contiguous runs
+        x = x.view(x.shape[0], k // 128, 128)[:, :, _kernel_columns(x.device)].view(-1, k)
+    kernel = _decode_kernel.fn if tiles else _decode_kernel
 
     def grid(meta: dict) -> tuple[int, int]:
         return (blocks.block_expert.numel(), triton.cdiv(n, meta["BLOCK_N"]))
 
-    _grouped_mxfp4_gemm_kernel[grid](
+    kernel[grid](
         x,
         codes.view(torch.int32),
-        scales.view(torch.uint8),
+        scales,
         out,
         blocks.pair_of_pos,
         blocks.block_expert,
@@ -342,12 +495,47 @@ def grouped_mxfp4_gemm(
         scales.stride(1),
         out.stride(0),
         TOP_K=blocks.top_k,
-        GATED=gated,
+        GATED=gate_limit is not None,
         HAS_ROW_WEIGHT=row_weight is not None,
-        EVEN_K=k % 128 == 0,
+        EVEN_K=even_k,
         BLOCK_M=blocks.block_m,
+        **tiles,
     )
-    return out
+
+
+def _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles) -> None:
+    """`_prefill_kernel` over `blocks`; `tiles` (BLOCK_N, BLOCK_K, num_warps, num_stages)
+    bypass the tuner."""
+    codes, scales = weights
+    n = out.shape[1]
+    kernel = _prefill_kernel.fn if tiles else _prefill_kernel
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (blocks.block_expert.numel(), triton.cdiv(n, meta["BLOCK_N"]))
+
+    kernel[grid](
+        x,
+        codes,
+        scales,
+        out,
+        blocks.pair_of_pos,
+        blocks.block_expert,
+        row_weight if row_weight is not None else x,
+        n,
+        x.shape[1],
+        float(gate_limit or 0.0),
+        x.stride(0),
+        codes.stride(0),
+        codes.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        out.stride(0),
+        TOP_K=blocks.top_k,
+        GATED=gate_limit is not None,
+        HAS_ROW_WEIGHT=row_weight is not None,
+        BLOCK_M=blocks.block_m,
+        **tiles,
+    )
 
 
 def grouped_mxfp4_gemm_reference(

@@ -119,6 +119,8 @@ def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
         (1, 256, 128, 8, 2, 16),
         (64, 5120, 2304, 8, 6, 16),  # decode-like, real widths
         (600, 1024, 512, 16, 6, 64),  # prefill-like
+        (300, 1024, 384, 8, 6, 128),  # prefill blocks of 128
+        (40, 640, 224, 8, 6, 32),  # decode tiles: N tails, down K not a multiple of 128
         (33, 96, 160, 4, 3, 32),  # K not a multiple of 64
     ],
 )
@@ -132,9 +134,10 @@ def test_kernel_matches_reference(
     blocks = align_to_experts(ids, num_experts, block_m)
     pair_weight = torch.rand(num_tokens * top_k, device=device)
     w13 = torch.randint(-128, 128, (num_experts, 2 * inter, dim // 2), dtype=torch.int8)
-    s13 = torch.randint(118, 124, (num_experts, 2 * inter, dim // 32), dtype=torch.uint8)
+    # Scales up to 2^1 (e8m0 128), the decode kernel's exact range, spread over 2^±9.
+    s13 = torch.randint(119, 129, (num_experts, 2 * inter, dim // 32), dtype=torch.uint8)
     w2 = torch.randint(-128, 128, (num_experts, dim, inter // 2), dtype=torch.int8)
-    s2 = torch.randint(118, 124, (num_experts, dim, inter // 32), dtype=torch.uint8)
+    s2 = torch.randint(110, 129, (num_experts, dim, inter // 32), dtype=torch.uint8)
     w13, s13, w2, s2 = (t.to(device) for t in (w13, s13, w2, s2))
     used = blocks.pair_of_pos >= 0
     for row_weight in (None, pair_weight):

@@ -202,6 +202,11 @@ class MoE(nn.Module):
 
 
 def _block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per expert block: small blocks when few rows reach each expert (decode)."""
+    """Rows per expert block: small blocks when few rows reach each expert (decode, up to 32 rows:
+    the grouped kernel's weight-streaming tiles), large ones for prefill (reuse of each
+    dequantised weight tile)."""
     per_expert = num_pairs / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    for block_m in (16, 32, 64):
+        if per_expert <= block_m:
+            return block_m
+    return 64 if per_expert <= 128 else 128
