@@ -19,8 +19,8 @@ import triton.testing
 from kernels import grouped_mxfp4_gemm as grouped
 
 EXPERTS, HIDDEN, WIDTH, TOP_K, LIMIT = 48, 5120, 2304, 6, 10.0
-DECODE_TILES = [(64, 4, 3), (64, 4, 4), (64, 4, 3, 128), (64, 4, 4, 128), (64, 4, 6, 128),
-                (128, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3)]  # fmt: skip
+DECODE_TILES = [(64, 4, 3), (64, 4, 3, 128), (64, 4, 4, 128), (64, 4, 2, 128), (64, 4, 3, 96),
+                (128, 4, 3), (128, 4, 3, 168), (128, 8, 3, 128)]  # fmt: skip
 
 
 def copy_gbs() -> float:
@@ -87,6 +87,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
     parser.add_argument("--baseline", default=None, help="module with an older launcher")
+    parser.add_argument("--no-tuned", action="store_true", help="explicit tiles only")
+    parser.add_argument("--tuned-only", action="store_true", help="no explicit tiles")
     args = parser.parse_args()
     baseline = importlib.import_module(args.baseline) if args.baseline else None
     copy = copy_gbs()
@@ -121,8 +123,8 @@ def main() -> None:
                 n_w, half_k = codes.shape[1], codes.shape[2]
                 moved = used * n_w * (half_k + half_k * 2 // 32)
                 flops = 2 * num_tokens * TOP_K * n_w * half_k * 2
-                candidates = [("new (tuned)", None)]
-                if block_m <= grouped.DECODE_MAX_BLOCK_M:
+                candidates = [] if args.no_tuned else [("new (tuned)", None)]
+                if block_m <= grouped.DECODE_MAX_BLOCK_M and not args.tuned_only:
                     candidates += [("new " + str(t), t) for t in DECODE_TILES]
                 if baseline is not None:
                     candidates.insert(0, ("baseline (autotuned)", None))

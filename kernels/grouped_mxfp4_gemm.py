@@ -187,12 +187,15 @@ def _kernel_columns(device: torch.device) -> Tensor:
 
 
 def _decode_configs() -> list[triton.Config]:
-    """(BLOCK_N, warps, stages): weight rows per program, mapped to the wgmma's M (64 per
-    warpgroup); the block's token rows are its N (BLOCK_M, 16 .. 128); K steps by 128."""
-    shapes = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 4, 2), (128, 8, 4)]
+    """(BLOCK_N, warps, stages, register cap): weight rows per program, mapped to the wgmma's M
+    (64 per warpgroup); the block's token rows are its N (BLOCK_M, 16 or 32); K steps by 128.
+    The cap of 128 registers lets four programs share an SM (measured on the H200,
+    `docs/performance.md`)."""
+    shapes = [(64, 4, 3, 128), (64, 4, 4, 128), (64, 4, 3, None), (128, 4, 3, 168),
+              (128, 8, 3, 128)]  # fmt: skip
     return [
-        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
-        for n, warps, stages in shapes
+        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages, maxnreg=cap)
+        for n, warps, stages, cap in shapes
     ]
 
 
