@@ -130,7 +130,7 @@ def main() -> None:
                     candidates.insert(0, ("baseline (autotuned)", None))
                 for name, tiles in candidates:
                     try:
-                        if tiles is None:
+                        if name.startswith("baseline"):
                             kw = (
                                 {"gate_limit": LIMIT}
                                 if gated

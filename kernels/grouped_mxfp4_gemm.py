@@ -14,11 +14,20 @@ a routing sorted by expert, each expert's run padded to a multiple of `block_m`,
     expert:      [ e0 e0 e0 -1 | e1 e1 e1 e1 | e1 -1 -1 -1 | (unused: block_expert = -1) ]
     pair_of_pos: [ 7  2  9  -1 | 0  4  ...              ]     (-1 = padding)
 
-One kernel, two uses (the routed half of `MoE.forward`):
+Two uses (the routed half of `MoE.forward`):
 
     gate/up   out[p]    = swiglu_L(x[pair // top_k] · W1ᵀ, x[pair // top_k] · W3ᵀ) (· w[pair])
               (W13 = [W1; W3] stacked along N_w = 2N; `gate_limit` = L)
     down      out[pair] = act[p] · W2ᵀ (· w[pair])
+
+and two kernels, picked by the block size:
+
+    decode   (block_m <= 32)  `_decode_kernel`: outᵀ = W · xᵀ, the weight tile the wgmma's A
+             operand (64 or 128 rows), unpacked from registers by inline PTX in a permuted K
+             order (`_weight_tile`); the block's rows are the wgmma's N (16 or 32). Bound by
+             streaming the expert weights.
+    prefill  (block_m > 32)   `_prefill_kernel`: out = x · Wᵀ, token rows the wgmma's M, the
+             dequantised weight tile staged through shared memory. Bound by the tensor cores.
 
 `grouped_mxfp4_gemm` is the launcher; `grouped_mxfp4_gemm_reference` the torch reference.
 """
