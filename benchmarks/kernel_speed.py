@@ -52,6 +52,9 @@ from engine.models.deepseek_v41.kv_formats import (
 from engine.models.deepseek_v41.moe import MoE, _block_m
 from engine.models.deepseek_v41.primitives import rope_frequencies
 from kernels.grouped_mxfp4_gemm import (
+    DECODE_MAX_BLOCK_M,
+    _decode_kernel,
+    _prefill_kernel,
     align_to_experts,
     grouped_mxfp4_gemm,
     grouped_mxfp4_gemm_reference,
@@ -180,6 +183,11 @@ def grouped_rows(tokens: list[int], device: torch.device) -> list[dict]:
                 row = _row(f"grouped_mxfp4_gemm {use}", num_tokens, float("nan"), ms, moved,
                            flops, _relative(out, reference))  # fmt: skip
                 row["pct_copy"] = 100 * row["after_gbs"] / copy
+                tuned = _decode_kernel if blocks.block_m <= DECODE_MAX_BLOCK_M else _prefill_kernel
+                row["tiles"] = str(tuned.best_config)
+                print(
+                    f"grouped {use} tiles at {num_tokens} tokens: {tuned.best_config}", flush=True
+                )
                 row["block_m"] = blocks.block_m
                 row["copy_gbs"] = copy
                 rows.append(row)

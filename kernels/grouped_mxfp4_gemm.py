@@ -163,6 +163,12 @@ def _weight_tile(codes_ptr, scales_ptr, rows, k0, K, stride_cn, stride_sn,
         scale_ptrs = scales_ptr + rows[:, None] * stride_sn + offs_scale[None, :]
         scales = tl.load(scale_ptrs, mask=(offs_scale < K // 32)[None, :], other=0)
         scales = scales.to(tl.uint32)
+    return _unpack(words, scales, BLOCK_N)
+
+
+@triton.jit
+def _unpack(words, scales, BLOCK_N: tl.constexpr):
+    """bf16 [BLOCK_N, 128] of the words [BLOCK_N, 16] and scales [BLOCK_N, 4] of one step."""
     multiplier = (scales + 126) << 7  # bf16 2^(scale - 1)
     multiplier = tl.broadcast_to((multiplier | (multiplier << 16))[:, :, None], (BLOCK_N, 4, 4))
     words = tl.reshape(words, (BLOCK_N, 4, 4))
@@ -177,6 +183,33 @@ def _weight_tile(codes_ptr, scales_ptr, rows, k0, K, stride_cn, stride_sn,
     )  # [BLOCK_N, q, w, h, j & 1, j >> 1]
     pairs = tl.permute(pairs, (0, 2, 5, 4, 1, 3))  # [BLOCK_N, w, j >> 1, j & 1, q, h]
     return tl.reshape(pairs, (BLOCK_N, 128))
+
+
+@triton.jit
+def _raw_tile(codes_ptr, scales_ptr, rows, k0, stride_cn, stride_sn, mask):
+    """The step's words [rows, 16] and packed scales [rows] as loaded (EVEN_K only)."""
+    word_ptrs = codes_ptr + rows[:, None] * (stride_cn // 4) + (k0 // 8 + tl.arange(0, 16))[None, :]
+    scale_words = (scales_ptr + rows * stride_sn + k0 // 32).to(tl.pointer_type(tl.uint32))
+    return tl.load(word_ptrs, mask=mask), tl.load(scale_words, mask=mask)
+
+
+@triton.jit
+def _operand_rows(t, WIDTH: tl.constexpr):
+    """Regroup the 64 rows of `t` [64, WIDTH] so that the layout a 4-warp program loads them in
+    (8 rows across lanes, then warps, then registers) is the wgmma A operand's (8 rows across
+    lanes, the next bit in registers, then warps): row p = l | p3 << 3 | p4 << 4 | p5 << 5 moves
+    to l | p5 << 3 | p3 << 4 | p4 << 5. Applied to the rows' indices it says where each result
+    row goes."""
+    t = tl.permute(tl.reshape(t, (2, 2, 2, 8, WIDTH)), (1, 2, 0, 3, 4))
+    return tl.reshape(t, (64, WIDTH))
+
+
+@triton.jit
+def _unpack_raw(words, packed_scales, BLOCK_N: tl.constexpr):
+    words = _operand_rows(words, 16)
+    packed_scales = tl.reshape(_operand_rows(tl.reshape(packed_scales, (64, 1)), 1), (64,))
+    scales = (packed_scales[:, None] >> (8 * tl.arange(0, 4))[None, :]) & 0xFF
+    return _unpack(words, scales, BLOCK_N)
 
 
 @triton.jit
@@ -202,9 +235,14 @@ def _decode_configs() -> list[triton.Config]:
     `docs/performance.md`)."""
     shapes = [(64, 4, 3, 128), (64, 4, 4, 128), (64, 4, 3, None), (128, 4, 3, 168),
               (128, 8, 3, 128)]  # fmt: skip
-    return [
-        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages, maxnreg=cap)
-        for n, warps, stages, cap in shapes
+    configs = [
+        triton.Config({"BLOCK_N": n, "PREFETCH": False}, num_warps=w, num_stages=st, maxnreg=cap)
+        for n, w, st, cap in shapes
+    ]
+    # Register prefetch (64 rows, 4 warps only: `_operand_rows`), no shared-memory stages.
+    return configs + [
+        triton.Config({"BLOCK_N": 64, "PREFETCH": True}, num_warps=4, num_stages=1, maxnreg=cap)
+        for cap in (None, 128, 168)
     ]
 
 
@@ -235,6 +273,7 @@ def _decode_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # Computed transposed, out[rows]ᵀ = W · x[rows]ᵀ: the dequantised weight tile is the wgmma's
     # A operand, straight from registers, and a block's few token rows are its N, so decode
@@ -253,8 +292,7 @@ def _decode_kernel(
         in_row = offs_pos
         out_row = pair
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_n = tl.where(n_mask, offs_n, N - 1)  # tail rows recompute row N-1, never stored
+    offs_n = tl.where(offs_n < N, offs_n, N - 1)  # tail rows recompute row N-1, never stored
     codes_ptr += expert.to(tl.int64) * (stride_ce // 4)
     scales_ptr += expert.to(tl.int64) * stride_se
     # EVEN_K: the launcher hands x in the weights' K order (`_kernel_columns`), so each step's
@@ -263,20 +301,41 @@ def _decode_kernel(
     x_ptrs = x_ptr + in_row[None, :].to(tl.int64) * stride_xm + columns[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, 128):
-        if EVEN_K:
-            x_t = tl.load(x_ptrs + k0, mask=is_row[None, :], other=0.0)
-        else:
-            in_k = k0 + columns < K
-            x_t = tl.load(x_ptrs + k0, mask=is_row[None, :] & in_k[:, None], other=0.0)
-        w = _weight_tile(
-            codes_ptr, scales_ptr, offs_n, k0, K, stride_cn, stride_sn, BLOCK_N, EVEN_K
-        )
-        acc = tl.dot(w, x_t, acc)
-        if GATED:  # W3's rows follow W1's
-            w = _weight_tile(codes_ptr, scales_ptr, offs_n + N, k0, K, stride_cn, stride_sn,
-                             BLOCK_N, EVEN_K)  # fmt: skip
-            acc_up = tl.dot(w, x_t, acc_up)
+    out_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output column of each row
+    if PREFETCH and EVEN_K:
+        # The next step's words, scales and x load into registers while this step computes
+        # (num_stages 1: the words skip shared memory); rows regrouped (`_operand_rows`).
+        out_n = tl.reshape(_operand_rows(tl.reshape(out_n, (64, 1)), 1), (64,))
+        x_next = tl.load(x_ptrs, mask=is_row[None, :], other=0.0)
+        w_next, s_next = _raw_tile(codes_ptr, scales_ptr, offs_n, 0, stride_cn, stride_sn, True)
+        u_next, t_next = _raw_tile(codes_ptr, scales_ptr, offs_n + N, 0, stride_cn, stride_sn,
+                                   GATED)  # fmt: skip
+        for k0 in range(0, K, 128):
+            x_t, w_cur, s_cur, u_cur, t_cur = x_next, w_next, s_next, u_next, t_next
+            more = k0 + 128 < K
+            x_next = tl.load(x_ptrs + k0 + 128, mask=is_row[None, :] & more, other=0.0)
+            w_next, s_next = _raw_tile(codes_ptr, scales_ptr, offs_n, k0 + 128, stride_cn,
+                                       stride_sn, more)  # fmt: skip
+            u_next, t_next = _raw_tile(codes_ptr, scales_ptr, offs_n + N, k0 + 128, stride_cn,
+                                       stride_sn, more & GATED)  # fmt: skip
+            acc = tl.dot(_unpack_raw(w_cur, s_cur, BLOCK_N), x_t, acc)
+            if GATED:
+                acc_up = tl.dot(_unpack_raw(u_cur, t_cur, BLOCK_N), x_t, acc_up)
+    else:
+        for k0 in range(0, K, 128):
+            if EVEN_K:
+                x_t = tl.load(x_ptrs + k0, mask=is_row[None, :], other=0.0)
+            else:
+                in_k = k0 + columns < K
+                x_t = tl.load(x_ptrs + k0, mask=is_row[None, :] & in_k[:, None], other=0.0)
+            w = _weight_tile(
+                codes_ptr, scales_ptr, offs_n, k0, K, stride_cn, stride_sn, BLOCK_N, EVEN_K
+            )
+            acc = tl.dot(w, x_t, acc)
+            if GATED:  # W3's rows follow W1's
+                w = _weight_tile(codes_ptr, scales_ptr, offs_n + N, k0, K, stride_cn, stride_sn,
+                                 BLOCK_N, EVEN_K)  # fmt: skip
+                acc_up = tl.dot(w, x_t, acc_up)
     if GATED:
         gate = tl.minimum(acc, gate_limit)
         acc = gate * tl.sigmoid(gate) * tl.clamp(acc_up, -gate_limit, gate_limit)
@@ -284,9 +343,9 @@ def _decode_kernel(
         weight = tl.load(row_weight_ptr + tl.where(is_row, pair, 0), mask=is_row, other=0.0)
         acc = acc * weight[None, :]
     tl.store(
-        out_ptr + out_row[None, :].to(tl.int64) * stride_om + offs_n[:, None],
+        out_ptr + out_row[None, :].to(tl.int64) * stride_om + out_n[:, None],
         acc.to(out_ptr.dtype.element_ty),
-        mask=is_row[None, :] & n_mask[:, None],
+        mask=is_row[None, :] & (out_n < N)[:, None],
     )
 
 
