@@ -47,6 +47,7 @@ from kernels.element_codes import mxfp4_to_float
 
 MXFP4_BLOCK = 32
 DECODE_MAX_BLOCK_M = 32  # blocks of up to this many rows take the decode kernel
+DECODE_MAX_SCALE_CODE = 128  # the decode kernel's unpack is exact up to this e8m0 code (2^1)
 
 
 @dataclass(frozen=True)
@@ -487,6 +488,13 @@ def _check_weights(codes: Tensor, scales: Tensor, k: int) -> tuple[int, int]:
     return num_experts, n_weight
 
 
+def decode_tiles_exact(scales: Tensor) -> bool:
+    """Whether the decode kernel is exact for these e8m0 scales (every code <= 128, see the
+    unpack's NOTE). Reads the scales back to the host: call it once, when the weights load,
+    and give blocks of more than `DECODE_MAX_BLOCK_M` rows to weights where it is False."""
+    return int(scales.view(torch.uint8).max()) <= DECODE_MAX_SCALE_CODE
+
+
 def grouped_mxfp4_gemm(
     x: Tensor,
     blocks: ExpertBlocks,
@@ -530,6 +538,7 @@ def grouped_mxfp4_gemm(
     out = torch.empty(out_rows, n, dtype=out_dtype, device=x.device)
     weights = (codes, scales.view(torch.uint8))
     if blocks.block_m <= DECODE_MAX_BLOCK_M:
+        # NOTE: the caller guarantees `decode_tiles_exact(scales)` for such blocks (`_block_m`).
         _launch_decode(x, blocks, weights, out, gate_limit, row_weight)
     else:
         _launch_prefill(x, blocks, weights, out, gate_limit, row_weight)

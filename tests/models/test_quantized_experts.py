@@ -42,3 +42,18 @@ def test_random_model_on_a_device_runs(tiny_model) -> None:
     assert logits.shape == (1, 5, tiny_model.config.vocab_size) and torch.isfinite(logits).all()
     again = random_model(tiny_model.config, "cpu", torch.float32, seed=3)
     assert torch.equal(again.logits([[0, 5, 6, 7, 8]]), logits)
+
+
+def test_experts_whose_scales_the_decode_tiles_cannot_unpack_take_the_prefill_tiles(
+    tiny_checkpoint: Path,
+) -> None:
+    from engine.models.deepseek_v41.moe import _block_m
+
+    quantized = load_model(tiny_checkpoint, quantized_experts=True, progress=False)
+    ffn = quantized.layers[0].ffn
+    assert ffn.decode_tiles_exact  # the writer's random experts have small scales
+    assert _block_m(16 * 6, 48, ffn.decode_tiles_exact) == 16
+    ffn.w2_scales.view(torch.uint8)[0, 0, 0] = 129  # an expert block with max |w| > 12
+    ffn.pack_experts()
+    assert not ffn.decode_tiles_exact
+    assert _block_m(16 * 6, 48, ffn.decode_tiles_exact) == 64  # the exact (prefill) kernel

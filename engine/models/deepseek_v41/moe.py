@@ -117,6 +117,8 @@ class MoE(nn.Module):
         NOTE: call it once the model is on its device: `.to()` copies every buffer separately,
         after which the stacks and the experts hold equal values in twice the memory.
         """
+        from kernels.grouped_mxfp4_gemm import decode_tiles_exact
+
         first = self.experts[0]
         if not isinstance(first.w1, MXFP4Linear):
             raise ValueError("pack_experts needs MXFP4 routed experts (quantized_experts=True)")
@@ -136,6 +138,9 @@ class MoE(nn.Module):
                         rows = getattr(linear, field).shape[0]
                         setattr(linear, field, stacked[index, lo : lo + rows])
                         lo += rows
+        self.decode_tiles_exact = all(
+            decode_tiles_exact(scales) for scales in (self.w13_scales, self.w2_scales)
+        )
 
     def _use_grouped_kernel(self, x: Tensor) -> bool:
         return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(self, "w13_codes")
@@ -180,7 +185,8 @@ class MoE(nn.Module):
         if num_tokens == 0:
             return torch.zeros_like(x, dtype=torch.float32)
         num_experts = len(self.experts)
-        blocks = align_to_experts(ids, num_experts, _block_m(num_tokens * self.top_k, num_experts))
+        block_m = _block_m(num_tokens * self.top_k, num_experts, self.decode_tiles_exact)
+        blocks = align_to_experts(ids, num_experts, block_m)
         pair_weight = weights.flatten().float().contiguous()
         act = grouped_mxfp4_gemm(
             x.contiguous(),
@@ -201,12 +207,13 @@ class MoE(nn.Module):
         return per_slot.view(num_tokens, self.top_k, -1).sum(1)
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
+def _block_m(num_pairs: int, num_experts: int, decode_tiles: bool = True) -> int:
     """Rows per expert block: small blocks when few rows reach each expert (decode, up to 32 rows:
-    the grouped kernel's weight-streaming tiles), large ones for prefill (reuse of each
+    the grouped kernel's weight-streaming tiles, unless `decode_tiles` is False: weights whose
+    scales that kernel cannot unpack exactly), large ones for prefill (reuse of each
     dequantised weight tile)."""
     per_expert = num_pairs / num_experts
-    for block_m in (16, 32, 64):
+    for block_m in (16, 32, 64) if decode_tiles else (64,):
         if per_expert <= block_m:
             return block_m
     return 64 if per_expert <= 128 else 128
