@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core import EngineCore, internal_error_message
-from engine.kv_cache import CacheConfig, KVCacheManager
-from engine.model_runner import ModelRunner
+from engine.kv_cache import CacheConfig, KVCacheManager, PrefixCache
+from engine.model_runner import ModelRunner, build_prefix_reuse
 from engine.models import DeepseekV41ForCausalLM, load_model
 from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta
@@ -73,6 +73,10 @@ class EngineConfig:
     activation_memory_bytes: the activation memory one step may use (chunks are sized by the
         model's estimated bytes per step); None = `ACTIVATION_MEMORY_FRACTION` of the memory
         free once the model and its state are allocated.
+    enable_prefix_caching: keep full KV blocks indexed after their requests finish and reuse
+        them for later requests with the same prefix (`engine/kv_cache/reuse.py`).
+    swa_replay: what a prefix hit recomputes (`DeepseekV41ForCausalLM.replay_tokens`):
+        `bounded` (one block, approximate) or `exact` (equals a full prefill).
     """
 
     model: str = "default"
@@ -86,8 +90,12 @@ class EngineConfig:
     cuda_graphs: bool = True
     target_step_ms: float | None = None
     activation_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    swa_replay: str = "bounded"
 
     def __post_init__(self) -> None:
+        if self.swa_replay not in ("bounded", "exact"):
+            raise ValueError(f"swa_replay must be bounded or exact, not {self.swa_replay!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
         if self.max_num_seqs < 1 or self.kv_cache_tokens < 128:
@@ -126,6 +134,7 @@ class AsyncEngine:
         lowered to the longest context whose steps fit the activation memory budget, so that
         the server refuses longer prompts at admission."""
         cache = CacheConfig(num_blocks=config.kv_cache_tokens // 128, num_slots=config.max_num_seqs)
+        kv_manager = KVCacheManager(cache, PrefixCache() if config.enable_prefix_caching else None)
         runner = ModelRunner(
             model,
             cache.num_slots,
@@ -160,8 +169,9 @@ class AsyncEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_model_len,
             ),
-            KVCacheManager(cache),
+            kv_manager,
             step_budget,
+            build_prefix_reuse(model, kv_manager, config.swa_replay),
         )
         return cls(EngineCore(scheduler, runner), model.config.eos_token_id)
 

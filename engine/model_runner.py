@@ -17,7 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.kv_cache import KVCacheManager
+from engine.kv_cache.hashing import namespace_fingerprint
+from engine.kv_cache.reuse import PrefixReuse, PrefixReuseConfig
 from engine.models import DeepseekV41ForCausalLM, StepBatch, ints_to_device
+from engine.models.deepseek_v41.state import write_token_history
 from engine.outputs import (
     ModelOutput,
     SamplingInfo,
@@ -31,6 +35,28 @@ if TYPE_CHECKING:
     from engine.structured.tracker import GrammarTracker
 
 LOGPROB_FLOOR = -9999.0
+
+
+def build_prefix_reuse(
+    model: DeepseekV41ForCausalLM, kv_manager: KVCacheManager, swa_replay: str
+) -> PrefixReuse | None:
+    """The scheduler's prefix-cache collaborator for this model (None when the manager has no
+    prefix cache): namespace fingerprint, replay length and Engram history from the model."""
+    if kv_manager.prefix_cache is None:
+        return None
+    cfg = model.config
+    replay = model.replay_tokens(swa_replay)
+    if replay < cfg.sliding_window - 1:
+        raise ValueError(
+            f"a {replay}-token replay cannot rebuild a {cfg.sliding_window}-token window"
+        )
+    config = PrefixReuseConfig(
+        fingerprint=namespace_fingerprint(model.prefix_cache_namespace(swa_replay)),
+        replay_tokens=replay,
+        num_history_tokens=cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0,
+        block_tokens=kv_manager.config.block_tokens,
+    )
+    return PrefixReuse(config, kv_manager)
 
 
 class ModelRunner:
@@ -76,6 +102,7 @@ class ModelRunner:
         tables = [[*c.block_table, *[-1] * (width - len(c.block_table))] for c in chunks]
         sampled_rows = [starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sampling is not None]
         dev = self.device
+        replaying = any(c.restore is not None for c in chunks)
         return StepBatch(
             token_ids=ints_to_device(flat, dev),
             starts=starts,
@@ -83,6 +110,12 @@ class ModelRunner:
             slots=ints_to_device([c.slot for c in chunks], dev),
             block_tables=ints_to_device(tables, dev),
             logits_indices=ints_to_device(sampled_rows, dev),
+            window_floors=[c.restore.window_floor if c.restore else 0 for c in chunks]
+            if replaying
+            else None,
+            reuse_ends=[c.restore.num_reused_tokens if c.restore else 0 for c in chunks]
+            if replaying
+            else None,
         )
 
     def invalid_chunks(self, output: SchedulerOutput) -> dict[str, str]:
@@ -94,6 +127,17 @@ class ModelRunner:
             for c in output.chunks
             if (problem := _token_id_problem(c, vocab_size)) is not None
         }
+
+    def restore_token_history(self, output: SchedulerOutput) -> None:
+        """Give sequences restored from the prefix cache the token history (Engram's n-gram
+        context) of the positions they did not compute."""
+        for chunk in output.chunks:
+            restore = chunk.restore
+            if restore is not None and chunk.start_position == restore.window_floor:
+                first = restore.window_floor - len(restore.history_token_ids)
+                write_token_history(
+                    self.state, chunk.slot, first, list(restore.history_token_ids)
+                )
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
@@ -120,6 +164,7 @@ class ModelRunner:
         request_ids = [c.request_id for c in sampled_chunks]
         grammar = self._grammar_for(infos)
         pending_mask = grammar.start_mask(request_ids, infos) if grammar is not None else None
+        self.restore_token_history(output)
         step = self.model.forward_step(batch, self.state)
         if not sampled_chunks:
             return ModelOutput(sampled={}, logprobs={})

@@ -29,6 +29,23 @@ class SamplingInfo:
 
 
 @dataclass(frozen=True)
+class PrefixRestore:
+    """How a chunk of a request admitted on a prefix-cache hit differs from a plain prefill.
+
+    Positions `[0, num_reused_tokens)` have their global KV in shared, read-only cached blocks:
+    the chunk recomputes (replays) positions from `window_floor` on but writes no global KV
+    below `num_reused_tokens`, and its window (SWA) reads see nothing below `window_floor`
+    (the rings hold another sequence's rows there). `history_token_ids` are the tokens at
+    positions `[window_floor − len, window_floor)`, for the token history (Engram) of the first
+    replayed rows; the runner writes them when the chunk starts at `window_floor`.
+    """
+
+    window_floor: int
+    num_reused_tokens: int
+    history_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
     """Positions `start_position .. start_position + len(token_ids) − 1` of one request."""
 
@@ -38,6 +55,7 @@ class ScheduledChunk:
     start_position: int
     token_ids: tuple[int, ...]
     sampling: SamplingInfo | None  # None: a prefill chunk that does not reach the end yet
+    restore: PrefixRestore | None = None  # set while the chunk replays cached positions
 
 
 @dataclass(frozen=True)
@@ -89,7 +107,8 @@ class Delta:
     token_ids: the new tokens (possibly several per step); logprobs: one entry per new token
     when asked; num_prompt_tokens / num_output_tokens: cumulative counts; finish_reason set on
     the last delta; error: why a request was rejected or aborted, if it was; queue_time_s: on
-    the first delta with tokens, seconds from arrival to first scheduling.
+    the first delta with tokens, seconds from arrival to first scheduling; num_cached_tokens:
+    prompt tokens served from the prefix cache (usage's cached tokens).
     """
 
     request_id: str
@@ -101,3 +120,4 @@ class Delta:
     finish_reason: FinishReason | None = None
     error: str | None = None
     queue_time_s: float | None = None
+    num_cached_tokens: int = 0

@@ -47,6 +47,17 @@ class Request:
     # The `engine.structured.CompiledConstraint` every output token must follow, or None. Opaque
     # to the scheduler (which never imports torch); the model runner holds the matcher.
     constraint: Any = None
+    # Prefix cache (`engine/kv_cache/reuse.py`). cache_salt: requests share cached blocks only
+    # with requests of the same salt. num_cached_tokens: prompt tokens whose KV came from the
+    # cache at the first admission (what usage reports). The rest describe the latest admission:
+    # positions < num_reused_tokens are in shared cached blocks, computing restarted (replay) at
+    # replay_start, and the first num_indexed_blocks blocks of the table are indexed or done.
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
+    num_reused_tokens: int = 0
+    replay_start: int = 0
+    num_indexed_blocks: int = 0
+    block_keys: list[bytes] = field(default_factory=list)  # chain keys of full blocks, lazily
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass
 
 from engine.kv_cache import KVCacheManager
+from engine.kv_cache.reuse import PrefixReuse
 from engine.outputs import Delta, ModelOutput, SamplingInfo, ScheduledChunk, SchedulerOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -97,10 +98,11 @@ class _StepPlan:
         self.end_positions: dict[str, int] = {}
         self.num_preempted = 0
 
-    def chunk_len(self, request: Request) -> int:
+    def chunk_len(self, request: Request, start: int | None = None) -> int:
         """Positions the request's next chunk may take: what is left, within the token budget
-        and the step budget (memory, time); 0 only when the token budget is spent."""
-        start = request.num_computed_tokens
+        and the step budget (memory, time); 0 only when the token budget is spent. start: where
+        the chunk starts (default: the request's computed tokens; a prefix hit's replay)."""
+        start = request.num_computed_tokens if start is None else start
         wanted = min(request.num_tokens - start, self.budget_left)
         return self.step_budget.max_chunk(self.shape(), start, wanted)
 
@@ -135,12 +137,16 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         step_budget: StepBudget | None = None,
+        prefix_reuse: PrefixReuse | None = None,
     ) -> None:
         """step_budget: bounds each chunk by activation memory and step time (default: the
-        token budget alone)."""
+        token budget alone). prefix_reuse: the prefix-cache collaborator (None: no caching);
+        it matches waiting requests at admission and indexes blocks as they fill
+        (`engine/kv_cache/reuse.py`)."""
         self.config = config
         self.kv_manager = kv_manager
         self.step_budget = step_budget or StepBudget()
+        self.prefix_reuse = prefix_reuse
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._waiting: list[Request] = []  # sorted by _order_key
         self._running: list[Request] = []  # sorted by _order_key (best first)
@@ -268,6 +274,8 @@ class Scheduler:
                     f"{request.num_computed_tokens} tokens are computed (update out of order?)"
                 )
             request.num_computed_tokens += len(chunk.token_ids)
+            if self.prefix_reuse is not None:
+                self.prefix_reuse.commit(request)
             if chunk.sampling is not None:
                 deltas.append(self._append_sampled(request, model_output))
         return deltas
@@ -303,6 +311,8 @@ class Scheduler:
             _require(not self.kv_manager.is_allocated(rid), f"waiting {rid!r} holds KV")
         for request in self._running:
             rid = request.request_id
+            if self.prefix_reuse is not None:
+                self.prefix_reuse.check_request(request)
             _require(request.status is RequestStatus.RUNNING, f"running {rid!r} is not RUNNING")
             _require(self.kv_manager.is_allocated(rid), f"running {rid!r} holds no slot")
             _require(
@@ -362,6 +372,8 @@ class Scheduler:
         plan.num_preempted += 1
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        if self.prefix_reuse is not None:
+            self.prefix_reuse.forget(request)
         request.num_preemptions += 1
         self._num_preemptions += 1
         bisect.insort(self._waiting, request, key=self._order_key)
@@ -373,10 +385,16 @@ class Scheduler:
             self._waiting and plan.budget_left > 0 and len(self._running) < self.config.max_num_seqs
         ):
             request = self._waiting[0]
-            num_new = plan.chunk_len(request)
+            hit = self.prefix_reuse.match(request) if self.prefix_reuse is not None else None
+            num_new = plan.chunk_len(request, None if hit is None else hit.replay_start)
             # Reserve every known position, so the prefill never waits for blocks midway.
-            if num_new == 0 or not self.kv_manager.allocate(request.request_id, request.num_tokens):
+            cached = hit.blocks if hit is not None else ()
+            if num_new == 0 or not self.kv_manager.allocate(
+                request.request_id, request.num_tokens, cached
+            ):
                 return
+            if hit is not None:
+                self.prefix_reuse.apply(request, hit)  # computing restarts at its replay
             self._waiting.pop(0)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -398,6 +416,11 @@ class Scheduler:
                     start_position=start,
                     token_ids=_token_range(request, start, end),
                     sampling=_sampling_info(request) if end == request.num_tokens else None,
+                    restore=(
+                        None
+                        if self.prefix_reuse is None
+                        else self.prefix_reuse.restore_info(request, start)
+                    ),
                 )
             )
         finished, self._finished_ids = tuple(self._finished_ids), []
@@ -436,6 +459,7 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens,
             finish_reason=reason,
             queue_time_s=queue_time,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _stop_reason(self, request: Request) -> FinishReason | None:

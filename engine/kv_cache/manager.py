@@ -19,21 +19,21 @@ Every block carries a reference count: the number of block tables that list it. 
 owned by exactly one request (count 0 or 1); counts are kept so that shared blocks need no new
 bookkeeping.
 
-NOTE: where prefix caching (a later issue, `PrefixCache`) attaches. A block whose
-`block_tokens` positions have all been computed is full and immutable. (1) At admission the
-scheduler will ask the prefix cache for the longest run of cached full blocks of the request's
-tokens; `allocate` will take those ids first (reference count + 1, no copy) and the request
-starts at `num_computed_tokens = hits × block_tokens`. (2) When `num_computed_tokens` crosses a
-block boundary in `Scheduler.update`, the prefix cache hashes the full block (a chain hash over
-the token ids with hashlib, seeded by the model fingerprint and the request's cache salt; never
-Python's `hash()`) and indexes the block id. (3) In `free`, a block whose count drops to 0 and
-that is indexed goes to the cache's LRU instead of the free list; `evict` returns it here.
+With a `PrefixCache` (`engine/kv_cache/prefix.py`) attached, full blocks stay indexed by chain
+key after their holders finish: `allocate` can start a new request's table with cached blocks
+(reference count + 1, no copy), a block whose count drops to 0 goes to the cache's LRU instead of
+the free list if it is indexed, and allocation evicts LRU blocks only when the free list is
+empty. Every block is then free (count 0, not indexed), cached (count 0, indexed, on the LRU) or
+in use (count > 0); `num_free_blocks` counts the first two (what an allocation can get).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from engine.kv_cache.prefix import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,11 @@ class KVCacheStats:
     """A snapshot of the pools (plain data, for metrics and logs)."""
 
     num_blocks: int
-    num_used_blocks: int
+    num_used_blocks: int  # referenced by a block table
     num_slots: int
     num_used_slots: int
     num_requests: int
+    num_cached_blocks: int = 0  # indexed by the prefix cache (in use or evictable)
 
 
 class KVCacheManager:
@@ -79,8 +80,9 @@ class KVCacheManager:
     Not thread-safe: one owner (the scheduler) calls it from one thread.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, prefix_cache: PrefixCache | None = None) -> None:
         self.config = config
+        self.prefix_cache = prefix_cache
         self._free_blocks: deque[int] = deque(range(config.num_blocks))
         self._free_slots: deque[int] = deque(range(config.num_slots))
         self._ref_counts: list[int] = [0] * config.num_blocks
@@ -91,7 +93,8 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Blocks an allocation can take: free ones plus unreferenced cached ones."""
+        return len(self._free_blocks) + self._num_evictable()
 
     @property
     def num_free_slots(self) -> int:
@@ -119,45 +122,69 @@ class KVCacheManager:
         later `allocate` calls append to the request's table but never change these entries."""
         return tuple(self._block_tables.get(request_id, ()))
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Whether `allocate(request_id, num_tokens)` would succeed now. No mutation."""
-        return self._num_missing_blocks(request_id, num_tokens) <= len(self._free_blocks) and (
-            request_id in self._slots or bool(self._free_slots)
-        )
+    def can_allocate(
+        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Whether `allocate(request_id, num_tokens, cached_blocks)` would succeed now.
+        No mutation."""
+        if request_id in self._slots:
+            if cached_blocks:
+                return False
+            return self._num_missing_blocks(request_id, num_tokens) <= self.num_free_blocks
+        if not self._free_slots:
+            return False
+        cache = self.prefix_cache
+        num_locked = sum(1 for b in cached_blocks if cache is not None and cache.is_evictable(b))
+        num_missing = max(0, self.num_blocks_needed(num_tokens) - len(cached_blocks))
+        return num_missing <= self.num_free_blocks - num_locked
 
     def usage(self) -> float:
-        """Fraction of pool blocks in use, in [0, 1]."""
-        return 1.0 - len(self._free_blocks) / self.config.num_blocks
+        """Fraction of pool blocks referenced by running requests, in [0, 1] (cached blocks
+        nobody holds are reclaimable and do not count)."""
+        return 1.0 - self.num_free_blocks / self.config.num_blocks
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
             num_blocks=self.config.num_blocks,
-            num_used_blocks=self.config.num_blocks - len(self._free_blocks),
+            num_used_blocks=self.config.num_blocks - self.num_free_blocks,
             num_slots=self.config.num_slots,
             num_used_slots=self.config.num_slots - len(self._free_slots),
             num_requests=len(self._slots),
+            num_cached_blocks=0 if self.prefix_cache is None else len(self._cached_blocks()),
         )
 
     # ---------------------------------------------------------------- mutations
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
+    def allocate(
+        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
         """Make the request hold a slot and enough blocks for positions `< num_tokens`.
 
+        cached_blocks: for a request that holds nothing yet, cached blocks (from
+            `PrefixCache.match`) that become the first entries of its table, shared, not copied.
         Mutates: on success the request gets a slot (if it had none) and its table grows to
         `num_blocks_needed(num_tokens)` blocks (never shrinks: a smaller `num_tokens` is a
-        no-op). Earlier block ids and the slot stay valid. On failure (not enough free blocks,
-        or no free slot for a new request) nothing changes and False is returned.
+        no-op), taking free blocks first and evicting the least recently used cached blocks
+        only when none is free. Earlier block ids and the slot stay valid. On failure (not
+        enough blocks, no free slot for a new request, or cached blocks for a request that
+        already holds a table) nothing changes and False is returned.
         """
-        num_missing = self._num_missing_blocks(request_id, num_tokens)
-        if not self.can_allocate(request_id, num_tokens):
+        if not self.can_allocate(request_id, num_tokens, cached_blocks):
             return False
         if request_id not in self._slots:
             self._slots[request_id] = self._free_slots.popleft()
             self._block_tables[request_id] = []
+            for block in cached_blocks:
+                self._hold(block)
+                self._block_tables[request_id].append(block)
         table = self._block_tables[request_id]
+        num_missing = self._num_missing_blocks(request_id, num_tokens)
+        if num_missing > len(self._free_blocks):
+            assert self.prefix_cache is not None  # can_allocate counted the evictable blocks
+            self._free_blocks.extend(self.prefix_cache.evict(num_missing - len(self._free_blocks)))
         for _ in range(num_missing):
             block = self._free_blocks.popleft()
-            self._ref_counts[block] += 1
+            self._hold(block)
             table.append(block)
         return True
 
@@ -169,7 +196,8 @@ class KVCacheManager:
         already) is a no-op: state is keyed by request id, so a second `free` finds nothing
         and can never return a block or slot twice.
         NOTE: blocks go back last-block-first, so the tail of a sequence (the part least likely
-        to be a shared prefix later) is reused first.
+        to be a shared prefix later) is reused first, and among cached blocks released together
+        the deepest is the oldest on the LRU (leaves are evicted before their ancestors).
         """
         slot = self._slots.pop(request_id, None)
         if slot is None:
@@ -177,7 +205,9 @@ class KVCacheManager:
         for block in reversed(self._block_tables.pop(request_id)):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free_blocks.append(block)
+                cache = self.prefix_cache
+                if cache is None or not cache.unlock(block):
+                    self._free_blocks.append(block)
         self._free_slots.append(slot)
 
     # ---------------------------------------------------------------- integrity
@@ -185,11 +215,30 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Raise AssertionError describing the first broken invariant. No mutation.
 
-        Invariants: every block is either free (count 0) or listed by tables exactly
-        `count` times; no table lists a block twice; free lists hold no duplicates or
-        out-of-range ids; every slot is either free or assigned to exactly one request; the
-        requests holding slots are exactly those holding tables; counts add up.
+        Invariants: every block is either free (count 0, not indexed), cached and unreferenced
+        (count 0, on the prefix cache's LRU) or listed by tables exactly `count` times; no table
+        lists a block twice; free lists hold no duplicates or out-of-range ids; every slot is
+        either free or assigned to exactly one request; the requests holding slots are exactly
+        those holding tables; counts add up. Checks the prefix cache's own invariants too.
         """
+        cache = self.prefix_cache
+        evictable = set()
+        on_free_list = set(self._free_blocks)
+        if cache is not None:
+            cache.check_integrity()
+            cached = self._cached_blocks()
+            evictable = {b for b in cached if cache.is_evictable(b)}
+            for block in cached:
+                _require(0 <= block < self.config.num_blocks, f"cached block {block} out of range")
+                _require(block not in on_free_list, f"cached block {block} is on the free list")
+                _require(
+                    (self._ref_counts[block] == 0) == (block in evictable),
+                    f"cached block {block} has count {self._ref_counts[block]} but is "
+                    f"{'' if block in evictable else 'not '}on the LRU",
+                )
+            _require(
+                len(evictable) == cache.num_evictable, "the LRU holds a block that is not cached"
+            )
         num_blocks, num_slots = self.config.num_blocks, self.config.num_slots
         free_blocks = set(self._free_blocks)
         _require(
@@ -222,10 +271,14 @@ class KVCacheManager:
                 f"block {block} has reference count {count} but is listed by "
                 f"{owners.get(block, 0)} block tables",
             )
-            _require(count > 0 or block in free_blocks, f"block {block} is neither free nor owned")
+            _require(
+                count > 0 or block in free_blocks or block in evictable,
+                f"block {block} is neither free, cached nor owned",
+            )
         _require(
-            len(free_blocks) + len(owners) == num_blocks,
-            f"blocks do not add up: {len(free_blocks)} free + {len(owners)} owned != {num_blocks}",
+            len(free_blocks) + len(evictable) + len(owners) == num_blocks,
+            f"blocks do not add up: {len(free_blocks)} free + {len(evictable)} cached + "
+            f"{len(owners)} owned != {num_blocks}",
         )
         free_slots = set(self._free_slots)
         used_slots = list(self._slots.values())
@@ -241,6 +294,20 @@ class KVCacheManager:
         )
 
     # ---------------------------------------------------------------- helpers
+
+    def _hold(self, block: int) -> None:
+        self._ref_counts[block] += 1
+        if self._ref_counts[block] == 1 and self.prefix_cache is not None:
+            self.prefix_cache.lock(block)
+
+    def _num_evictable(self) -> int:
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_evictable
+
+    def _cached_blocks(self) -> list[int]:
+        cache = self.prefix_cache
+        if cache is None:
+            return []
+        return [b for b in range(self.config.num_blocks) if cache.is_cached(b)]
 
     def _num_missing_blocks(self, request_id: str, num_tokens: int) -> int:
         num_held = len(self._block_tables.get(request_id, ()))

@@ -138,7 +138,7 @@ def test_integrity_detects_a_block_owned_twice() -> None:
 def test_integrity_detects_a_leaked_block() -> None:
     kv = make_manager()
     kv._free_blocks.popleft()
-    with pytest.raises(AssertionError, match="neither free nor owned"):
+    with pytest.raises(AssertionError, match="neither free, cached nor owned"):
         kv.check_integrity()
 
 

@@ -233,6 +233,8 @@ class Attention(nn.Module):
         new = batch.pad(ctx.codecs.swa.decode(window_rows))
         keys = torch.cat((prev, new), 1)
         key_pos = start[:, None] - (window - 1) + torch.arange(keys.shape[1], device=device)
+        if batch.window_floor_tensor is not None:  # rows below a replay's floor are invisible
+            key_pos = key_pos.masked_fill(key_pos < batch.window_floor_tensor[:, None], -1)
         return keys, key_pos
 
     # ---- attention ----------------------------------------------------------------------------
@@ -302,10 +304,12 @@ class Attention(nn.Module):
 
     def _attends_in_kernel(self, q: Tensor, ctx: StepContext) -> bool:
         """`kernels.sparse_mqa` takes this step: CUDA, rows stored encoded (MXFP8 window, FP4
-        global), so that every row decodes exactly to bf16."""
+        global), so that every row decodes exactly to bf16, and no prefix-cache replay floor
+        (the kernel knows no floor; replay steps take the torch path)."""
         codecs = ctx.codecs
         return (
             q.is_cuda
+            and ctx.batch.window_floors is None
             and codecs.swa.storage_dtype == torch.uint8
             and (not self.ratio or codecs.global_kv.storage_dtype == torch.uint8)
         )
@@ -353,9 +357,12 @@ class Attention(nn.Module):
 
     def _write_source(self, x: Tensor, ctx: StepContext) -> None:
         lat, group_pos, token_idx = self.compressor(x, ctx, self.layer_id)
+        batch = ctx.batch
+        if batch.reuse_end_tensor is not None:  # cached blocks are shared and read-only
+            writes = group_pos >= batch.reuse_end_tensor[batch.seq_of_token[token_idx]]
+            lat, group_pos, token_idx = lat[writes], group_pos[writes], token_idx[writes]
         if lat.shape[0] == 0:
             return
-        batch = ctx.batch
         kv = apply_rope(lat, group_pos, self.freqs)
         ik = self.indexer.k_norm(self.indexer.wk(lat))
         ik = apply_rope(ik, group_pos, self.freqs)

@@ -13,7 +13,10 @@ Module and parameter names equal the released checkpoint's tensor names (`layers
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -342,6 +345,57 @@ class DeepseekV41ForCausalLM(nn.Module):
             tokens=torch.zeros(num_slots, TOKEN_RING, dtype=torch.long, device=dev),
             draft_swa=[rows(codecs.swa, num_slots, ring_len) for _ in (self.mtp or ())],
         )
+
+    # ---- prefix cache -------------------------------------------------------------------------
+
+    def replay_tokens(self, mode: str) -> int:
+        """Cached positions a prefix-cache hit recomputes before its boundary (`cache.md` §1.5).
+
+        `exact`: every window row at the boundary then equals a full prefill's (layer l's row
+        at p depends on layer l − 1's rows in (p − window, p]), so num_layers × (window − 1),
+        rounded up to whole blocks. `bounded`: one block (V4.1's bounded replay, approximate
+        where the windows reach further back). Raises ValueError for another mode.
+        """
+        cfg = self.config
+        if mode == "bounded":
+            return BLOCK_TOKENS
+        if mode == "exact":
+            reach = cfg.num_hidden_layers * (cfg.sliding_window - 1)
+            return -(-reach // BLOCK_TOKENS) * BLOCK_TOKENS
+        raise ValueError(f"swa replay mode must be 'bounded' or 'exact', not {mode!r}")
+
+    def prefix_cache_namespace(self, replay_mode: str) -> dict[str, Any]:
+        """What the bytes of a cached block depend on besides the tokens (`cache.md` §1.4):
+        checkpoint identity, Engram token map, KV formats, numerics and the replay mode that
+        produced later blocks. JSON-ready; `hashing.namespace_fingerprint` digests it.
+
+        A model without a checkpoint folder (random weights built in this process) gets a
+        random identity: its blocks can never match another process's.
+        """
+        files = {}
+        if self.checkpoint_path is not None:
+            for name in ("config.json", "model.safetensors.index.json"):
+                path = self.checkpoint_path / name
+                if path.is_file():
+                    files[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        identity = files or {"process": secrets.token_hex(16)}
+        token_map = self.engram_token_map.detach().cpu().contiguous().numpy().tobytes()
+        codecs = self.codecs
+        return {
+            "model": {"architecture": "deepseek_v41", "checkpoint": identity},
+            "engram": hashlib.sha256(token_map).hexdigest(),
+            "kv_formats": {
+                "main": [codecs.global_kv.name, codecs.global_kv.row_width],
+                "index": [codecs.index.name, codecs.index.row_width],
+                "block": BLOCK_TOKENS,
+            },
+            "numerics": {
+                "settings": dataclasses.asdict(self.numerics),
+                "dtype": str(self.dtype),
+                "backend": f"torch-{self.device.type}",
+                "replay": {"exact": "exact", "bounded": "bounded-replay"}[replay_mode],
+            },
+        }
 
     # ---- forward ------------------------------------------------------------------------------
 

@@ -63,6 +63,11 @@ class StepBatch:
     the state of slot `slots[b]`. `block_tables[b]` lists the pool blocks of sequence b's
     128-token blocks (−1 = unallocated), covering every position it reaches in this step.
     `logits_indices` selects the flat rows that get logits (None = all rows).
+
+    Prefix-cache replay (None = off for the whole batch; `engine/kv_cache/reuse.py`):
+    `window_floors[b]`: sequence b's window reads see no row below this position (its ring
+    holds another sequence's rows there); `reuse_ends[b]`: positions below it are in shared,
+    read-only cached blocks, so the KV sources write no global KV or index key there.
     """
 
     token_ids: Tensor  # int64 [T]
@@ -71,12 +76,16 @@ class StepBatch:
     slots: Tensor  # int64 [B]
     block_tables: Tensor  # int64 [B, max_blocks]
     logits_indices: Tensor | None = None
+    window_floors: list[int] | None = None  # host ints, B
+    reuse_ends: list[int] | None = None  # host ints, B
     # Derived device-side indices, filled by `prepare`.
     positions: Tensor = field(init=False)
     seq_of_token: Tensor = field(init=False)
     pad_index: Tensor = field(init=False)  # [B, T_max] flat token index, −1 for padding
     start_position_tensor: Tensor = field(init=False)  # `start_positions` on the device
     lengths: list[int] = field(init=False)
+    window_floor_tensor: Tensor | None = field(init=False)  # `window_floors` on the device
+    reuse_end_tensor: Tensor | None = field(init=False)  # `reuse_ends` on the device
 
     def __post_init__(self) -> None:
         if len(self.starts) != len(self.start_positions) + 1:
@@ -101,6 +110,12 @@ class StepBatch:
             [b * t_max + i for b, n in enumerate(self.lengths) for i in range(n)], device
         )
         self._token_indices: dict[tuple[int | None, int | None], Tensor] = {}
+        self.window_floor_tensor = (
+            None if self.window_floors is None else ints_to_device(self.window_floors, device)
+        )
+        self.reuse_end_tensor = (
+            None if self.reuse_ends is None else ints_to_device(self.reuse_ends, device)
+        )
 
     @property
     def num_seqs(self) -> int:
@@ -146,6 +161,20 @@ class StepBatch:
     def unpad(self, padded: Tensor) -> Tensor:
         """[B, T_max, ...] → [T, ...] (inverse of `pad`)."""
         return padded.flatten(0, 1)[self._unpad_index]
+
+
+def write_token_history(
+    state: ModelState, slot: int, first_position: int, token_ids: list[int]
+) -> None:
+    """Write `token_ids` at positions `first_position, ...` into a slot's token history (what a
+    sequence restored from the prefix cache has not computed itself)."""
+    if not token_ids:
+        return
+    keep = token_ids[-TOKEN_RING:]
+    first = first_position + len(token_ids) - len(keep)
+    device = state.tokens.device
+    positions = torch.arange(first, first + len(keep), device=device) % TOKEN_RING
+    state.tokens[slot, positions] = ints_to_device(keep, device)
 
 
 def ints_to_device(values: list[int] | list[list[int]], device: torch.device | str) -> Tensor:
