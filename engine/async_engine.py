@@ -212,8 +212,11 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         constraint: CompiledConstraint | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream the deltas of one user request (n choices, `Delta.index` tells which).
+
+        cache_salt: the request shares prefix-cache blocks only with requests of the same salt.
 
         constraint: a compiled grammar every choice's output must follow (its stop token must
         be the model's EOS); the grammar, not `min_tokens`, decides when an output may end.
@@ -245,6 +248,7 @@ class AsyncEngine:
                 eos_token_id=self.eos_token_id,
                 index=i,
                 constraint=constraint,
+                cache_salt=cache_salt,
             )
             for i, rid in enumerate(ids)
         ]

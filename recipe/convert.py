@@ -105,6 +105,7 @@ class PreparedRequest:
     namespace_tool_map: dict[str, tuple[str, str]] | None = None
     reasoning_sealer: ReasoningSealer | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = None  # the vLLM extension: prefix-cache isolation (all APIs)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,6 +170,7 @@ class Recipe:
         body = copy.deepcopy(body)
         if protocol is Protocol.RESPONSES:
             _open_sealed_reasoning(body, self._sealer, protocol)
+        cache_salt = _pop_cache_salt(body, protocol)
         extras = _PREPROCESSORS[protocol](body, protocol)
         bias = body.pop("logit_bias", None)  # every protocol (an extension outside Chat)
         if bias is not None:
@@ -222,6 +224,7 @@ class Recipe:
             namespace_tool_map=namespace_map,
             reasoning_sealer=self._sealer if extras.include_encrypted_reasoning else None,
             prompt_cache_key=extras.prompt_cache_key,
+            cache_salt=cache_salt,
         )
 
     def _max_tokens(
@@ -255,6 +258,14 @@ def _body_error_message(exc: Exception) -> str:
     if message.startswith(_BODY_ERROR_PREFIXES):
         return message
     return _BODY_ERROR_PREFIXES[0] + message
+
+
+def _pop_cache_salt(body: dict[str, Any], protocol: Protocol) -> str | None:
+    """`cache_salt`: requests share prefix-cache blocks only with requests of the same salt."""
+    salt = body.pop("cache_salt", None)
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise RecipeError(400, "cache_salt must be a non-empty string", protocol, "cache_salt")
+    return salt
 
 
 def _conversion_error(exc: dr.ConversionError, protocol: Protocol) -> RecipeError:

@@ -102,7 +102,8 @@ class _Call:
         self.engine = engine
         self.metrics = metrics
         self.request_id = _ID_PREFIX[prepared.protocol] + uuid.uuid4().hex
-        self.bridge = ResponseBridge(prepared, recipe.tokenizer, self.request_id)
+        self.tokenizer = recipe.tokenizer
+        self.bridge: ResponseBridge | None = None  # made at the first delta (see `events`)
         self.finish_reason = "abort"
 
     async def events(self) -> AsyncIterator[StreamEvent]:
@@ -112,11 +113,19 @@ class _Call:
             self.prepared.sampling_params,
             self.request_id,
             self.constraint,
+            cache_salt=self.prepared.cache_salt,
         )
         try:
-            for event in self.bridge.start():
-                yield event
             async for delta in stream:
+                if self.bridge is None:  # prompt usage carries the cached tokens of admission
+                    self.bridge = ResponseBridge(
+                        self.prepared,
+                        self.tokenizer,
+                        self.request_id,
+                        num_cached_tokens=delta.num_cached_tokens,
+                    )
+                    for event in self.bridge.start():
+                        yield event
                 if delta.queue_time_s is not None:
                     self.metrics.on_scheduled(self.request_id, delta.queue_time_s)
                 self.metrics.on_tokens(self.request_id, len(delta.token_ids))
@@ -138,6 +147,7 @@ class _Call:
     async def collect(self) -> dict[str, Any]:
         async for _ in self.events():
             pass
+        assert self.bridge is not None  # the engine always sends a final delta
         return self.bridge.response()
 
 

@@ -1,0 +1,78 @@
+"""The prefix cache through the live server: a repeated long prompt reports cached tokens in
+each API's usage field; `cache_salt` isolates (the `default` model, real SDK clients)."""
+
+from __future__ import annotations
+
+import uuid
+
+MODEL = "DeepSeek-V4.1-Flash"
+NO_THINKING = {"thinking": {"type": "disabled"}}
+
+
+def _long_text() -> str:
+    # A fresh text per test so that no earlier test's blocks are hit.
+    tag = uuid.uuid4().hex
+    return f"[{tag}] " + " ".join(f"item {i} is {tag[i % 32]}." for i in range(150))
+
+
+def _min_cached(num_prompt_tokens: int) -> int:
+    return num_prompt_tokens // 128 * 128 - 128
+
+
+def test_chat_second_identical_prompt_reports_cached_tokens(oai) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": _long_text()}],
+        "max_tokens": 2,
+        "extra_body": NO_THINKING,
+    }
+    first = oai.chat.completions.create(**body)
+    second = oai.chat.completions.create(**body)
+    assert first.usage.prompt_tokens > 256
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert _min_cached(second.usage.prompt_tokens) <= cached <= second.usage.prompt_tokens
+    stream = oai.chat.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_cache_salt_isolates_requests(oai) -> None:
+    messages = [{"role": "user", "content": _long_text()}]
+
+    def cached(salt: str | None) -> int:
+        extra = {**NO_THINKING, **({} if salt is None else {"cache_salt": salt})}
+        out = oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body=extra
+        )
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("a") == 0
+    assert cached("b") == 0 and cached(None) == 0
+    assert cached("a") > 0
+
+
+def test_responses_second_identical_prompt_reports_cached_tokens(oai) -> None:
+    text = _long_text()
+    outs = [
+        oai.responses.create(model=MODEL, input=text, max_output_tokens=16, extra_body=NO_THINKING)
+        for _ in range(2)
+    ]
+    assert outs[0].usage.input_tokens_details.cached_tokens == 0
+    cached = outs[1].usage.input_tokens_details.cached_tokens
+    assert _min_cached(outs[1].usage.input_tokens) <= cached <= outs[1].usage.input_tokens
+
+
+def test_messages_second_identical_prompt_reports_cache_read_tokens(claude) -> None:
+    messages = [{"role": "user", "content": _long_text()}]
+    outs = [
+        claude.messages.create(
+            model=MODEL, max_tokens=2, messages=messages, extra_body=NO_THINKING
+        )
+        for _ in range(2)
+    ]
+    assert not outs[0].usage.cache_read_input_tokens
+    cached = outs[1].usage.cache_read_input_tokens
+    assert cached >= _min_cached(outs[1].usage.input_tokens + cached) and cached > 0
