@@ -117,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
         "model fitted to the engine's own steps); default 2000 on the CPU, 500 on CUDA",
     )
     add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_ENGINE_DEFAULTS.enable_prefix_caching,
+        help="reuse the KV of 128-token prompt blocks seen before (on by default)",
+    )
+    add(
+        "--swa-replay",
+        choices=["bounded", "exact"],
+        default=_ENGINE_DEFAULTS.swa_replay,
+        help="what a prefix-cache hit recomputes: one block (bounded, approximate) or as many "
+        "as the sliding windows reach (exact: equals a full prefill)",
+    )
+    add(
         "--max-queued-requests",
         type=int,
         default=_SERVER_DEFAULTS.max_queued_requests,
@@ -163,6 +176,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_model_len=args.max_model_len,
         cuda_graphs=not args.enforce_eager,
         target_step_ms=args.target_step_ms,
+        enable_prefix_caching=args.enable_prefix_caching,
+        swa_replay=args.swa_replay,
     )
     return ServerConfig(
         host=args.host,

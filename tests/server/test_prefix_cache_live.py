@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 MODEL = "DeepSeek-V4.1-Flash"
 NO_THINKING = {"thinking": {"type": "disabled"}}
 
@@ -76,3 +78,15 @@ def test_messages_second_identical_prompt_reports_cache_read_tokens(claude) -> N
     assert not outs[0].usage.cache_read_input_tokens
     cached = outs[1].usage.cache_read_input_tokens
     assert cached >= _min_cached(outs[1].usage.input_tokens + cached) and cached > 0
+
+
+def test_cli_prefix_caching_options() -> None:
+    from server.cli import build_parser, config_from_args
+
+    defaults = config_from_args(build_parser().parse_args([])).engine
+    assert defaults.enable_prefix_caching is True and defaults.swa_replay == "bounded"
+    args = build_parser().parse_args(["--no-enable-prefix-caching", "--swa-replay", "exact"])
+    engine = config_from_args(args).engine
+    assert engine.enable_prefix_caching is False and engine.swa_replay == "exact"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--swa-replay", "sometimes"])
