@@ -107,6 +107,15 @@ class ServerMetrics:
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
         )
+        # Prefix cache (counters advanced from the engine's totals at scrape time).
+        self.prefix_cache = {
+            "queries": counter("prefix_cache_queries", "Tokens looked up in the prefix cache."),
+            "hits": counter("prefix_cache_hits", "Tokens whose KV came from cached blocks."),
+            "replayed": counter("prefix_cache_replayed_tokens", "Cached tokens recomputed."),
+            "evicted": counter("prefix_cache_evicted_blocks", "Cached blocks evicted."),
+        }
+        self._prefix_totals = dict.fromkeys(self.prefix_cache, 0)
+        self.prefix_cache_blocks = gauge("prefix_cache_blocks", "Blocks indexed by the cache.")
         for metric in (
             self.num_requests_running,
             self.num_requests_waiting,
@@ -186,6 +195,19 @@ class ServerMetrics:
         self.num_requests_running.labels(self._model).set(scheduler.num_running)
         self.num_requests_waiting.labels(self._model).set(scheduler.num_waiting)
         self.kv_cache_usage.labels(self._model).set(scheduler.kv_manager.usage())
+        reuse, cache = scheduler.prefix_reuse, scheduler.kv_manager.prefix_cache
+        if reuse is not None and cache is not None:
+            stats, cache_stats = reuse.stats(), cache.stats()
+            totals = {
+                "queries": stats.num_queried_tokens,
+                "hits": stats.num_hit_tokens,
+                "replayed": stats.num_replayed_tokens,
+                "evicted": cache_stats.num_evicted,
+            }
+            for name, total in totals.items():
+                self.prefix_cache[name].labels(self._model).inc(total - self._prefix_totals[name])
+            self._prefix_totals = totals
+            self.prefix_cache_blocks.labels(self._model).set(cache_stats.num_cached_blocks)
 
     def render(self, engine: AsyncEngine | None) -> bytes:
         """The Prometheus text exposition (engine gauges refreshed first when given)."""

@@ -41,6 +41,24 @@ def test_chat_second_identical_prompt_reports_cached_tokens(oai) -> None:
     assert usage.prompt_tokens_details.cached_tokens == cached
 
 
+def test_metrics_count_prefix_cache_hits(oai, default_server) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def value(name: str) -> float:
+        text = httpx.get(default_server[0] + "/metrics").text
+        families = text_string_to_metric_families(text)
+        return sum(s.value for f in families for s in f.samples if s.name == name)
+
+    before = value("deepinfer:prefix_cache_hits_total")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": _long_text()}]}
+    for _ in range(2):
+        oai.chat.completions.create(**body, max_tokens=2, extra_body=NO_THINKING)
+    assert value("deepinfer:prefix_cache_hits_total") - before >= 256
+    assert value("deepinfer:prefix_cache_queries_total") > 0
+    assert value("deepinfer:prefix_cache_blocks") > 0
+
+
 def test_cache_salt_isolates_requests(oai) -> None:
     messages = [{"role": "user", "content": _long_text()}]
 
