@@ -135,9 +135,7 @@ class ModelRunner:
             restore = chunk.restore
             if restore is not None and chunk.start_position == restore.window_floor:
                 first = restore.window_floor - len(restore.history_token_ids)
-                write_token_history(
-                    self.state, chunk.slot, first, list(restore.history_token_ids)
-                )
+                write_token_history(self.state, chunk.slot, first, list(restore.history_token_ids))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:

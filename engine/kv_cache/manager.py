@@ -155,9 +155,7 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- mutations
 
-    def allocate(
-        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
-    ) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Make the request hold a slot and enough blocks for positions `< num_tokens`.
 
         cached_blocks: for a request that holds nothing yet, cached blocks (from

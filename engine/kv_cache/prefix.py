@@ -42,7 +42,9 @@ class PrefixCache:
     def __init__(self) -> None:
         self._block_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, oldest first
+        self._lru: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # unreferenced cached blocks, oldest first
         self._num_inserted = 0
         self._num_evicted = 0
 

@@ -41,13 +41,16 @@ FINGERPRINT = namespace_fingerprint({"model": "golden"})
 
 def test_golden_keys_follow_the_documented_formula() -> None:
     expected_fp = hashlib.sha256(b'{"model":"golden","schema":"deepinfer-kv/1"}').digest()
-    assert FINGERPRINT == expected_fp
+    assert expected_fp == FINGERPRINT
     salt = combine_salts("salt")
     assert salt == struct.pack("<I", 4) + b"salt"
     seed = chain_seed(FINGERPRINT, salt)
-    assert seed == hashlib.sha256(
-        b"deepinfer-kv/1" + FINGERPRINT + struct.pack("<I", len(salt)) + salt
-    ).digest()
+    assert (
+        seed
+        == hashlib.sha256(
+            b"deepinfer-kv/1" + FINGERPRINT + struct.pack("<I", len(salt)) + salt
+        ).digest()
+    )
     keys = chain_keys(seed, list(range(256)), 128)
     first = hashlib.sha256(seed + struct.pack("<128I", *range(128))).digest()
     assert keys == [first, hashlib.sha256(first + struct.pack("<128I", *range(128, 256))).digest()]

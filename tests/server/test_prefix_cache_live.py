@@ -88,9 +88,7 @@ def test_responses_second_identical_prompt_reports_cached_tokens(oai) -> None:
 def test_messages_second_identical_prompt_reports_cache_read_tokens(claude) -> None:
     messages = [{"role": "user", "content": _long_text()}]
     outs = [
-        claude.messages.create(
-            model=MODEL, max_tokens=2, messages=messages, extra_body=NO_THINKING
-        )
+        claude.messages.create(model=MODEL, max_tokens=2, messages=messages, extra_body=NO_THINKING)
         for _ in range(2)
     ]
     assert not outs[0].usage.cache_read_input_tokens
