@@ -171,7 +171,7 @@ class AsyncEngine:
             ),
             kv_manager,
             step_budget,
-            build_prefix_reuse(model, kv_manager, config.swa_replay),
+            prefix_reuse=build_prefix_reuse(model, kv_manager, config.swa_replay),
         )
         return cls(EngineCore(scheduler, runner), model.config.eos_token_id)
 

@@ -137,6 +137,7 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         step_budget: StepBudget | None = None,
+        *,
         prefix_reuse: PrefixReuse | None = None,
     ) -> None:
         """step_budget: bounds each chunk by activation memory and step time (default: the

@@ -338,7 +338,7 @@ class CachingHarness(Harness):
             num_history_tokens=3,
             block_tokens=BLOCK_TOKENS,
         )
-        self.scheduler = Scheduler(self.config, self.kv, PrefixReuse(config, self.kv))
+        self.scheduler = Scheduler(self.config, self.kv, prefix_reuse=PrefixReuse(config, self.kv))
         self.runner = ReplayingFakeRunner(self.cache, self.requests)
 
     def check_all_finished(self) -> None:
