@@ -181,3 +181,16 @@ def test_identical_long_prompt_reports_cached_tokens(tiny_model) -> None:
     assert results[0][1] == 0 and results[1][1] == 1000 // 128 * 128
     assert results[0][0] == results[1][0]
     assert_all_released(engine)
+
+
+def test_whole_prompt_in_cache_replays_and_samples_the_same(tiny_model_exact_kv) -> None:
+    """A prompt of exactly 4 blocks, sent twice: the second reuses all 512 positions (no
+    back-off), replays the last block and samples what the first sampled."""
+    prompt = _tokens(512, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = _engine(tiny_model_exact_kv, swa_replay="exact")
+    results = asyncio.run(_turns(engine, [prompt, prompt], params))
+    assert [cached for _, cached in results] == [0, 512]
+    assert results[0][0] == results[1][0]
+    assert engine.core.scheduler.prefix_reuse.stats().num_replayed_tokens == 128
+    assert_all_released(engine)
