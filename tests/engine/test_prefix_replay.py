@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.async_engine import AsyncEngine, EngineConfig
-from engine.models import StepBatch, preset_config
+from engine.models import StepBatch, load_model, preset_config
 from engine.models.deepseek_v41.random_init import random_model
 from engine.models.deepseek_v41.state import BLOCK_TOKENS, write_token_history
 from engine.sampling_params import SamplingParams
@@ -34,16 +34,18 @@ def replayed_logits(model, prompt: list[int], num_cached: int, replay: int) -> t
     reader_blocks += list(range(len(reader_blocks), num_blocks))
     width = max(len(writer_blocks), len(reader_blocks))
 
+    dev = model.device
+
     def table(blocks: list[int]) -> torch.Tensor:
-        return torch.tensor([blocks + [-1] * (width - len(blocks))])
+        return torch.tensor([blocks + [-1] * (width - len(blocks))], device=dev)
 
     with torch.inference_mode():
         model.forward_step(
             StepBatch(
-                token_ids=torch.tensor(writer),
+                token_ids=torch.tensor(writer, device=dev),
                 starts=[0, len(writer)],
                 start_positions=[0],
-                slots=torch.tensor([0]),
+                slots=torch.tensor([0], device=dev),
                 block_tables=table(writer_blocks),
             ),
             state,
@@ -52,12 +54,12 @@ def replayed_logits(model, prompt: list[int], num_cached: int, replay: int) -> t
         write_token_history(state, 1, max(0, start - 3), prompt[max(0, start - 3) : start])
         out = model.forward_step(
             StepBatch(
-                token_ids=torch.tensor(prompt[start:]),
+                token_ids=torch.tensor(prompt[start:], device=dev),
                 starts=[0, len(prompt) - start],
                 start_positions=[start],
-                slots=torch.tensor([1]),
+                slots=torch.tensor([1], device=dev),
                 block_tables=table(reader_blocks),
-                logits_indices=torch.tensor([len(prompt) - start - 1]),
+                logits_indices=torch.tensor([len(prompt) - start - 1], device=dev),
                 window_floors=[start],
                 reuse_ends=[num_cached],
             ),
@@ -194,3 +196,34 @@ def test_whole_prompt_in_cache_replays_and_samples_the_same(tiny_model_exact_kv)
     assert results[0][0] == results[1][0]
     assert engine.core.scheduler.prefix_reuse.stats().num_replayed_tokens == 128
     assert_all_released(engine)
+
+
+@pytest.mark.gpu
+def test_replay_on_cuda_stays_close_to_a_full_prefill(tiny_checkpoint) -> None:
+    """On CUDA a full prefill attends in `kernels.sparse_mqa`, a replaying step in the torch
+    path (the kernel has no window floor): both read the same encoded rows."""
+    model = load_model(tiny_checkpoint, device="cuda", progress=False)
+    rel, _, same = drift(model, _tokens(300, seed=1), 256, model.replay_tokens("exact"))
+    assert rel < 1e-3 and same
+
+
+@pytest.mark.gpu
+def test_cuda_engine_hits_and_generates_what_the_uncached_engine_does(tiny_checkpoint) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [_tokens(300, seed=8), _tokens(300, seed=8)[:280] + _tokens(40, seed=9)]
+    results = {}
+    for caching in (False, True):
+        config = EngineConfig(
+            model=str(tiny_checkpoint),
+            device="cuda",
+            max_num_seqs=4,
+            kv_cache_tokens=4096,
+            max_model_len=1024,
+            enable_prefix_caching=caching,
+            swa_replay="exact",
+        )
+        engine = AsyncEngine.from_config(config)
+        results[caching] = asyncio.run(_turns(engine, prompts, greedy))
+        assert_all_released(engine)
+    assert [c for _, c in results[True]] == [0, 256]
+    assert [t for t, _ in results[True]] == [t for t, _ in results[False]]
