@@ -150,7 +150,9 @@ class KVCacheManager:
             num_slots=self.config.num_slots,
             num_used_slots=self.config.num_slots - len(self._free_slots),
             num_requests=len(self._slots),
-            num_cached_blocks=0 if self.prefix_cache is None else len(self._cached_blocks()),
+            num_cached_blocks=0
+            if self.prefix_cache is None
+            else self.prefix_cache.stats().num_cached_blocks,
         )
 
     # ---------------------------------------------------------------- mutations
