@@ -61,11 +61,13 @@ class CutToolCalls:
                 call.item_id = item_id or call.item_id
 
     def cut(self, events: list[Any]) -> list[Any]:
-        """The events of a length finish, with the cut call's held-back text dropped and its
-        arguments (`{` at least) set to what was streamed; unchanged when no call was open.
+        """The events of a length finish, rewritten for the call that was open: the argument
+        text the package flushes at the finish loses a trailing `<` / `</` (it may begin the
+        closing tag), and a call with no argument text yet gets `{`. Unchanged when no call
+        was open.
 
         NOTE: only the last call can be open; a complete call's arguments end in `}` (the
-        package writes `{}` for a call without parameters), an open one's never do."""
+        package writes `{}` for a call without parameters) with nothing left open."""
         if not self._calls:
             return events
         key = max(self._calls)
@@ -73,9 +75,17 @@ class CutToolCalls:
         if _is_closed(call.arguments):
             return events
         self._open = key
-        opening = "" if call.arguments else "{"
-        call.arguments += opening
-        return _REWRITES[self._protocol](events, key, call, opening)
+        flushed = "".join(
+            piece
+            for event in events
+            for k, piece, _ in _argument_pieces(self._protocol, event)
+            if k == key
+        )
+        tail = _without_tag_start(flushed)
+        if not call.arguments and not tail:
+            tail = "{"
+        call.arguments += tail
+        return _REWRITES[self._protocol](events, key, call, tail)
 
     def patch_body(self, body: dict[str, Any]) -> None:
         """Set the cut call's arguments (Messages: `input`) in the accumulated body: a Chat
@@ -113,13 +123,19 @@ def complete_parameters(arguments: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             return members
         rest = arguments[end:]
-        if rest.startswith(", ") or rest.startswith("}"):
-            members[key] = value
-        elif not rest and isinstance(value, str):
+        if rest.startswith(", ") or rest.startswith("}") or not rest and isinstance(value, str):
             members[key] = value
         if not rest.startswith(", "):
             return members
         pos = end + 2
+
+
+def _without_tag_start(text: str) -> str:
+    """`text` without a trailing `<` or `</`: what may begin a closing `</｜DSML｜` tag."""
+    for start in ("</", "<"):
+        if text.endswith(start):
+            return text[: -len(start)]
+    return text
 
 
 def _is_closed(arguments: str) -> bool:
@@ -176,7 +192,7 @@ def _is_argument_delta(protocol: Protocol, event: Any, key: int) -> bool:
     return any(k == key for k, _, _ in _argument_pieces(protocol, event))
 
 
-def _rewrite_chat(events: list[Any], key: int, call: _Call, opening: str) -> list[Any]:
+def _rewrite_chat(events: list[Any], key: int, call: _Call, tail: str) -> list[Any]:
     out = []
     for event in events:
         data = event.data
@@ -188,8 +204,8 @@ def _rewrite_chat(events: list[Any], key: int, call: _Call, opening: str) -> lis
                     delta["tool_calls"] = kept
                     if not kept:
                         del delta["tool_calls"]
-                if opening and entry.get("finish_reason") is not None:
-                    delta["tool_calls"] = [{"index": key, "function": {"arguments": opening}}]
+                if tail and entry.get("finish_reason") is not None:
+                    delta["tool_calls"] = [{"index": key, "function": {"arguments": tail}}]
             if data.get("choices") and all(_is_empty_chunk(e) for e in data["choices"]):
                 continue
         out.append(event)
@@ -200,7 +216,7 @@ def _is_empty_chunk(entry: dict[str, Any]) -> bool:
     return not entry["delta"] and entry.get("finish_reason") is None and not entry.get("logprobs")
 
 
-def _rewrite_responses(events: list[Any], key: int, call: _Call, opening: str) -> list[Any]:
+def _rewrite_responses(events: list[Any], key: int, call: _Call, tail: str) -> list[Any]:
     out = []
     for event in events:
         if _is_argument_delta(Protocol.RESPONSES, event, key):
@@ -209,13 +225,13 @@ def _rewrite_responses(events: list[Any], key: int, call: _Call, opening: str) -
         if event.event == "response.function_call_arguments.done" and data["item_id"] == (
             call.item_id
         ):
-            if opening:
+            if tail:
                 out.append(
                     type(event)(
                         "response.function_call_arguments.delta",
                         {
                             "type": "response.function_call_arguments.delta",
-                            "delta": opening,
+                            "delta": tail,
                             "item_id": call.item_id,
                             "output_index": key,
                             "sequence_number": data["sequence_number"],
@@ -240,19 +256,19 @@ def _patch_output(items: Any, call: _Call) -> None:
             item["arguments"] = call.arguments
 
 
-def _rewrite_messages(events: list[Any], key: int, call: _Call, opening: str) -> list[Any]:
+def _rewrite_messages(events: list[Any], key: int, call: _Call, tail: str) -> list[Any]:
     out = []
     for event in events:
         if _is_argument_delta(Protocol.MESSAGES, event, key):
             continue
-        if opening and event.event == "content_block_stop" and event.data["index"] == key:
+        if tail and event.event == "content_block_stop" and event.data["index"] == key:
             out.append(
                 type(event)(
                     "content_block_delta",
                     {
                         "type": "content_block_delta",
                         "index": key,
-                        "delta": {"type": "input_json_delta", "partial_json": opening},
+                        "delta": {"type": "input_json_delta", "partial_json": tail},
                     },
                 )
             )
