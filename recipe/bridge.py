@@ -26,6 +26,7 @@ import deepseek_recipe as dr
 from engine.outputs import Delta, TokenLogprob
 from engine.request import FinishReason
 from recipe.convert import PreparedRequest
+from recipe.cut_tool_calls import CutToolCalls
 from recipe.errors import Protocol, RecipeError
 from recipe.tokenizer import ModelTokenizer
 
@@ -91,6 +92,7 @@ class _Choice:
         self.is_in_tool_calls = prepared.parsing_options.starts_in_tool_calls
         self.tool_logprobs: list[dict[str, Any]] = []  # Chat: entries of tool-call tokens
         self.num_unsent_tool_logprobs = 0  # the tail of `tool_logprobs` no chunk carried yet
+        self.cut_calls = CutToolCalls(prepared.protocol)  # a call cut by the output limit
 
 
 @dataclass(frozen=True)
@@ -182,14 +184,20 @@ class ResponseBridge:
             self._is_closed = True
             raise RecipeError(500, delta.error or "request aborted", self.prepared.protocol)
         try:
-            events += self._push_tokens(delta, choice)
+            token_events = self._push_tokens(delta, choice)
+            choice.cut_calls.observe(token_events)
+            events += token_events
             stopped_early = choice.processor.finished
+            closing: list[StreamEvent] = []
             if delta.finish_reason is not None and not stopped_early:
                 finish = dr.InferenceChunk.finish(_FINISH_REASONS[delta.finish_reason])
-                events += self._emit(delta.index, choice.processor.push(finish))
+                closing += self._emit(delta.index, choice.processor.push(finish))
             if choice.processor.finished or delta.finish_reason is not None:
-                events += self._emit(delta.index, choice.processor.finish())
+                closing += self._emit(delta.index, choice.processor.finish())
                 choice.is_done = True
+            if delta.finish_reason is FinishReason.LENGTH and not stopped_early:
+                closing = choice.cut_calls.cut(closing)
+            events += closing
             _attach_tool_logprobs(events, delta.index, choice)
         except RuntimeError as exc:
             self._is_closed = True
@@ -206,6 +214,10 @@ class ResponseBridge:
         bodies = [json.loads(choice.response.to_json()) for choice in self._choices]
         for choice, one in zip(self._choices, bodies, strict=True):
             _set_usage(self.prepared.protocol, one, choice, is_body=True)
+            if self.prepared.protocol is not Protocol.CHAT:
+                choice.cut_calls.patch_body(one)
+            else:
+                choice.cut_calls.patch_body(one["choices"][0])
         body = bodies[0]
         if self.prepared.protocol is Protocol.RESPONSES:
             _finish_response_object(body, self.prepared)

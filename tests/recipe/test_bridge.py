@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import deepseek_recipe as dr
 import pytest
@@ -316,3 +317,157 @@ def test_engine_abort_raises(recipe: Recipe, tokenizer: ModelTokenizer) -> None:
         bridge.push(Delta("m", 0, [], None, 5, 0, FinishReason.ABORT, error="out of memory"))
     assert info.value.status_code == 500
     assert info.value.body()["error"]["type"] == "api_error"
+
+
+# ------------------------------------------------------------ 12.3: tool calls cut by length
+
+REQUIRED = {
+    Protocol.CHAT: "required",
+    Protocol.RESPONSES: "required",
+    Protocol.MESSAGES: {"type": "any"},
+}
+CUT_CALLS = [
+    ("get_weather", {"city": "Lima", "days": 3}),
+    (
+        "get_time",
+        {"tz": 'a "b" \\ </think> </x', "nested": {"k": [1, "v"]}, "utc": True, "last": "z"},
+    ),
+]
+
+
+def cut_run(prepared: PreparedRequest, tokenizer: ModelTokenizer, chunks: list[list[int]]):
+    """Feed `chunks`, the last delta ending the choice at the output limit."""
+    bridge = ResponseBridge(prepared, tokenizer, "resp1", created=0)
+    events = bridge.start()
+    done = 0
+    for i, chunk in enumerate(chunks):
+        done += len(chunk)
+        last = i == len(chunks) - 1
+        finish = FinishReason.LENGTH if last else None
+        events += bridge.push(
+            Delta("r", 0, chunk, None, prepared.num_prompt_tokens, done, finish)
+        ).events
+    if not chunks:
+        events += bridge.push(
+            Delta("r", 0, [], None, prepared.num_prompt_tokens, 0, FinishReason.LENGTH)
+        ).events
+    assert bridge.is_finished
+    return events, bridge.response()
+
+
+def streamed_arguments(protocol: Protocol, events) -> list[tuple[str, str]]:
+    """(name, concatenated argument text) per call, as a client reads the stream."""
+    calls: dict[int, list[str]] = {}
+    for event in events:
+        data = event.data
+        if data == DONE:
+            continue
+        if protocol is Protocol.CHAT:
+            for call in (c for e in data["choices"] for c in e["delta"].get("tool_calls") or ()):
+                entry = calls.setdefault(call["index"], ["", ""])
+                entry[0] = call["function"].get("name") or entry[0]
+                entry[1] += call["function"].get("arguments") or ""
+        elif protocol is Protocol.RESPONSES:
+            if event.event == "response.output_item.added" and data["item"]["type"] == (
+                "function_call"
+            ):
+                calls[data["output_index"]] = [data["item"]["name"], ""]
+            elif event.event == "response.function_call_arguments.delta":
+                calls[data["output_index"]][1] += data["delta"]
+            elif event.event == "response.function_call_arguments.done":
+                assert data["arguments"] == calls[data["output_index"]][1]
+        elif event.event == "content_block_start" and data["content_block"]["type"] == ("tool_use"):
+            calls[data["index"]] = [data["content_block"]["name"], ""]
+        elif event.event == "content_block_delta" and data["delta"]["type"] == "input_json_delta":
+            calls[data["index"]][1] += data["delta"]["partial_json"]
+    return [(name, args) for _, (name, args) in sorted(calls.items())]
+
+
+def body_calls(protocol: Protocol, response: dict) -> list[tuple[str, Any]]:
+    """(name, arguments text / Messages input object) per call, and checks the finish."""
+    if protocol is Protocol.CHAT:
+        choice = response["choices"][0]
+        assert choice["finish_reason"] == "length"
+        calls = choice["message"].get("tool_calls") or []
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    if protocol is Protocol.RESPONSES:
+        assert response["status"] == "incomplete"
+        assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+        return [
+            (i["name"], i["arguments"]) for i in response["output"] if i["type"] == "function_call"
+        ]
+    assert response["stop_reason"] == "max_tokens"
+    return [(b["name"], b["input"]) for b in response["content"] if b["type"] == "tool_use"]
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_tool_call_cut_by_length_at_every_token(
+    recipe: Recipe, tokenizer: ModelTokenizer, protocol: Protocol
+) -> None:
+    """A choice cut by the output limit after each token of a DSML block (call header,
+    parameter name, attributes, string and verbatim values, closing tags): every reported call
+    has its full name and arguments that are a prefix of the complete call's arguments (`{` at
+    least; never text that may be the closing tag), growing token by token; the streamed
+    deltas concatenate to the body's text; a Messages `input` holds the parameters complete so
+    far."""
+    body = {
+        "model": "default",
+        "thinking": {"type": "disabled"},
+        **BODIES[protocol],
+        "tool_choice": REQUIRED[protocol],
+        "stream": True,
+    }
+    prepared = recipe.prepare(protocol, body)
+    block = dsml_ids(tokenizer, CUT_CALLS)
+    # `required` prefills "\n\n<｜DSML｜ calls>\n": the model writes from the first invoke.
+    ids = block[5:] if prepared.parsing_options.starts_in_tool_calls else block
+    full = [(name, json.dumps(args)) for name, args in CUT_CALLS]
+    previous: list[tuple[str, str]] = []
+    num_open_calls = 0
+    for cut in range(len(ids) + 1):
+        generated = ids[:cut]
+        for chunks in ([[t] for t in generated], [generated] if generated else []):
+            events, response = cut_run(prepared, tokenizer, chunks)
+            streamed = streamed_arguments(protocol, events)
+            assert len(streamed) <= len(full)
+            for (name, args), (full_name, full_args) in zip(streamed, full, strict=False):
+                assert name == full_name, (cut, name)
+                assert args.startswith("{") and full_args.startswith(args), (cut, args)
+            for (_, args), (_, before) in zip(streamed, previous, strict=False):
+                assert args.startswith(before), (cut, args, before)
+            in_body = body_calls(protocol, response)
+            assert [name for name, _ in in_body] == [name for name, _ in streamed]
+            if protocol is not Protocol.MESSAGES:
+                assert in_body == streamed, cut
+            else:
+                for (_, given), (_, args), (_, complete) in zip(
+                    in_body, streamed, CUT_CALLS, strict=False
+                ):
+                    assert list(given) == list(complete)[: len(given)], (cut, given)
+                    assert all(given[k] == complete[k] for k in given), (cut, given)
+                    if args == json.dumps(complete):
+                        assert given == complete
+        previous = streamed
+        num_open_calls = max(num_open_calls, len(streamed))
+    assert num_open_calls == len(full)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("{", {}),
+        ('{"ci', {}),
+        ('{"city": ', {}),
+        ('{"city": "Li', {}),
+        ('{"city": "Lima"', {"city": "Lima"}),
+        ('{"city": "Lima", "days": 3', {"city": "Lima"}),
+        ('{"city": "Lima", "days": 3, "', {"city": "Lima", "days": 3}),
+        ('{"a": {"b": 1}', {}),
+        ('{"a": {"b": 1}}', {"a": {"b": 1}}),
+        ('{"a": not json, "b": "x"', {}),
+    ],
+)
+def test_messages_cut_input_holds_complete_parameters(text: str, expected: dict) -> None:
+    from recipe.cut_tool_calls import complete_parameters
+
+    assert complete_parameters(text) == expected

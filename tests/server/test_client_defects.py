@@ -304,15 +304,36 @@ def test_usage_counts_every_generated_token(default_server) -> None:
 # --------------------------------------------------------------- 12.3: cut tool calls
 
 
+# A one-letter tool and parameter keep the DSML header short, so a few dozen tokens of the
+# random-weight model reach the value. `required` (thinking off) prefills the calls block and
+# the grammar forces the invoke. With seed 1 the limits below cut: inside the invoke header
+# (no call yet), after the name closed (`{`), inside the parameter's markup, in its name, in
+# its attributes and in its value; CUT_REFERENCE tokens are the longer run all are cut from.
+CUT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "w",
+        "parameters": {
+            "type": "object",
+            "properties": {"c": {"type": "string"}},
+            "required": ["c"],
+        },
+    },
+}
+CUT_SEED = 1
+CUT_LIMITS = (5, 12, 19, 22, 25, 28)
+CUT_REFERENCE = 30
+
+
 def _cut_tool_call(oai, max_tokens: int, stream: bool):
     kwargs = dict(
         model=MODEL,
         messages=[{"role": "user", "content": "Weather in Lima?"}],
-        tools=[CHAT_TOOL],
+        tools=[CUT_TOOL],
         tool_choice="required",
         max_tokens=max_tokens,
         logprobs=True,
-        seed=3,
+        seed=CUT_SEED,
         extra_body=OFF,
     )
     if not stream:
@@ -339,12 +360,61 @@ def _cut_tool_call(oai, max_tokens: int, stream: bool):
     return finish, list(arguments.values()), entries or None, chunks[-1].usage
 
 
+def _assert_cut_prefixes(cuts: list[list[str]], reference: str) -> None:
+    """Each cut reports no call (cut inside the invoke header) or one call whose arguments are a
+    prefix of the longer run's, `{` at least; the cuts cover header, `{`, name and value."""
+    previous = ""
+    for arguments in cuts:
+        assert len(arguments) <= 1, arguments
+        if arguments:
+            assert arguments[0].startswith("{") and reference.startswith(arguments[0]), arguments
+            assert arguments[0].startswith(previous)
+            previous = arguments[0]
+    seen = [a[0] if a else None for a in cuts]
+    assert None in seen and "{" in seen, seen
+    assert any(a and a.startswith('{"') and not a.startswith('{"c"') for a in seen), seen
+    assert any(a and a.startswith('{"c": "') for a in seen), seen
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_tool_call_cut_by_max_tokens_keeps_its_logprobs(oai, stream) -> None:
-    finish, arguments, entries, usage = _cut_tool_call(oai, 30, stream)
-    assert finish == "length"
-    # NOTE: the arguments are what the package parsed so far: "" while the first parameter's
-    # name is still open (not fixed yet, see the issue note), a JSON prefix afterwards.
-    assert len(arguments) == 1 and (arguments[0] == "" or arguments[0].startswith('{"'))
-    # Every generated token is tool-call markup (the prompt opened the calls block).
-    assert entries is not None and len(entries) == usage.completion_tokens
+    """A forced call cut by `max_tokens` at every part of the DSML block: finish `length`, the
+    arguments are the JSON prefix generated so far (streamed deltas concatenate to the same
+    text), and every generated token keeps its logprob entry."""
+    _, (reference,), _, _ = _cut_tool_call(oai, CUT_REFERENCE, stream=False)
+    cuts = []
+    for max_tokens in CUT_LIMITS:
+        finish, arguments, entries, usage = _cut_tool_call(oai, max_tokens, stream)
+        assert finish == "length"
+        assert usage.completion_tokens == max_tokens
+        # Every generated token is tool-call markup (the prompt opened the calls block).
+        assert entries is not None and len(entries) == usage.completion_tokens
+        cuts.append(arguments)
+    _assert_cut_prefixes(cuts, reference)
+    if stream:
+        assert cuts == [_cut_tool_call(oai, m, stream=False)[1] for m in CUT_LIMITS]
+
+
+def test_responses_tool_call_cut_by_max_output_tokens(oai) -> None:
+    """Responses, streaming and not: status `incomplete` (`max_output_tokens`) and a cut call's
+    arguments start with `{`; streamed deltas, the `done` event and the final output agree.
+    NOTE: Responses has no `seed` (the package drops it), so the two forms sample apart."""
+    tool = {"type": "function", "name": "w", "parameters": CUT_TOOL["function"]["parameters"]}
+    kwargs = dict(
+        model=MODEL, input="Weather in Lima?", tools=[tool], tool_choice="required", extra_body=OFF
+    )
+    for max_tokens in (12, 19, 28):
+        out = oai.responses.create(**kwargs, max_output_tokens=max_tokens)
+        assert out.status == "incomplete"
+        assert out.incomplete_details.reason == "max_output_tokens"
+        assert all(i.arguments.startswith("{") for i in out.output if i.type == "function_call")
+        streamed, done, final = "", None, None
+        for event in oai.responses.create(**kwargs, max_output_tokens=max_tokens, stream=True):
+            if event.type == "response.function_call_arguments.delta":
+                streamed += event.delta
+            elif event.type == "response.function_call_arguments.done":
+                done = event.arguments
+            elif event.type == "response.incomplete":
+                final = [i.arguments for i in event.response.output if i.type == "function_call"]
+        assert final is not None and final == ([] if done is None else [done])
+        assert done is None or (done == streamed and done.startswith("{")), (done, streamed)
