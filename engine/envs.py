@@ -26,3 +26,10 @@ def benchmark_out_dir() -> Path:
     """`OUT`: where benchmark scripts write their JSON (the device tool's result folder;
     default the current folder)."""
     return Path(os.environ.get("OUT", "."))
+
+
+def torch_distributed() -> dict[str, str]:
+    """torch.distributed's own launcher variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    `MASTER_ADDR`, `MASTER_PORT`), those that are set; read by `engine.distributed.groups`."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {name: os.environ[name] for name in names if name in os.environ}

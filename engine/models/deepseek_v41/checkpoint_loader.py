@@ -9,6 +9,10 @@
    dequantised as soon as all its stored parts (weight and scale, which may sit in different
    shards) have been read.
 
+Partial reads (`include`): every header is still validated, but only the tensors of the included
+logical weights are read — an expert-parallel rank reads only its own routed experts
+(`routed_expert_filter`); safetensors reads each tensor alone, so the others cost no I/O.
+
 Text-only skips: `vision.*`, `aligner.*`, `image_*` are never loaded, nor `mtp.*` with
 `include_dspark=False`. Engram tables (`fp8_rows`) stay FP8 + scales (they are too large to
 dequantise): `tensors` holds them under their stored names.
@@ -18,7 +22,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +45,7 @@ MAX_LISTED_PROBLEMS = 20
 # Stored tensors the text engine never loads (model.md §5.4 item 8).
 _SKIPPED_PREFIXES = ("vision.", "aligner.", "image_")
 _DSPARK_PREFIX = "mtp."
+_ROUTED_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -130,6 +136,22 @@ class _StoredTensor:
     shard: str
     dtype: str
     shape: tuple[int, ...]
+
+
+def routed_expert_filter(keep_expert: Callable[[int], bool]) -> Callable[[str], bool]:
+    """An `include` predicate for `load_checkpoint`: every weight except the target layers'
+    routed experts whose global id fails `keep_expert` (DSpark `mtp.*` experts are kept)."""
+
+    def include(name: str) -> bool:
+        match = _ROUTED_EXPERT.match(name)
+        return match is None or keep_expert(int(match.group(1)))
+
+    return include
+
+
+def read_config(path_or_hub_id: str | os.PathLike[str]) -> DeepseekV41Config:
+    """The checkpoint's config alone (no tensor is read)."""
+    return _read_config(resolve_model_path(path_or_hub_id))
 
 
 def _read_config(folder: Path) -> DeepseekV41Config:
@@ -284,11 +306,15 @@ def load_checkpoint(
     progress: bool = True,
     keep_quantized: bool = False,
     stored_kinds: tuple[str, ...] = (),
+    include: Callable[[str], bool] | None = None,
+    progress_desc: str = "loading weights",
 ) -> LoadedCheckpoint:
     """Validate then load a checkpoint folder or hub id (see the module docstring).
 
     stored_kinds: storage kinds (e.g. `("mxfp4",)`) whose tensors enter `tensors` as stored
     (weight and `.scale`), not dequantised.
+    include: logical weight names to read (all when None); the others are validated from the
+    headers only and never read.
 
     Raises `CheckpointError` for: an unreachable/unknown hub id, a missing `config.json` or index,
     a missing, truncated or corrupted shard (naming the shard), and — all in one error — missing,
@@ -305,6 +331,8 @@ def load_checkpoint(
     if problems:
         _raise_problems(folder, problems)
 
+    if include is not None:
+        specs = [spec for spec in specs if include(spec.name)]
     owner: dict[str, TensorSpec] = {}
     names_by_shard: dict[str, list[str]] = {shard: [] for shard in shards}
     for spec in specs:
@@ -315,7 +343,7 @@ def load_checkpoint(
     result = LoadedCheckpoint(config=config, path=folder, tensors={})
     pending: dict[str, dict[str, torch.Tensor]] = {}  # spec name → parts read so far
     bar = tqdm(
-        total=len(specs), desc="loading weights", unit="tensor", disable=None if progress else True
+        total=len(specs), desc=progress_desc, unit="tensor", disable=None if progress else True
     )
     with bar:
         for shard in shards:

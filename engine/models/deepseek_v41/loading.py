@@ -14,7 +14,13 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from engine.models.deepseek_v41.checkpoint_loader import CheckpointError, load_checkpoint
+from engine.distributed.expert_parallel import ExpertParallel
+from engine.models.deepseek_v41.checkpoint_loader import (
+    CheckpointError,
+    load_checkpoint,
+    read_config,
+    routed_expert_filter,
+)
 from engine.models.deepseek_v41.config import DeepseekV41Config
 from engine.models.deepseek_v41.engram_hash import build_compressed_token_map
 from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM, Numerics
@@ -60,15 +66,29 @@ def load_model(
     include_dspark: bool = True,
     progress: bool = True,
     quantized_experts: bool = False,
+    expert_parallel: ExpertParallel | None = None,
 ) -> DeepseekV41ForCausalLM:
     """Load a released-format checkpoint; FP8/MXFP4 weights are dequantised to `dtype`, except
     routed experts with `quantized_experts` (kept MXFP4, a quarter of the bf16 bytes).
+
+    expert_parallel: load the model of one EP rank — only that rank's routed experts are read
+    from the shards (every header is still validated); raises `CheckpointError` when the EP
+    size does not divide the checkpoint's `n_routed_experts`.
 
     A progress bar is shown on a terminal (`progress=False` silences it).
 
     Engram tables stay FP8 (dequantised per gathered row). Raises `CheckpointError` naming every
     missing, unexpected or mis-shaped tensor, an unreadable shard, or a mismatching tokenizer.
     """
+    include, desc = None, "loading weights"
+    if expert_parallel is not None:
+        num_experts = read_config(path_or_hub_id).n_routed_experts
+        try:
+            placement = expert_parallel.placement(num_experts)
+        except ValueError as err:
+            raise CheckpointError(f"cannot shard {path_or_hub_id} over EP ranks: {err}") from err
+        include = routed_expert_filter(placement.owns)
+        desc = f"loading weights (EP rank {expert_parallel.rank}/{expert_parallel.size})"
     loaded = load_checkpoint(
         path_or_hub_id,
         dtype=dtype,
@@ -76,10 +96,14 @@ def load_model(
         include_dspark=include_dspark,
         progress=progress,
         stored_kinds=("mxfp4",) if quantized_experts else (),
+        include=include,
+        progress_desc=desc,
     )
     cfg = loaded.config
     with torch.device("meta"):
-        model = DeepseekV41ForCausalLM(cfg, dtype, numerics, include_dspark, quantized_experts)
+        model = DeepseekV41ForCausalLM(
+            cfg, dtype, numerics, include_dspark, quantized_experts, expert_parallel
+        )
     missing, unexpected = model.load_state_dict(loaded.tensors, strict=False, assign=True)
     if missing or unexpected:
         raise CheckpointError(

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from engine.distributed.dispatch import Dispatcher
+from engine.distributed.expert_parallel import ExpertParallel
 from engine.models.deepseek_v41.attention import Attention, KVCodecs, RMSNorm, StepContext
 from engine.models.deepseek_v41.config import DeepseekV41Config
 from engine.models.deepseek_v41.dspark import DraftOutput, DSpark
@@ -63,11 +65,16 @@ class Numerics:
     moe_weight_before_down: apply the routing weight to the SwiGLU activation before the down
         projection (NeMo, §14 item 4) instead of to the expert output (spec §3.8). The same
         maths; only the rounding point moves.
+    moe_batch_invariant: routed experts compute each row alone and expert-parallel combines
+        add a token's expert outputs in ascending expert id (`moe.py`): the MoE output of a
+        token does not depend on the other tokens of the step nor on where experts live
+        (`scaleout.md` §2.3 (b)). Slower (one expert call per row).
     """
 
     kv_quantize: bool = True
     kv_nemo_variant: bool = False
     moe_weight_before_down: bool = False
+    moe_batch_invariant: bool = False
 
     @classmethod
     def nemo_reference(cls, kv_quantize: bool = True) -> Numerics:
@@ -111,7 +118,9 @@ class Block(nn.Module):
         top_k: int,
         dtype: torch.dtype,
         quantized_experts: bool = False,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
+        """dispatcher: expert parallelism for this block's MoE (see `MoE`)."""
         super().__init__()
         self.cfg = cfg
         self.layer_id = layer_id
@@ -133,6 +142,7 @@ class Block(nn.Module):
             cfg.swiglu_limit,
             dtype,
             quantized_experts,
+            dispatcher,
         )
         if layer_id in cfg.engram_layer_ids:
             rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer_id)]
@@ -232,10 +242,22 @@ class DeepseekV41ForCausalLM(nn.Module):
         numerics: Numerics | None = None,
         include_dspark: bool = True,
         quantized_experts: bool = False,
+        expert_parallel: ExpertParallel | None = None,
     ) -> None:
-        """quantized_experts: routed experts keep the checkpoint's MXFP4 storage (`MXFP4Linear`)."""
+        """quantized_experts: routed experts keep the checkpoint's MXFP4 storage (`MXFP4Linear`).
+
+        expert_parallel: build only this rank's routed experts of every target layer (the
+        dense trunk, attention, Engram, shared experts and the DSpark stages — experts
+        included — stay whole on every rank); forwards then are collectives over the EP group
+        (ranks without tokens run `zero_token_step`). Raises ValueError when the EP size does
+        not divide `n_routed_experts`.
+        """
         super().__init__()
         self.config = cfg
+        self.expert_parallel = expert_parallel
+        dispatcher = (
+            expert_parallel.build_dispatcher(cfg.n_routed_experts) if expert_parallel else None
+        )
         self.checkpoint_path: Path | None = None  # set by `load_model`
         self.numerics = numerics or Numerics()
         self.codecs = self.numerics.codecs(cfg)
@@ -264,6 +286,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 cfg.num_experts_per_tok,
                 dtype,
                 quantized_experts,
+                dispatcher,
             )
             for lid in range(cfg.num_hidden_layers)
         )
@@ -274,6 +297,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, MoE):
                 module.weight_before_down = self.numerics.moe_weight_before_down
+                module.batch_invariant = self.numerics.moe_batch_invariant
+                for expert in module.experts:
+                    expert.row_invariant = self.numerics.moe_batch_invariant
         self.engram_tables: dict[int, EngramHashTables] = {t.layer_id: t for t in hash_tables}
         # Raw id → compressed id; set from the tokenizer by the loader (`set_engram_token_map`).
         self.register_buffer("engram_token_map", token_map, persistent=False)
@@ -513,6 +539,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         rows = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
         logits = self.norm(rows).float() @ self.head.weight.float().t()
         return StepOutput(logits=logits, hidden=hidden, dspark_features=features)
+
+    @torch.inference_mode()
+    def zero_token_step(self) -> None:
+        """Join every MoE collective of one `forward_step` with no tokens of this rank's own
+        (lockstep, `engine.distributed.coordinator`): the target layers' MoE in layer order.
+        A no-op without expert parallelism. DSpark stages hold all their experts, so drafting
+        has no collectives."""
+        if self.expert_parallel is None:
+            return
+        empty = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for block in self.layers:
+            block.ffn(empty)
 
     @torch.inference_mode()
     def logits(self, token_lists: list[list[int]], record: dict[str, Any] | None = None) -> Tensor:

@@ -11,6 +11,17 @@ Two paths compute the routed experts:
     grouped (CUDA, bf16,     `MoE.pack_experts` stacks the MXFP4 storage; two launches of
     packed MXFP4 experts)    `kernels.grouped_mxfp4_gemm` (gate/up + SwiGLU, down) and a sum
                              over the top-k slots; no host sync
+
+Expert parallelism (`scaleout.md` §2.2, built with `expert_parallel`): the layer holds only its
+rank's routed experts (`LocalExperts`, registered under their global ids = checkpoint names),
+routes over all experts, ships tokens with `engine.distributed.dispatch`, runs its local experts
+on what it received (`_run_local_experts`, the reference loop) and combines back. The two local
+paths above are untouched when `expert_parallel` is None.
+
+Batch-invariant mode (`Numerics.moe_batch_invariant`): routed experts compute every row alone
+(`Expert.row_invariant`: a row's result cannot depend on which rows share the call) and the EP
+combine adds a token's expert outputs in ascending expert id — the reference loop's order — so
+the output does not depend on where experts live (bitwise equal to one process).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.distributed.dispatch import Dispatcher, RecvBatch
 from engine.models.deepseek_v41.primitives import clamped_swiglu, sqrtsoftplus_route
 from engine.models.deepseek_v41.weight_formats import MXFP4_BLOCK, mxfp4_dequantize
 
@@ -60,6 +72,7 @@ class Expert(nn.Module):
     ) -> None:
         super().__init__()
         self.limit = limit
+        self.row_invariant = False  # see `Numerics.moe_batch_invariant`
         if quantized:
             self.w1 = MXFP4Linear(dim, inter)
             self.w3 = MXFP4Linear(dim, inter)
@@ -71,6 +84,15 @@ class Expert(nn.Module):
 
     def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """`weight` [T, 1], when given, scales the activation before the down projection."""
+        if self.row_invariant and x.shape[0] > 1:
+            rows = [
+                self._forward(x[i : i + 1], None if weight is None else weight[i : i + 1])
+                for i in range(x.shape[0])
+            ]
+            return torch.cat(rows)
+        return self._forward(x, weight)
+
+    def _forward(self, x: Tensor, weight: Tensor | None) -> Tensor:
         act = clamped_swiglu(self.w1(x), self.w3(x), self.limit)
         if weight is not None:
             act = (act.float() * weight).to(act.dtype)
@@ -85,8 +107,31 @@ class Gate(nn.Module):
         self.bias_vl = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
 
+class LocalExperts(nn.Module):
+    """The routed experts one EP rank holds, registered under their global ids (so parameter
+    names stay `experts.{global id}.w1.weight`); indexed and iterated by local id."""
+
+    def __init__(self, experts: list[Expert], first: int) -> None:
+        super().__init__()
+        for offset, expert in enumerate(experts):
+            self.add_module(str(first + offset), expert)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __getitem__(self, local_id: int) -> Expert:
+        return list(self._modules.values())[local_id]
+
+
 class MoE(nn.Module):
-    """Routed experts (top-k of `num_experts`) plus one always-on shared expert."""
+    """Routed experts (top-k of `num_experts`) plus one always-on shared expert.
+
+    dispatcher: expert parallelism — hold only `dispatcher.placement`'s experts and exchange
+    tokens through it (see the module docstring); None keeps every expert local.
+    """
 
     def __init__(
         self,
@@ -98,16 +143,31 @@ class MoE(nn.Module):
         limit: float,
         dtype: torch.dtype,
         quantized_experts: bool = False,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.route_scale = route_scale
         self.weight_before_down = False  # see `Numerics.moe_weight_before_down`
+        self.batch_invariant = False  # see `Numerics.moe_batch_invariant`
+        self.dispatcher = dispatcher
         self.gate = Gate(dim, num_experts, dtype)
         self.shared_experts = Expert(dim, inter, limit, dtype)
-        self.experts = nn.ModuleList(
-            Expert(dim, inter, limit, dtype, quantized_experts) for _ in range(num_experts)
-        )
+        if dispatcher is None:
+            self.experts = nn.ModuleList(
+                Expert(dim, inter, limit, dtype, quantized_experts) for _ in range(num_experts)
+            )
+        else:
+            placement = dispatcher.placement
+            if placement.num_experts != num_experts:
+                raise ValueError(
+                    f"the dispatcher places {placement.num_experts} experts, the layer has "
+                    f"{num_experts}"
+                )
+            local = [
+                Expert(dim, inter, limit, dtype, quantized_experts) for _ in placement.local_experts
+            ]
+            self.experts = LocalExperts(local, placement.first_expert)
 
     def pack_experts(self) -> None:
         """Stack the MXFP4 routed experts into the grouped kernel's layout (non-persistent
@@ -153,7 +213,9 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         ids, weights = self.route(x)
         out = self.shared_experts(x).float()
-        if self._use_grouped_kernel(x):
+        if self.dispatcher is not None:
+            routed = self._routed_expert_parallel(x, ids, weights)
+        elif self._use_grouped_kernel(x):
             routed = self._routed_grouped(x, ids, weights)
         else:
             routed = self._routed_reference(x, ids, weights)
@@ -177,6 +239,30 @@ class MoE(nn.Module):
                 routed.index_add_(0, rows, y)
             lo += count
         return routed
+
+    def _routed_expert_parallel(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """Dispatch, run the local experts, combine (a collective over the EP group)."""
+        recv = self.dispatcher.dispatch(x, ids, weights)
+        return self.dispatcher.combine(self._run_local_experts(recv), recv, self.batch_invariant)
+
+    def _run_local_experts(self, recv: RecvBatch) -> Tensor:
+        """fp32 weighted outputs [P, D] of the received (row, local expert) pairs, in
+        `RecvBatch.pairs` order; one `Expert` call per local expert that has rows."""
+        row, expert_id, weight = recv.pairs()
+        order = torch.argsort(expert_id, stable=True)
+        counts = torch.bincount(expert_id, minlength=len(self.experts)).tolist()
+        out = torch.zeros(len(row), recv.x.shape[1], dtype=torch.float32, device=recv.x.device)
+        lo = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                pairs = order[lo : lo + count]
+                rows, w = recv.x[row[pairs]], weight[pairs, None]
+                if self.weight_before_down:
+                    out[pairs] = expert(rows, w).float()
+                else:
+                    out[pairs] = expert(rows).float() * w
+            lo += count
+        return out
 
     def _routed_grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         from kernels.grouped_mxfp4_gemm import align_to_experts, grouped_mxfp4_gemm

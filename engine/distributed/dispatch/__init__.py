@@ -1,0 +1,72 @@
+"""MoE dispatcher registry (`scaleout.md` §2.2): name → factory, chosen by `DispatcherConfig`.
+
+| name             | transport                                   | shapes  | use                   |
+|------------------|---------------------------------------------|---------|-----------------------|
+| `local`          | none (EP size 1)                            | any     | one rank              |
+| `all_to_all`     | `all_to_all_single` with exchanged counts   | dynamic | default (prefill)     |
+| `fixed_capacity` | equal-split `all_to_all_single`, C per peer | static  | graph-captured decode |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from engine.distributed.dispatch.all_to_all import AllToAllDispatcher
+from engine.distributed.dispatch.base import (
+    Dispatcher,
+    ExpertPlacement,
+    RecvBatch,
+    SendPlan,
+    plan_send,
+)
+from engine.distributed.dispatch.fixed_capacity import FixedCapacityDispatcher
+from engine.distributed.dispatch.local import LocalDispatcher
+
+
+@dataclass(frozen=True)
+class DispatcherConfig:
+    """name: a key of `DISPATCHERS`; capacity_tokens: rows per peer and pass, only (and
+    required) for `fixed_capacity`."""
+
+    name: str = "all_to_all"
+    capacity_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in DISPATCHERS:
+            raise ValueError(
+                f"unknown dispatcher {self.name!r}; choose one of {', '.join(DISPATCHERS)}"
+            )
+        if (self.name == "fixed_capacity") != (self.capacity_tokens is not None):
+            raise ValueError("capacity_tokens is required by fixed_capacity and only by it")
+
+
+_Factory = Callable[[ExpertPlacement, "dist.ProcessGroup | None", DispatcherConfig], Dispatcher]
+
+DISPATCHERS: dict[str, _Factory] = {
+    "local": lambda placement, group, config: LocalDispatcher(placement),
+    "all_to_all": lambda placement, group, config: AllToAllDispatcher(placement, group),
+    "fixed_capacity": lambda placement, group, config: FixedCapacityDispatcher(
+        placement, group, config.capacity_tokens or 0
+    ),
+}
+
+
+def build_dispatcher(
+    config: DispatcherConfig, placement: ExpertPlacement, group: dist.ProcessGroup | None
+) -> Dispatcher:
+    return DISPATCHERS[config.name](placement, group, config)
+
+
+__all__ = [
+    "DISPATCHERS",
+    "Dispatcher",
+    "DispatcherConfig",
+    "ExpertPlacement",
+    "RecvBatch",
+    "SendPlan",
+    "build_dispatcher",
+    "plan_send",
+]

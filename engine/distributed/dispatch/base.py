@@ -1,0 +1,222 @@
+"""The MoE token-dispatch contract (`scaleout.md` §2.2–§2.3) and the work every transport shares.
+
+    dispatcher.dispatch(x, ids, weights) -> RecvBatch      tokens this rank's experts must run
+    experts(RecvBatch)                    -> pair outputs  one fp32 row per local (token, k) pair
+    dispatcher.combine(pair_out, recv, ordered) -> y [T, D] routed output back at the owner
+
+Sender side (`SendPlan`): each token is shipped ONCE per destination rank that owns at least one
+of its top-k experts, with all k (local expert id or −1, weight) pairs; rows are grouped by
+destination rank, tokens ascending inside a group:
+
+    ids [T, k] ──owner──▶ dest [T, k] ──any per rank──▶ rows (rank 0: t…, rank 1: t…, …)
+
+Each row travels as bytes `[x (D · itemsize) | local ids (k int32) | weights (k fp32)]` — one
+buffer, one exchange. Transports (`Dispatcher._exchange`) only move such byte rows between ranks.
+
+Combine, two orders (the `ordered` flag, `scaleout.md` §2.3):
+
+* fast (`ordered=False`): each destination sums its pairs of a token into one partial row and
+  returns it; the owner adds the partials in rank order. Fewest bytes; the rounding depends on
+  where experts live.
+* ordered (`ordered=True`, batch-invariant mode): destinations return one row per (token, k)
+  pair; the owner adds a token's k rows in ascending LOGICAL expert id starting from 0.0 (fp32).
+  That is exactly the order of the single-process reference path (`MoE._routed_reference` adds
+  experts in id order), so with a row-invariant expert kernel the output is bitwise independent
+  of the placement, of the EP size and of the other tokens.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which routed experts a rank holds: contiguous blocks, rank r owns
+    `[r · per_rank, (r + 1) · per_rank)`. Raises ValueError when `num_experts` is not divisible
+    by `ep_size`."""
+
+    num_experts: int
+    ep_size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.ep_size < 1 or not 0 <= self.rank < self.ep_size:
+            raise ValueError(f"rank {self.rank} is outside an EP group of size {self.ep_size}")
+        if self.num_experts % self.ep_size:
+            raise ValueError(
+                f"{self.num_experts} routed experts cannot be split over {self.ep_size} EP ranks: "
+                f"every rank holds the same number of experts, so the EP size must divide "
+                f"{self.num_experts}"
+            )
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def first_expert(self) -> int:
+        return self.rank * self.experts_per_rank
+
+    @property
+    def local_experts(self) -> range:
+        """Global ids of this rank's experts, ascending (local id = position in this range)."""
+        return range(self.first_expert, self.first_expert + self.experts_per_rank)
+
+    def owns(self, expert: int) -> bool:
+        return expert in self.local_experts
+
+    def owner_of(self, ids: Tensor) -> Tensor:
+        return torch.div(ids, self.experts_per_rank, rounding_mode="floor")
+
+
+@dataclass
+class SendPlan:
+    """Sender-side bookkeeping of one dispatch (kept until `combine`).
+
+    token: [S] owner token index of each sent row (grouped by destination rank).
+    local_ids: [S, k] the row's pairs as the destination's local expert ids (−1: elsewhere).
+    send_counts: [N] rows per destination rank.
+    ids: [T, k] the global expert ids (the ordered combine sorts by them).
+    """
+
+    token: Tensor
+    local_ids: Tensor
+    send_counts: Tensor
+    ids: Tensor
+
+
+def plan_send(ids: Tensor, placement: ExpertPlacement) -> SendPlan:
+    """Rows to ship for routing `ids` [T, k] (one per token and destination rank)."""
+    num_tokens, ep_size = ids.shape[0], placement.ep_size
+    dest = placement.owner_of(ids)
+    hit = torch.zeros(num_tokens, ep_size, dtype=torch.bool, device=ids.device)
+    hit.scatter_(1, dest, True)
+    rank, token = hit.t().nonzero(as_tuple=True)  # rank-major, tokens ascending
+    row_dest = dest[token]
+    local = ids[token] - rank[:, None] * placement.experts_per_rank
+    local_ids = torch.where(row_dest == rank[:, None], local, torch.full_like(local, -1))
+    send_counts = torch.bincount(rank, minlength=ep_size)
+    return SendPlan(token=token, local_ids=local_ids, send_counts=send_counts, ids=ids)
+
+
+@dataclass
+class RecvBatch:
+    """Rows received by this rank, grouped by source rank.
+
+    x: [R, D] token activations; local_ids: [R, k] int64 (−1: a pair served elsewhere);
+    weights: [R, k] fp32; recv_counts: [N] rows from each source rank; plan: the sender-side
+    plan of the same dispatch (this rank's own tokens), needed by `combine`.
+    """
+
+    x: Tensor
+    local_ids: Tensor
+    weights: Tensor
+    recv_counts: Tensor
+    plan: SendPlan
+
+    def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(row [P], local expert [P], weight [P]) of the valid pairs in row-major order — the
+        order `combine` expects the pair outputs in."""
+        valid = self.local_ids >= 0
+        row = valid.nonzero(as_tuple=True)[0]
+        return row, self.local_ids[valid], self.weights[valid]
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    return t.contiguous().view(torch.uint8).view(t.shape[0], -1)
+
+
+def _from_bytes(b: Tensor, dtype: torch.dtype) -> Tensor:
+    return b.contiguous().view(dtype)
+
+
+class Dispatcher(ABC):
+    """Dispatch/combine over one EP group. Subclasses implement only `_exchange`.
+
+    Every method is a collective over the group: all ranks call it in the same order (a rank
+    without tokens calls it with T = 0).
+    """
+
+    def __init__(self, placement: ExpertPlacement) -> None:
+        self.placement = placement
+
+    @abstractmethod
+    def _exchange(
+        self, rows: Tensor, send_counts: Tensor, recv_counts: Tensor | None, rows_per_token: int
+    ) -> tuple[Tensor, Tensor]:
+        """Send byte rows `rows` [S, W] (grouped by destination, `send_counts` [N] each);
+        return the rows received (grouped by source) and their counts [N]. `recv_counts` is
+        given when the receiver already knows it (the combine direction). `rows_per_token`
+        bounds rows per token and peer (1, or k for pair rows: fixed-capacity sizing)."""
+
+    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor) -> RecvBatch:
+        """Ship each token of `x` [T, D] once to every rank owning one of its experts `ids`
+        [T, k] (global ids), with its (local id, fp32 weight) pairs."""
+        plan = plan_send(ids, self.placement)
+        k = ids.shape[1]
+        rows = torch.cat(
+            (
+                _as_bytes(x[plan.token]),
+                _as_bytes(plan.local_ids.to(torch.int32)),
+                _as_bytes(weights[plan.token].float()),
+            ),
+            dim=1,
+        )
+        recv, recv_counts = self._exchange(rows, plan.send_counts, None, 1)
+        x_bytes = x.shape[1] * x.element_size()
+        return RecvBatch(
+            x=_from_bytes(recv[:, :x_bytes], x.dtype),
+            local_ids=_from_bytes(recv[:, x_bytes : x_bytes + 4 * k], torch.int32).long(),
+            weights=_from_bytes(recv[:, x_bytes + 4 * k :], torch.float32),
+            recv_counts=recv_counts,
+            plan=plan,
+        )
+
+    def combine(self, pair_out: Tensor, recv: RecvBatch, ordered: bool) -> Tensor:
+        """Routed output [T, D] fp32 of this rank's own tokens from the pair outputs [P, D]
+        (fp32, weighted, in `RecvBatch.pairs` order). See the module docstring for `ordered`."""
+        plan = recv.plan
+        num_tokens, k = plan.ids.shape
+        dim = pair_out.shape[1]
+        row, _, _ = recv.pairs()
+        if ordered:
+            back, back_counts = pair_out, _per_source(recv, row)
+            sent_valid = plan.local_ids >= 0
+            expect = _group_sums(sent_valid.sum(1), plan.send_counts)
+        else:
+            back = torch.zeros(recv.x.shape[0], dim, dtype=torch.float32, device=pair_out.device)
+            back.index_add_(0, row, pair_out)
+            back_counts, expect = recv.recv_counts, plan.send_counts
+        rows, _ = self._exchange(_as_bytes(back), back_counts, expect, k if ordered else 1)
+        returned = _from_bytes(rows, torch.float32).view(-1, dim)
+        out = torch.zeros(num_tokens, dim, dtype=torch.float32, device=pair_out.device)
+        if not ordered:
+            return out.index_add_(0, plan.token, returned)  # partials in rank order
+        per_pair = torch.zeros(num_tokens, k, dim, dtype=torch.float32, device=pair_out.device)
+        sent_row, sent_k = sent_valid.nonzero(as_tuple=True)
+        per_pair[plan.token[sent_row], sent_k] = returned
+        by_id = plan.ids.argsort(dim=1, stable=True)[..., None].expand_as(per_pair)
+        by_expert = per_pair.gather(1, by_id)
+        for j in range(k):
+            out = out + by_expert[:, j]
+        return out
+
+
+def _group_sums(values: Tensor, counts: Tensor) -> Tensor:
+    """Sums of consecutive groups of `values` of sizes `counts`."""
+    group = torch.repeat_interleave(torch.arange(len(counts), device=values.device), counts)
+    return torch.zeros(len(counts), dtype=torch.long, device=values.device).index_add_(
+        0, group, values.long()
+    )
+
+
+def _per_source(recv: RecvBatch, pair_row: Tensor) -> Tensor:
+    """Valid pairs received from each source rank."""
+    valid_per_row = torch.zeros(recv.x.shape[0], dtype=torch.long, device=pair_row.device)
+    valid_per_row.index_add_(0, pair_row, torch.ones_like(pair_row))
+    return _group_sums(valid_per_row, recv.recv_counts)
