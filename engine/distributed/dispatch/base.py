@@ -128,7 +128,8 @@ class RecvBatch:
 
 
 def _as_bytes(t: Tensor) -> Tensor:
-    return t.contiguous().view(torch.uint8).view(t.shape[0], -1)
+    """[R, n] of any dtype → [R, n · itemsize] uint8 (also for R = 0)."""
+    return t.contiguous().view(torch.uint8).view(t.shape[0], t.shape[1] * t.element_size())
 
 
 def _from_bytes(b: Tensor, dtype: torch.dtype) -> Tensor:
@@ -193,7 +194,7 @@ class Dispatcher(ABC):
             back.index_add_(0, row, pair_out)
             back_counts, expect = recv.recv_counts, plan.send_counts
         rows, _ = self._exchange(_as_bytes(back), back_counts, expect, k if ordered else 1)
-        returned = _from_bytes(rows, torch.float32).view(-1, dim)
+        returned = _from_bytes(rows, torch.float32)
         out = torch.zeros(num_tokens, dim, dtype=torch.float32, device=pair_out.device)
         if not ordered:
             return out.index_add_(0, plan.token, returned)  # partials in rank order
