@@ -1,0 +1,137 @@
+"""In-process checks of the distributed pieces (no process groups)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.distributed.coordinator import LockstepError, RankWork, StepCoordinator
+from engine.distributed.dispatch import (
+    DispatcherConfig,
+    ExpertPlacement,
+    build_dispatcher,
+    plan_send,
+)
+from engine.distributed.expert_parallel import ExpertParallel
+from engine.distributed.groups import RankConfig
+from engine.models import CheckpointError, DeepseekV41ForCausalLM, load_checkpoint, load_model
+from engine.models.deepseek_v41.checkpoint_loader import routed_expert_filter
+from engine.models.deepseek_v41.config import preset_config
+
+
+class FakeGroup:
+    """Rows of the other ranks are fixed; this rank's row is inserted at `rank`."""
+
+    def __init__(self, rank: int, others: list[list[int]]) -> None:
+        self.rank, self.others, self.calls = rank, others, 0
+
+    def __call__(self, values):
+        self.calls += 1
+        rows = [list(row) for row in self.others]
+        rows.insert(self.rank, list(values))
+        return rows
+
+
+def test_coordinator_backs_off_while_idle_and_resets_on_work() -> None:
+    slept: list[float] = []
+    fake = FakeGroup(0, [[0, 0, 0]])
+    coordinator = StepCoordinator(
+        fake, idle_sleep_s=0.01, max_idle_sleep_s=0.03, sleep=slept.append
+    )
+    for step in range(4):
+        fake.others = [[step, 0, 0]]
+        assert not coordinator.agree(RankWork(0, 0)).has_work
+    assert slept == [0.01, 0.02, 0.03, 0.03]
+    fake.others = [[4, 5, 1]]
+    agreement = coordinator.agree(RankWork(0, 0))
+    assert agreement.is_zero_token(0) and agreement.num_tokens == (0, 5)
+    fake.others = [[5, 0, 0]]
+    coordinator.agree(RankWork(0, 0))
+    assert slept[-1] == 0.01  # work reset the backoff
+
+
+def test_coordinator_raises_when_ranks_are_in_different_steps() -> None:
+    coordinator = StepCoordinator(FakeGroup(1, [[7, 1, 1]]), sleep=lambda s: None)
+    with pytest.raises(LockstepError, match="different steps"):
+        coordinator.agree(RankWork(1, 1))
+
+
+def test_rank_work_and_rank_config_validation() -> None:
+    with pytest.raises(ValueError):
+        RankWork(3, 0)
+    with pytest.raises(ValueError, match="outside"):
+        RankConfig(rank=2, world_size=2)
+    with pytest.raises(ValueError, match="device type"):
+        RankConfig(rank=0, world_size=1, device_type="tpu")
+    assert RankConfig(0, 1).backend == "gloo" and RankConfig(0, 1, device_type="cuda").backend == (
+        "nccl"
+    )
+
+
+def test_placement_rejects_experts_not_divisible_by_ep_size() -> None:
+    with pytest.raises(ValueError, match="cannot be split over 3 EP ranks"):
+        ExpertPlacement(8, 3, 0)
+    assert list(ExpertPlacement(8, 4, 3).local_experts) == [6, 7]
+
+
+def test_dispatcher_config_is_a_registry_lookup() -> None:
+    with pytest.raises(ValueError, match="unknown dispatcher"):
+        DispatcherConfig("nvshmem")
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        DispatcherConfig("fixed_capacity")
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        DispatcherConfig("all_to_all", capacity_tokens=4)
+
+
+def test_send_plan_ships_each_token_once_per_destination() -> None:
+    placement = ExpertPlacement(8, 4, 0)  # rank r owns experts 2r, 2r + 1
+    ids = torch.tensor([[0, 1, 6], [2, 7, 3], [5, 4, 0]])
+    plan = plan_send(ids, placement)
+    assert plan.send_counts.tolist() == [2, 1, 1, 2]
+    assert plan.token.tolist() == [0, 2, 1, 2, 0, 1]  # grouped by rank, tokens ascending
+    # Token 0 goes to rank 0 once, carrying both its rank-0 experts as local ids 0 and 1.
+    assert plan.local_ids[0].tolist() == [0, 1, -1]
+    assert plan.local_ids[5].tolist() == [-1, 1, -1]  # token 1 at rank 3: expert 7 → local 1
+
+
+def test_ordered_combine_sums_in_expert_id_order_not_slot_order() -> None:
+    dispatcher = build_dispatcher(DispatcherConfig("local"), ExpertPlacement(4, 1, 0), None)
+    x = torch.tensor([[1.0], [2.0]])
+    ids = torch.tensor([[3, 1, 0], [1, 2, 0]])
+    weights = torch.tensor([[1e8, -1e8, 1.0], [1.0, 1.0, 1.0]])
+    recv = dispatcher.dispatch(x, ids, weights)
+    row, _, weight = recv.pairs()
+    pair_out = recv.x[row] * weight[:, None]
+    # fp32, experts ascending: (1 + −1e8) + 1e8 = 0; slot order: (1e8 − 1e8) + 1 = 1.
+    assert dispatcher.combine(pair_out, recv, ordered=True)[:, 0].tolist() == [0.0, 6.0]
+    assert dispatcher.combine(pair_out, recv, ordered=False)[:, 0].tolist() == [1.0, 6.0]
+
+
+def test_partial_read_keeps_only_the_chosen_routed_experts(tiny_checkpoint: Path) -> None:
+    loaded = load_checkpoint(
+        tiny_checkpoint, progress=False, include=routed_expert_filter(lambda e: e in (2, 3))
+    )
+    layer = {name.split(".")[4] for name in loaded.tensors if ".ffn.experts." in name}
+    assert layer >= {"2", "3"}  # DSpark (mtp.*) experts stay whole
+    target = {
+        name.split(".")[4] for name in loaded.tensors if name.startswith("layers.1.ffn.experts.")
+    }
+    assert target == {"2", "3"}
+    assert any(name.startswith("mtp.0.ffn.experts.3.") for name in loaded.tensors)
+
+
+def test_loading_an_ep_rank_of_a_non_divisible_size_fails_clearly(tiny_checkpoint: Path) -> None:
+    with pytest.raises(CheckpointError, match="cannot be split over 3 EP ranks"):
+        load_model(tiny_checkpoint, progress=False, expert_parallel=ExpertParallel(1, 3))
+    with pytest.raises(ValueError, match="cannot be split over 3 EP ranks"):
+        DeepseekV41ForCausalLM(preset_config("tiny"), expert_parallel=ExpertParallel(0, 3))
+
+
+def test_ep_size_one_equals_the_untouched_local_path(tiny_checkpoint: Path) -> None:
+    local = ExpertParallel(0, 1, None, DispatcherConfig("local"))
+    plain = load_model(tiny_checkpoint, progress=False)
+    sharded = load_model(tiny_checkpoint, progress=False, expert_parallel=local)
+    tokens = [[5, 9, 200, 3, 3, 41, 7], [8, 1]]
+    assert torch.equal(sharded.logits(tokens), plain.logits(tokens))
