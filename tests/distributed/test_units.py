@@ -135,3 +135,14 @@ def test_ep_size_one_equals_the_untouched_local_path(tiny_checkpoint: Path) -> N
     sharded = load_model(tiny_checkpoint, progress=False, expert_parallel=local)
     tokens = [[5, 9, 200, 3, 3, 41, 7], [8, 1]]
     assert torch.equal(sharded.logits(tokens), plain.logits(tokens))
+
+
+def test_load_model_of_an_ep_rank_reads_only_its_experts(tiny_checkpoint: Path) -> None:
+    model = load_model(tiny_checkpoint, progress=False, expert_parallel=ExpertParallel(1, 2))
+    names = model.state_dict()
+    for layer in range(model.config.num_hidden_layers):
+        experts = {
+            int(n.split(".")[4]) for n in names if n.startswith(f"layers.{layer}.ffn.experts.")
+        }
+        assert experts == {4, 5, 6, 7}
+    assert len(model.mtp[0].ffn.experts) == model.config.dspark_n_routed_experts

@@ -16,7 +16,9 @@ from engine.distributed.dispatch import (
 )
 from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.groups import RankConfig, RankGroups, rank_groups
-from engine.models import DeepseekV41ForCausalLM, Numerics, load_model, sequential_batch
+from engine.models import DeepseekV41ForCausalLM, Numerics, load_checkpoint, sequential_batch
+from engine.models.deepseek_v41.checkpoint_loader import read_config, routed_expert_filter
+from engine.models.deepseek_v41.loading import engram_token_map
 
 HIDDEN, EXPERTS, TOP_K = 16, 8, 3
 TIMEOUT_S = 30.0
@@ -204,6 +206,21 @@ def _compare(got: list[Any], want: list[Any]) -> tuple[bool, float]:
     return exact, worst
 
 
+def _from_checkpoint(checkpoint: Path, ep: ExpertParallel | None):
+    """The model of one rank from a partial checkpoint read, built on the CPU (`load_model`'s
+    `meta` construction costs each fresh process seconds of torch imports; it is tested in
+    process by `test_units`)."""
+    config = read_config(checkpoint)
+    include = (
+        None if ep is None else routed_expert_filter(ep.placement(config.n_routed_experts).owns)
+    )
+    loaded = load_checkpoint(checkpoint, progress=False, include=include)
+    model = DeepseekV41ForCausalLM(config, expert_parallel=ep)
+    model.load_state_dict(loaded.tensors, strict=True)
+    model.set_engram_token_map(torch.from_numpy(engram_token_map(checkpoint, config)))
+    return model.eval()
+
+
 def _rebuild(source, numerics: Numerics, ep: ExpertParallel | None):
     """`source`'s weights in a model with other numerics or another dispatcher."""
     model = DeepseekV41ForCausalLM(source.config, numerics=numerics, expert_parallel=ep)
@@ -234,8 +251,8 @@ def model_checks(groups: RankGroups, checkpoint: Path) -> dict[str, Any]:
     a2a = ExpertParallel.from_groups(groups, DispatcherConfig("all_to_all"))
     fixed_big = ExpertParallel.from_groups(groups, DispatcherConfig("fixed_capacity", 64))
     fixed_overflow = ExpertParallel.from_groups(groups, DispatcherConfig("fixed_capacity", 2))
-    reference = load_model(checkpoint, progress=False)
-    shard = load_model(checkpoint, progress=False, expert_parallel=a2a)
+    reference = _from_checkpoint(checkpoint, None)
+    shard = _from_checkpoint(checkpoint, a2a)
     models = {
         "fast/all_to_all": _rebuild(shard, fast, a2a),
         "fast/fixed_big": _rebuild(shard, fast, fixed_big),
