@@ -3,7 +3,7 @@
 `run_ranks(fn, world_size, *args)` starts `fn(rank, world_size, port, *args)` in N fresh
 processes and returns their results by rank. A rank that raises, exits without a result or
 outlives the deadline fails the call; every process still alive is then killed, so no rank is
-ever left behind.
+ever left behind. Every rank's error is reported (a rank's failure makes its peers fail too).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from engine.distributed.groups import free_port
 
 DEADLINE_S = 90.0
+GRACE_S = 2.0
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args, results) -> None:
@@ -47,7 +48,8 @@ def run_ranks(
         while len(got) + len(errors) < world_size:
             left = end - time.monotonic()
             if left <= 0:
-                errors.append(f"timed out after {deadline_s} s; ranks done: {sorted(got)}")
+                if not errors:
+                    errors.append(f"timed out after {deadline_s} s; ranks done: {sorted(got)}")
                 break
             try:
                 rank, ok, value = results.get(timeout=min(left, 1.0))
@@ -61,7 +63,9 @@ def run_ranks(
                 got[rank] = value
             else:
                 errors.append(f"rank {rank} raised:\n{value}")
-                break  # the others may now wait in a collective: stop them
+                # The others now fail too or wait in a collective: collect what they report
+                # for a moment (the first report need not be the cause), then stop them.
+                end = min(end, time.monotonic() + GRACE_S)
     finally:
         for proc in procs:
             proc.join(timeout=5 if not errors else 0.5)
