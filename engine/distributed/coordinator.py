@@ -17,6 +17,10 @@ The agreement also fixes the CUDA-graph bucket (`bucket_for`: the smallest bucke
 largest rank's tokens, the same on every rank) and the fixed-capacity dispatcher's bound
 (`max_tokens`: no rank sends more rows than that to any peer).
 
+NOTE: every choice that changes which collectives a step runs (zero-token step, dispatcher,
+graph bucket) must be a function of the agreement alone, never of rank-local state, or ranks
+pair different collectives and hang until the group timeout.
+
 Idle: when no rank has work every rank sleeps `idle_sleep_s`, doubling up to `max_idle_sleep_s`
 while the engine stays idle (work arriving meanwhile waits at most that long); the first step
 with work resets the backoff. A mismatch of step numbers (a rank skipped or repeated a step)
