@@ -74,17 +74,25 @@ class ModelTokenizer:
             ValueError: a special range spells no known special token.
         """
         prompt = rendered.prompt
-        ids: list[int] = []
+        plain: list[str] = []
+        specials: list[int] = []
         position = 0
         for start, end in rendered.special_ranges:
-            ids.extend(self._encode_plain(prompt[position:start]))
+            plain.append(prompt[position:start])
             spelling = prompt[start:end]
             token_id = self.special_ids.get(spelling)
             if token_id is None:
                 raise ValueError(f"rendered special range {spelling!r} is not a special token")
-            ids.append(token_id)
+            specials.append(token_id)
             position = end
-        ids.extend(self._encode_plain(prompt[position:]))
+        plain.append(prompt[position:])
+        # NOTE: `encode_batch` releases the GIL (`encode` does not), so a long prompt tokenized
+        # in a worker thread leaves the event loop free; each segment is still encoded alone.
+        encoded = self.plain.encode_batch(plain, add_special_tokens=False)
+        ids: list[int] = list(encoded[0].ids)
+        for token_id, segment in zip(specials, encoded[1:], strict=True):
+            ids.append(token_id)
+            ids.extend(segment.ids)
         return ids
 
     def encode_text(self, text: str, add_bos: bool) -> tuple[list[int], list[str]]:

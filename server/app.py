@@ -8,6 +8,10 @@ checkpoint folder unless one is given, builds the protocol layer and the grammar
 the model's vocabulary, starts the engine, and on shutdown lets in-flight
 requests drain (bounded) before stopping it. Routes reach everything through
 `server.dependencies`.
+
+Middleware, outermost first: request id + unhandled errors (`server.request_id`), shutdown
+drain (`server.drain`, its controller on `app.state.drain`), API key (`server.auth`), request
+body checks (`server.limits`).
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ from server.admission import AdmissionController
 from server.auth import ApiKeyMiddleware
 from server.config import ServerConfig
 from server.dependencies import ServerState
+from server.drain import DrainController, DrainMiddleware
 from server.errors import install_error_handlers
+from server.limits import RequestBodyMiddleware
 from server.metrics import ServerMetrics
+from server.request_id import RequestIdMiddleware
 from server.routes import common, protocols
 
 logger = logging.getLogger(__name__)
-
-SHUTDOWN_DRAIN_TIMEOUT_S = 30.0  # in-flight requests get this long to finish on shutdown
 
 
 def checkpoint_folder(engine: AsyncEngine) -> Path:
@@ -112,13 +117,21 @@ def create_app(
         try:
             yield
         finally:
-            await built.shutdown(drain=True, timeout=SHUTDOWN_DRAIN_TIMEOUT_S)
+            await built.shutdown(drain=True, timeout=config.shutdown_timeout_s)
+
+    async def abort_all() -> None:
+        if state.engine is not None:
+            await state.engine.shutdown(drain=False)
 
     app = FastAPI(title="deepinfer-server", lifespan=lifespan)
     app.state.server = state
+    app.state.drain = DrainController(abort_all)
     install_error_handlers(app)
+    app.add_middleware(RequestBodyMiddleware, max_request_bytes=config.max_request_bytes)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(DrainMiddleware, controller=app.state.drain)
+    app.add_middleware(RequestIdMiddleware)
     app.add_exception_handler(RecipeError, protocols.recipe_error_response)
     app.include_router(common.router)
     app.include_router(protocols.router)

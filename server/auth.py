@@ -3,7 +3,7 @@
 OpenAI routes take `Authorization: Bearer <key>`; Messages routes (`/v1/messages*`) take
 `x-api-key: <key>`, or the Bearer header as the Anthropic SDK sends with `auth_token`.
 `/`, `/health` and `/metrics` are always open. A missing or wrong key is a 401 in the route's own
-envelope.
+envelope, with a `WWW-Authenticate: Bearer` challenge.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from recipe.errors import Protocol
 from server.errors import APIError, ErrorKind, error_response, protocol_of
 
 OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
+WWW_AUTHENTICATE = 'Bearer realm="deepinfer-server"'  # RFC 9110 §11.6.1: every 401 names one
 
 
 def presented_key(headers: dict[str, str], protocol: Protocol) -> str | None:
@@ -45,5 +46,9 @@ class ApiKeyMiddleware:
             return
         header = "x-api-key" if protocol.is_anthropic else "Authorization: Bearer"
         message = "missing API key" if key is None else "invalid API key"
-        error = APIError(ErrorKind.AUTHENTICATION, f"{message} (send it as {header})")
+        error = APIError(
+            ErrorKind.AUTHENTICATION,
+            f"{message} (send it as {header})",
+            headers={"www-authenticate": WWW_AUTHENTICATE},
+        )
         await error_response(scope["path"], error)(scope, receive, send)

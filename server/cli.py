@@ -160,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="file with >= 32 secret bytes sealing Responses reasoning (encrypted_content) "
         "across restarts and replicas (default: a random key per process)",
     )
+    add(
+        "--max-request-bytes",
+        type=int,
+        default=_SERVER_DEFAULTS.max_request_bytes,
+        help="largest request body accepted (larger: 413)",
+    )
+    add(
+        "--shutdown-timeout",
+        type=float,
+        default=_SERVER_DEFAULTS.shutdown_timeout_s,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are ended",
+    )
     return parser
 
 
@@ -189,6 +201,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         default_max_tokens=args.default_max_tokens,
         max_tokens_limit=args.max_tokens_limit,
         reasoning_key_file=args.reasoning_key_file,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
         engine=engine,
     )
 
@@ -197,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
     from server.app import create_app
+    from server.drain import STOP_GRACE_S, DrainingServer
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -209,7 +224,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     host, port = sock.getsockname()[:2]
     logger.info("bound http://%s:%d; it answers once the model is loaded", host, port)
-    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="info"))
+    app = create_app(config)
+    server = DrainingServer(
+        # The timeout is a backstop: the drain has ended every request by then.
+        uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(STOP_GRACE_S) + 1),
+        app.state.drain,
+        config.shutdown_timeout_s,
+    )
     # uvicorn re-raises the SIGINT it stopped on; `uvicorn.run` swallows it the same way.
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[sock])

@@ -25,6 +25,9 @@ class ServerConfig:
     default_max_tokens / max_tokens_limit: see `recipe.RecipeConfig` (None: the recipe's).
     reasoning_key_file: the key that seals Responses reasoning (`encrypted_content`), so it
         opens across restarts and replicas; None: a random key per process.
+    max_request_bytes: largest request body accepted; a larger one is answered 413.
+    shutdown_timeout_s: on SIGTERM, how long in-flight requests get to finish before the rest
+        are ended with an error (`server.drain`).
     engine: handed to `AsyncEngine.from_config` when the app builds its own engine.
     """
 
@@ -37,6 +40,8 @@ class ServerConfig:
     default_max_tokens: int | None = None
     max_tokens_limit: int | None = None
     reasoning_key_file: str | None = None
+    max_request_bytes: int = 8 * 1024 * 1024
+    shutdown_timeout_s: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -48,6 +53,10 @@ class ServerConfig:
             raise ValueError("api_key must not be blank (leave it unset for an open server)")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
+        if self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be >= 1024")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError("shutdown_timeout_s must be >= 0")
         if self.max_queued_requests < 1:
             raise ValueError("max_queued_requests must be >= 1")
         if not self.served_model_names or not all(self.served_model_names):

@@ -60,6 +60,7 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = 404
     METHOD_NOT_ALLOWED = 405
     REQUEST_TOO_LARGE = 413
+    UNSUPPORTED_MEDIA_TYPE = 415
     OVERLOADED = 429  # admission queue full
     INTERNAL = 500
     UNAVAILABLE = 503  # engine not running / shutting down
@@ -172,16 +173,11 @@ async def _client_disconnected(request: Request, exc: Exception) -> Response:
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(request.url.path, APIError(ErrorKind.INTERNAL, "internal server error"))
-
-
 def install_error_handlers(app: FastAPI) -> None:
-    """Register every handler above on `app`."""
+    """Register every handler above on `app`. Exceptions no handler takes are answered by
+    `server.request_id.RequestIdMiddleware` (one log line, a 500, the connection kept)."""
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(EngineClosedError, _engine_closed)
     app.add_exception_handler(ClientDisconnectedError, _client_disconnected)
-    app.add_exception_handler(Exception, _unexpected)

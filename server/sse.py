@@ -14,7 +14,8 @@ the engine iterator it holds aborts the request. Release admission slots and cal
 Headers are sent before the first event, so an exception raised by the source mid-stream
 cannot become an HTTP error any more: it is logged and sent as the protocol's error event
 (`APIError` messages as they are, anything else as "internal server error"), and the stream
-ends.
+ends. A stream whose request is stopped by the shutdown drain (`server.drain`) ends the same
+way, with a 503-kind "the server is shutting down" error event.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
 from recipe.errors import Protocol
+from server.drain import current_stop_event
 from server.errors import APIError, ErrorKind, error_body
+from server.request_id import log_unexpected
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +49,50 @@ def encode_json(payload: Any) -> str:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
-ErrorEvent = Callable[[APIError], tuple[str, Mapping[str, Any]]]
+ErrorEvent = Callable[[APIError, int], tuple[str, Mapping[str, Any]]]
+"""(error, sequence number the event takes) -> (event name, payload)."""
 
 
 def _as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
-    logger.error("stream failed", exc_info=exc)
+    log_unexpected(exc, "stream failed")
     return APIError(ErrorKind.INTERNAL, "internal server error")
 
 
-def anthropic_error_event(error: APIError) -> tuple[str, Mapping[str, Any]]:
+def anthropic_error_event(
+    error: APIError, sequence_number: int = 0
+) -> tuple[str, Mapping[str, Any]]:
     """Messages' in-stream error: `event: error` with the Anthropic error envelope."""
     return "error", error_body(Protocol.MESSAGES, error.kind, error.message, None, None)
+
+
+def responses_error_event(error: APIError, sequence_number: int) -> tuple[str, Mapping[str, Any]]:
+    """Responses' in-stream error (`ResponseErrorEvent`): type, code, message, param and the
+    next `sequence_number` of the stream."""
+    openai = error_body(Protocol.RESPONSES, error.kind, error.message, error.param, error.code)
+    return "error", {
+        "type": "error",
+        "code": openai["error"]["code"] or openai["error"]["type"],
+        "message": error.message,
+        "param": error.param,
+        "sequence_number": sequence_number,
+    }
+
+
+_SHUTTING_DOWN = "the server is shutting down"
+
+
+def _check_not_stopped(stop: Any) -> None:
+    if stop is not None and stop.is_set():
+        raise APIError(ErrorKind.UNAVAILABLE, _SHUTTING_DOWN)
+
+
+def _next_sequence_number(payload: Any, current: int) -> int:
+    number = payload.get("sequence_number") if isinstance(payload, Mapping) else None
+    if number is None:
+        number = getattr(payload, "sequence_number", None)
+    return number + 1 if isinstance(number, int) else current
 
 
 async def _aclose(source: Any) -> None:
@@ -71,9 +105,11 @@ async def _aclose(source: Any) -> None:
 async def _data_events(
     chunks: AsyncIterator[Mapping[str, Any] | str], send_done: bool
 ) -> AsyncIterator[ServerSentEvent]:
+    stop = current_stop_event()
     try:
         try:
             async for chunk in chunks:
+                _check_not_stopped(stop)
                 yield ServerSentEvent(data=encode_json(chunk), sep=_SEP)
         except Exception as exc:  # headers are out: report in-stream (OpenAI/vLLM style)
             error = _as_api_error(exc)
@@ -88,12 +124,16 @@ async def _data_events(
 async def _named_events(
     events: AsyncIterator[tuple[str, Mapping[str, Any] | str]], error_event: ErrorEvent
 ) -> AsyncIterator[ServerSentEvent]:
+    stop = current_stop_event()
+    sequence_number = 0
     try:
         try:
             async for name, payload in events:
+                _check_not_stopped(stop)
+                sequence_number = _next_sequence_number(payload, sequence_number)
                 yield ServerSentEvent(data=encode_json(payload), event=name, sep=_SEP)
         except Exception as exc:  # headers are out: report in-stream
-            name, payload = error_event(_as_api_error(exc))
+            name, payload = error_event(_as_api_error(exc), sequence_number)
             yield ServerSentEvent(data=encode_json(payload), event=name, sep=_SEP)
     finally:
         await _aclose(events)
@@ -130,6 +170,6 @@ def event_stream(
     """Named-event SSE (Responses, Messages): each `(name, payload)` as `event:` + `data:`.
 
     error_event: turns a mid-stream failure into the protocol's error event (Messages by
-    default; the Responses route passes one that adds its `sequence_number`).
+    default; the Responses route passes `responses_error_event`).
     """
     return _response(_named_events(events, error_event), headers)

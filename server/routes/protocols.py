@@ -7,6 +7,7 @@ stream early (client gone) closes the engine iterator, which aborts the request 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -33,7 +34,7 @@ from server.dependencies import (
 from server.disconnect import run_until_disconnect
 from server.errors import APIError, ErrorKind
 from server.metrics import ServerMetrics
-from server.sse import anthropic_error_event, data_stream, event_stream
+from server.sse import anthropic_error_event, data_stream, event_stream, responses_error_event
 
 router = APIRouter()
 
@@ -52,12 +53,33 @@ Admission = Annotated[AdmissionController, Depends(get_admission)]
 Metrics = Annotated[ServerMetrics, Depends(get_metrics)]
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+OFF_LOOP_BYTES = 64 * 1024
+"""Bodies larger than this are parsed, rendered and tokenized in a worker thread, so the event
+loop (health checks, other streams) keeps running meanwhile."""
+
+
+def _parse_json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(ErrorKind.INVALID_REQUEST, f"malformed JSON body: {exc}") from exc
+
+
+async def _prepare(
+    request: Request, recipe: Recipe, protocol: Protocol, defaults: dict[str, Any] | None = None
+) -> PreparedRequest:
+    """Parse the body (`defaults` fill missing fields) and `Recipe.prepare` it; an unknown
+    `model` is a 404. Off the event loop for bodies over `OFF_LOOP_BYTES`."""
+    raw = await request.body()
+
+    def prepare() -> PreparedRequest:
+        body = _parse_json(raw)
+        if isinstance(body, dict) and defaults:
+            body = {**defaults, **body}
+        _check_model(request, body)
+        return recipe.prepare(protocol, body)
+
+    return await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
 
 
 async def _compile_constraint(
@@ -159,9 +181,7 @@ async def _serve(
     admission: AdmissionController,
     metrics: ServerMetrics,
 ):
-    body = await _json_body(request)
-    _check_model(request, body)
-    prepared = recipe.prepare(protocol, body)
+    prepared = await _prepare(request, recipe, protocol)
     constraint = await _compile_constraint(prepared, get_state(request))
     call = _Call(prepared, constraint, recipe, engine, metrics)
     metrics.on_request_start(call.request_id)
@@ -205,13 +225,7 @@ async def _named(events: AsyncIterator[StreamEvent]) -> AsyncIterator[tuple[str,
 
 
 def _error_event(protocol: Protocol):
-    if protocol is Protocol.MESSAGES:
-        return anthropic_error_event
-
-    def responses_error(error: APIError) -> tuple[str, dict[str, Any]]:
-        return "error", {"type": "error", "code": error.kind.name.lower(), "message": str(error)}
-
-    return responses_error
+    return anthropic_error_event if protocol is Protocol.MESSAGES else responses_error_event
 
 
 @router.post("/v1/chat/completions")
@@ -237,11 +251,8 @@ async def messages(
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request, recipe: RecipeDep) -> dict[str, int]:
-    body = await _json_body(request)
-    _check_model(request, body)
-    if isinstance(body, dict) and "max_tokens" not in body:
-        body = {**body, "max_tokens": 1}
-    return {"input_tokens": recipe.prepare(Protocol.MESSAGES, body).num_prompt_tokens}
+    prepared = await _prepare(request, recipe, Protocol.MESSAGES, defaults={"max_tokens": 1})
+    return {"input_tokens": prepared.num_prompt_tokens}
 
 
 def recipe_error_response(_request: Request, exc: Exception) -> JSONResponse:
