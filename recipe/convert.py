@@ -369,6 +369,8 @@ def _preprocess_chat(body: dict[str, Any], protocol: Protocol) -> _Extras:
     if body.get("max_completion_tokens") is not None:
         body["max_tokens"] = body["max_completion_tokens"]
     body.pop("max_completion_tokens", None)
+    if body.get("stop") is not None:
+        _parse_stop(body["stop"], protocol)  # OpenAI's limit of 4, as on Responses (issue 13)
     n = body.pop("n", None)
     if n is not None:
         if not _is_int(n) or not 1 <= n <= MAX_CHOICES:

@@ -28,8 +28,11 @@ from server.dependencies import (
 )
 from server.errors import APIError, ErrorKind
 from server.metrics import CONTENT_TYPE
+from server.openapi import error_responses
 
 router = APIRouter()
+_HEALTH_ERRORS: dict[int | str, dict] = {503: {"description": "Not running, or draining"}}
+_ERRORS = error_responses(anthropic=False, generation=False)
 
 _CREATED = int(time.time())  # "created" of the model list: the process start
 _PACKAGE = "deepinfer-server"
@@ -117,11 +120,15 @@ async def root(config: Annotated[ServerConfig, Depends(get_config)]) -> dict:
     }
 
 
-@router.get("/health")
-async def health(state: Annotated[ServerState, Depends(get_state)]) -> Response:
+class HealthResponse(BaseModel):
+    status: str  # "ok"; a draining server answers 503 {"status": "draining"} (server.drain)
+
+
+@router.get("/health", responses=_HEALTH_ERRORS)
+async def health(state: Annotated[ServerState, Depends(get_state)]) -> HealthResponse:
     if state.engine is None or not state.engine.is_running:
         raise APIError(ErrorKind.UNAVAILABLE, "the engine is not running")
-    return Response(status_code=200)
+    return HealthResponse(status="ok")
 
 
 def _model_card(name: str, max_model_len: int) -> dict:
@@ -138,7 +145,7 @@ def _model_card(name: str, max_model_len: int) -> dict:
     }
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=_ERRORS)
 async def list_models(
     config: Annotated[ServerConfig, Depends(get_config)],
     engine: Annotated[AsyncEngine, Depends(get_engine)],
@@ -155,7 +162,7 @@ async def list_models(
     }
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", responses=_ERRORS)
 async def retrieve_model(
     model_id: str,
     config: Annotated[ServerConfig, Depends(get_config)],
@@ -165,7 +172,7 @@ async def retrieve_model(
     return _model_card(name, engine.core.scheduler.config.max_model_len)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=_ERRORS)
 async def tokenize(
     body: TokenizeRequest | ChatTokenizeRequest,
     state: Annotated[ServerState, Depends(get_state)],
@@ -240,7 +247,7 @@ def _generation_header(recipe: Recipe, ids: list[int]) -> list[int]:
     return ids[-2:]
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=_ERRORS)
 async def detokenize(
     body: DetokenizeRequest,
     config: Annotated[ServerConfig, Depends(get_config)],

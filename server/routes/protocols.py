@@ -34,6 +34,14 @@ from server.dependencies import (
 from server.disconnect import run_until_disconnect
 from server.errors import APIError, ErrorKind
 from server.metrics import ServerMetrics
+from server.openapi import (
+    CHAT_REQUEST,
+    COUNT_TOKENS_REQUEST,
+    MESSAGES_REQUEST,
+    RESPONSES_REQUEST,
+    error_responses,
+    request_body,
+)
 from server.sse import anthropic_error_event, data_stream, event_stream, responses_error_event
 
 router = APIRouter()
@@ -228,28 +236,44 @@ def _error_event(protocol: Protocol):
     return anthropic_error_event if protocol is Protocol.MESSAGES else responses_error_event
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=request_body(CHAT_REQUEST),
+    responses=error_responses(False),
+)
 async def chat_completions(
     request: Request, recipe: RecipeDep, engine: Engine, admission: Admission, metrics: Metrics
 ):
     return await _serve(Protocol.CHAT, request, recipe, engine, admission, metrics)
 
 
-@router.post("/v1/responses")
+@router.post(
+    "/v1/responses",
+    openapi_extra=request_body(RESPONSES_REQUEST),
+    responses=error_responses(False),
+)
 async def responses(
     request: Request, recipe: RecipeDep, engine: Engine, admission: Admission, metrics: Metrics
 ):
     return await _serve(Protocol.RESPONSES, request, recipe, engine, admission, metrics)
 
 
-@router.post("/v1/messages")
+@router.post(
+    "/v1/messages",
+    openapi_extra=request_body(MESSAGES_REQUEST),
+    responses=error_responses(True),
+)
 async def messages(
     request: Request, recipe: RecipeDep, engine: Engine, admission: Admission, metrics: Metrics
 ):
     return await _serve(Protocol.MESSAGES, request, recipe, engine, admission, metrics)
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post(
+    "/v1/messages/count_tokens",
+    openapi_extra=request_body(COUNT_TOKENS_REQUEST),
+    responses=error_responses(True, generation=False),
+)
 async def count_tokens(request: Request, recipe: RecipeDep) -> dict[str, int]:
     prepared = await _prepare(request, recipe, Protocol.MESSAGES, defaults={"max_tokens": 1})
     return {"input_tokens": prepared.num_prompt_tokens}

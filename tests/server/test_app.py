@@ -177,6 +177,7 @@ def test_api_key(make_app):
         assert client.get("/health").status_code == 200
         assert client.get("/metrics").status_code == 200
         assert_openai_error(client.get("/v1/models"), 401, "authentication_error")
+        assert client.get("/v1/models").headers["www-authenticate"].startswith("Bearer ")
         wrong = {"Authorization": "Bearer nope"}
         assert_openai_error(client.get("/v1/models", headers=wrong), 401, "authentication_error")
         assert_openai_error(  # the Messages header does not open OpenAI routes
