@@ -18,8 +18,8 @@ _STRING_OR_PARTS: dict[str, Any] = {
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"type": {"type": "string"}, "text": {"type": "string"}},
-                "required": ["type"],
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                "required": ["type", "text"],
             },
         },
     ]
@@ -49,7 +49,8 @@ _FUNCTION_TOOL = {
     "required": ["type", "function"],
 }
 _NUMBER_OR_NULL = {"type": ["number", "null"]}
-_INT_OR_NULL = {"type": ["integer", "null"], "minimum": 1}
+_INT32 = 2**31 - 1
+_INT_OR_NULL = {"type": ["integer", "null"], "minimum": 1, "maximum": _INT32}
 
 CHAT_REQUEST: dict[str, Any] = {
     "title": "ChatCompletionRequest",
@@ -62,10 +63,10 @@ CHAT_REQUEST: dict[str, Any] = {
             "minItems": 1,
             "items": {
                 "type": "object",
-                "required": ["role"],
+                "required": ["role", "content"],
                 "properties": {
                     "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-                    "content": {"anyOf": [_STRING_OR_PARTS, {"type": "null"}]},
+                    "content": _STRING_OR_PARTS,
                     "name": {"type": "string"},
                     "reasoning_content": {"type": ["string", "null"]},
                     "tool_calls": {"type": "array", "items": {"type": "object"}},
@@ -85,7 +86,7 @@ CHAT_REQUEST: dict[str, Any] = {
             "type": ["object", "null"],
             "properties": {"include_usage": {"type": "boolean"}},
         },
-        "seed": {"type": ["integer", "null"]},
+        "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**63 - 1},
         "presence_penalty": _NUMBER_OR_NULL,
         "frequency_penalty": _NUMBER_OR_NULL,
         "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
@@ -153,7 +154,7 @@ MESSAGES_REQUEST: dict[str, Any] = {
     "required": ["model", "messages", "max_tokens"],
     "properties": {
         "model": {"type": "string"},
-        "max_tokens": {"type": "integer", "minimum": 1},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": _INT32},
         "messages": {
             "type": "array",
             "minItems": 1,
@@ -169,14 +170,14 @@ MESSAGES_REQUEST: dict[str, Any] = {
         "system": _STRING_OR_PARTS,
         "temperature": {"type": "number", "minimum": 0, "maximum": 1},
         "top_p": {"type": "number"},
-        "top_k": {"type": "integer", "minimum": 0},
+        "top_k": {"type": "integer", "minimum": 0, "maximum": _INT32},
         "stop_sequences": {"type": "array", "items": {"type": "string"}},
         "stream": {"type": "boolean"},
         "thinking": {
             "type": "object",
             "properties": {
                 "type": {"enum": ["enabled", "disabled"]},
-                "budget_tokens": {"type": "integer"},
+                "budget_tokens": {"type": "integer", "minimum": 0, "maximum": _INT32},
             },
             "required": ["type"],
         },

@@ -5,8 +5,9 @@ junk nested in, numbers pushed out of range, strings made huge or odd); every an
 non-5xx with a JSON error envelope of the route's protocol, or a normal response. Generation
 lengths that survive validation are capped so the run stays fast. Deterministic by seed.
 
-(The protocol routes read raw JSON and validate through deepseek-recipe, so the app's OpenAPI
-schema has no body models for schemathesis to generate from; this fuzzer plays that role.)
+A second fuzzer, schemathesis, generates bodies (valid and invalid) from the request schemas
+the server publishes in `/openapi.json` (`server/openapi.py`) for every route, and asserts the
+same: no 5xx.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ import random
 
 import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from server.app import create_app
+from server.config import ServerConfig
 
 MODEL = "DeepSeek-V4.1-Flash"
 USER = [{"role": "user", "content": "Hi"}]
@@ -182,3 +189,52 @@ def test_mutated_bodies_never_get_a_5xx(default_server, path: str) -> None:
     engine = default_server[2]
     scheduler = engine.core.scheduler
     scheduler.check_integrity()
+
+
+# ---- schemathesis over the published OpenAPI document -------------------------------------------
+
+SCHEMA_EXAMPLES = 30  # per operation and generation mode: the whole run stays well under a minute
+
+
+# The document an app publishes (no engine is built before its lifespan starts); the live
+# server publishes the same one (asserted below).
+# Phases "examples" and "fuzzing" (valid and invalid bodies); the "coverage" phase enumerates
+# every boundary case of every field (hundreds per route) and would take minutes.
+SCHEMA_CONFIG = schemathesis.Config.from_dict({"phases": {"coverage": {"enabled": False}}})
+schema = schemathesis.openapi.from_dict(create_app(ServerConfig()).openapi(), config=SCHEMA_CONFIG)
+
+
+def test_the_live_server_publishes_the_fuzzed_document(default_server) -> None:
+    assert httpx.get(default_server[0] + "/openapi.json").json() == schema.raw_schema
+
+
+def _steer(body: object, path: str) -> None:
+    """A generated `model` name becomes the served one (else nearly every body is a 404), and
+    lengths stay short, so that bodies that validate generate few tokens (the fuzzer is after
+    the server's answers, not after long generations)."""
+    if not isinstance(body, dict):
+        return
+    if isinstance(body.get("model"), str):
+        body["model"] = MODEL
+    if path in LENGTH_KEY:
+        body.setdefault(LENGTH_KEY[path], 2)
+    for key in LENGTH_KEYS:
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 2:
+            body[key] = 2
+
+
+@schema.parametrize()
+@settings(
+    max_examples=SCHEMA_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+def test_published_schemas_never_get_a_5xx(case, default_server) -> None:
+    _steer(case.body, case.path)
+    response = case.call(base_url=default_server[0], timeout=60)
+    case.validate_response(response, checks=[not_a_server_error])
+    if response.status_code >= 400:
+        _check(httpx.Response(response.status_code, content=response.content), case.path)
