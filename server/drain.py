@@ -146,6 +146,7 @@ class DrainingServer(uvicorn.Server):
         self._timeout = timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._is_draining = False
+        self._drain_task: asyncio.Future[None] | None = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()

@@ -157,3 +157,14 @@ def test_cli_output_limits_and_reasoning_key(tmp_path):
     assert config.reasoning_key_file == str(key)
     with pytest.raises(ValueError):
         ServerConfig(default_max_tokens=0)
+
+
+def test_cli_body_limit_and_shutdown_timeout():
+    defaults = config_from_args(build_parser().parse_args([]))
+    assert defaults.max_request_bytes == 8 * 1024 * 1024 and defaults.shutdown_timeout_s == 30.0
+    args = build_parser().parse_args(["--max-request-bytes", "65536", "--shutdown-timeout", "2.5"])
+    config = config_from_args(args)
+    assert config.max_request_bytes == 65536 and config.shutdown_timeout_s == 2.5
+    for bad in ({"max_request_bytes": 10}, {"shutdown_timeout_s": -1.0}):
+        with pytest.raises(ValueError):
+            ServerConfig(**bad)
