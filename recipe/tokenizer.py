@@ -126,11 +126,6 @@ class ModelTokenizer:
         """Text of `token_ids` with special tokens spelled out."""
         return self.full.decode(token_ids, skip_special_tokens=False)
 
-    def _encode_plain(self, text: str) -> list[int]:
-        if not text:
-            return []
-        return self.plain.encode(text, add_special_tokens=False).ids
-
 
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's printable stand-in character -> the byte it stands for (printable
