@@ -53,6 +53,10 @@ class EngineClosedError(RuntimeError):
     """The engine is shutting down and admits no new requests."""
 
 
+class RequestRejectedError(ValueError):
+    """A request that can never run on this engine (`AsyncEngine.check_request`)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What `AsyncEngine.from_config` builds.
@@ -269,6 +273,28 @@ class AsyncEngine:
                 self._submit(lambda rid=rid: self._abort_one(rid))
             for rid in ids:  # late deltas of aborted choices are dropped by _dispatch
                 self._streams.pop(rid, None)
+
+    def check_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        constraint: CompiledConstraint | None = None,
+    ) -> None:
+        """Refuse, before anything is streamed, a request `generate` would fail: one that can
+        never run here (context length, KV pool, activation memory budget) or whose
+        constraint does not fit. Reads only configuration: safe from the event loop.
+
+        Raises:
+            RequestRejectedError: why (a client error: the request must change).
+        """
+        reason = self.core.scheduler.rejection_reason(len(prompt_token_ids), params.max_tokens)
+        if reason is None and constraint is not None:
+            try:
+                self._check_constraint(constraint, params)
+            except ValueError as exc:
+                reason = str(exc)
+        if reason is not None:
+            raise RequestRejectedError(reason)
 
     def _check_constraint(self, constraint: CompiledConstraint, params: SamplingParams) -> None:
         vocab_size = self.core.runner.model.config.vocab_size

@@ -491,10 +491,13 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
 
     def _rejection_reason(self, request: Request) -> str | None:
-        """Why a new request can never run with this context limit and pool, or None."""
-        num_prompt = request.num_prompt_tokens
+        return self.rejection_reason(request.num_prompt_tokens, request.params.max_tokens)
+
+    def rejection_reason(self, num_prompt: int, max_tokens: int | None) -> str | None:
+        """Why a request of this prompt length and output limit can never run with this
+        context limit, pool and memory budget, or None. Pure: reads only configuration, so
+        the front end may ask before admitting a request (a 400 instead of a failed stream)."""
         max_model_len = self.config.max_model_len
-        max_tokens = request.params.max_tokens
         if num_prompt == 0:
             return "the prompt is empty: at least one prompt token is required"
         if max_tokens is None and num_prompt >= max_model_len:
@@ -507,7 +510,9 @@ class Scheduler:
                 f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
                 f"context length ({max_model_len} tokens)"
             )
-        max_len = min(max_model_len, request.max_tokens_total or max_model_len)
+        max_len = min(
+            max_model_len, num_prompt + max_tokens if max_tokens is not None else max_model_len
+        )
         # NOTE: the last token of a request is sampled but never computed, hence `max_len - 1`.
         num_blocks = self.kv_manager.num_blocks_needed(max_len - 1)
         pool = self.kv_manager.config

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, RequestRejectedError
 from engine.structured import CompiledConstraint, GrammarCompilerBusyError, GrammarError
 from recipe.bridge import ResponseBridge, StreamEvent
 from recipe.convert import PreparedRequest, Recipe
@@ -191,6 +191,10 @@ async def _serve(
 ):
     prepared = await _prepare(request, recipe, protocol)
     constraint = await _compile_constraint(prepared, get_state(request))
+    try:
+        engine.check_request(prepared.prompt_token_ids, prepared.sampling_params, constraint)
+    except RequestRejectedError as exc:
+        raise RecipeError(400, str(exc), prepared.protocol) from exc
     call = _Call(prepared, constraint, recipe, engine, metrics)
     metrics.on_request_start(call.request_id)
     if not prepared.stream:

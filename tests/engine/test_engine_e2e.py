@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from engine.async_engine import AsyncEngine, EngineClosedError, EngineConfig
+from engine.async_engine import AsyncEngine, EngineClosedError, EngineConfig, RequestRejectedError
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from tests.engine.engine_checks import assert_all_released
@@ -136,6 +136,20 @@ def test_impossible_request_is_rejected_not_left_waiting(tiny_model) -> None:
     tokens, finish = asyncio.run(_run_all(engine, [(list(range(100)), params)]))[0]
     assert finish == {0: FinishReason.ABORT} and tokens[0] == []
     assert_all_released(engine)
+
+
+def test_check_request_refuses_before_streaming_what_the_scheduler_would_reject(
+    tiny_model,
+) -> None:
+    engine = _engine(tiny_model, max_model_len=64)
+    too_long = SamplingParams(temperature=0, max_tokens=10)
+    with pytest.raises(RequestRejectedError, match="exceeds the context length"):
+        engine.check_request(list(range(100)), too_long)
+    with pytest.raises(RequestRejectedError, match="empty"):
+        engine.check_request([], too_long)
+    engine.check_request(list(range(50)), too_long)  # fits: no error
+    tokens, finish = asyncio.run(_run_all(engine, [(list(range(50)), too_long)]))[0]
+    assert finish == {0: FinishReason.LENGTH} and len(tokens[0]) == 10
 
 
 def test_event_loop_stays_responsive_during_a_long_prefill(tiny_model) -> None:
