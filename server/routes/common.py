@@ -104,7 +104,8 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-@router.api_route("/", methods=["GET", "HEAD"])
+@router.head("/", include_in_schema=False)  # one OpenAPI operation: GET's
+@router.get("/")
 async def root(config: Annotated[ServerConfig, Depends(get_config)]) -> dict:
     """What this server is (clients such as Claude Code probe `HEAD /` at start)."""
     try:
