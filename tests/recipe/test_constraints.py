@@ -117,7 +117,8 @@ def test_extension_json_renders_the_response_format_section(recipe: Recipe) -> N
     [
         (chat(structured_outputs={"regex": "a", "json": {}}), "exactly one"),
         (chat(structured_outputs={}), "exactly one"),
-        (chat(structured_outputs={"regex": "a", "disable_any_whitespace": True}), "not supported"),
+        (chat(structured_outputs={"regex": "a", "whitespace_pattern": " *"}), "not supported"),
+        (chat(json_whitespace="loose"), "json_whitespace"),
         (chat(structured_outputs={"regex": "a", "lark": "x"}), "unknown field"),
         (chat(structured_outputs="regex"), "must be an object"),
         (chat(structured_outputs={"choice": []}), "non-empty list"),
@@ -246,3 +247,124 @@ def test_answer_formats_cannot_continue_a_partial_answer(recipe: Recipe) -> None
     reasoning = {"role": "assistant", "content": "", "reasoning_content": "So", "prefix": True}
     prepared = recipe.prepare(Protocol.CHAT, chat(messages=[*USER, reasoning], ebnf='root ::= "a"'))
     assert prepared.grammar is not None and prepared.grammar.kind == "structural_tag"
+
+
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TWO_CHAT_TOOLS = [
+    *CHAT_TOOLS,
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+TWO_RESPONSES_TOOLS = [
+    {"type": "function", "name": "get_weather", "parameters": CITY},
+    {"type": "function", "name": "get_time", "parameters": TIME},
+]
+TWO_MESSAGES_TOOLS = [*MESSAGES_TOOLS, {"name": "get_time", "input_schema": TIME}]
+TIME_CALL = (
+    '<｜DSML｜ invoke name="get_time">\n'
+    '<｜DSML｜ parameter name="zone" string="true">UTC</｜DSML｜ parameter>\n'
+    "</｜DSML｜ invoke>\n"
+)
+
+
+def _calls(*invokes: str) -> str:
+    return "\n\n<｜DSML｜ calls>\n" + "".join(invokes) + "</｜DSML｜ calls>"
+
+
+def _responses(**fields):
+    return {"model": "default", "input": "Reply in json please", **fields}
+
+
+# (protocol, body with a forced choice, the same body as the package would take it, named?)
+FORCED_IN_THINKING = [
+    (
+        Protocol.CHAT,
+        chat(tools=TWO_CHAT_TOOLS, tool_choice="required"),
+        chat(tools=TWO_CHAT_TOOLS, tool_choice="auto"),
+        False,
+    ),
+    (
+        Protocol.CHAT,
+        chat(
+            tools=TWO_CHAT_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+        ),
+        chat(tools=CHAT_TOOLS, tool_choice="auto"),
+        True,
+    ),
+    (
+        Protocol.RESPONSES,
+        _responses(tools=TWO_RESPONSES_TOOLS, tool_choice="required"),
+        _responses(tools=TWO_RESPONSES_TOOLS),
+        False,
+    ),
+    (
+        Protocol.RESPONSES,
+        _responses(
+            tools=TWO_RESPONSES_TOOLS,
+            tool_choice={"type": "function", "name": "get_weather"},
+            parallel_tool_calls=False,
+        ),
+        _responses(tools=TWO_RESPONSES_TOOLS[:1]),
+        True,
+    ),
+    (
+        Protocol.MESSAGES,
+        messages(tools=TWO_MESSAGES_TOOLS, tool_choice={"type": "any"}),
+        messages(tools=TWO_MESSAGES_TOOLS, tool_choice={"type": "auto"}),
+        False,
+    ),
+    (
+        Protocol.MESSAGES,
+        messages(
+            tools=TWO_MESSAGES_TOOLS,
+            tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        ),
+        messages(tools=MESSAGES_TOOLS, tool_choice={"type": "auto"}),
+        True,
+    ),
+]
+
+
+@pytest.mark.parametrize(("protocol", "body", "as_auto", "named"), FORCED_IN_THINKING)
+def test_forced_tool_choice_in_thinking_mode_reasons_then_must_call(
+    recipe: Recipe, tokenizer, v41_grammar_compiler, protocol, body, as_auto, named: bool
+) -> None:
+    # The package refuses these in thinking mode (400 "Thinking mode does not support this
+    # tool_choice", Messages `any` is silently `auto`); here the grammar requires the call.
+    prepared = recipe.prepare(protocol, body)
+    assert prepared.thinking
+    # The prompt is the package's own rendering of the allowed choice: thinking header, the
+    # named tool only (as it keeps for a named choice outside thinking mode).
+    assert prepared.prompt_token_ids == recipe.prepare(protocol, as_auto).prompt_token_ids
+    assert tokenizer.decode(prepared.prompt_token_ids).endswith("<｜Assistant｜><think>")
+    spec = prepared.grammar
+    weather = _invoke("Oslo", 2)
+
+    def accepts(text: str) -> bool:
+        return _accepts(v41_grammar_compiler, tokenizer, spec, text)
+
+    assert accepts("Let me think.</think>" + _calls(weather))
+    assert not accepts("Let me think.</think>No tool needed.")
+    assert not accepts("Let me think.</think>")
+    assert not accepts(_calls(weather))  # the reasoning must end first
+    assert accepts("Let me think.</think>" + _calls(TIME_CALL)) is not named
+    assert accepts("Hm.</think>" + _calls(weather, weather)) is not named
+
+
+def test_forced_tool_choice_keeps_the_package_errors(recipe: Recipe) -> None:
+    unknown = chat(tools=CHAT_TOOLS, tool_choice={"type": "function", "function": {"name": "x"}})
+    with pytest.raises(RecipeError, match="no function named 'x'"):
+        recipe.prepare(Protocol.CHAT, unknown)
+    # Outside thinking mode the package's prefilled calls block is kept.
+    prepared = recipe.prepare(Protocol.CHAT, chat(tools=CHAT_TOOLS, tool_choice="required"))
+    assert prepared.parsing_options.starts_in_tool_calls is False
+    off = recipe.prepare(
+        Protocol.CHAT, chat(tools=CHAT_TOOLS, tool_choice="required", **NO_THINKING)
+    )
+    assert off.parsing_options.starts_in_tool_calls is True
