@@ -368,3 +368,120 @@ def test_forced_tool_choice_keeps_the_package_errors(recipe: Recipe) -> None:
         Protocol.CHAT, chat(tools=CHAT_TOOLS, tool_choice="required", **NO_THINKING)
     )
     assert off.parsing_options.starts_in_tool_calls is True
+
+
+LIMITED = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2},
+        "kind": {"const": "trip"},
+    },
+    "required": ["city", "tags", "kind"],
+}
+GOOD_ARGS = {"city": "Oslo", "tags": ["a"], "kind": "trip"}
+# Each is a value the package's strict mode would let through: it drops maxLength, minItems,
+# maxItems and a typed const, and refuses `enum` / `const` without `type`.
+BAD_ARGS = [
+    {"city": "Oslo" * 3, "tags": ["a"], "kind": "trip"},
+    {"city": "Oslo", "tags": [], "kind": "trip"},
+    {"city": "Oslo", "tags": ["a", "b", "a"], "kind": "trip"},
+    {"city": "Oslo", "tags": ["c"], "kind": "trip"},
+    {"city": "Oslo", "tags": ["a"], "kind": "work"},
+]
+
+
+def _strict_bodies():
+    chat_tool = {
+        "type": "function",
+        "function": {"name": "f", "strict": True, "parameters": LIMITED},
+    }
+    chat_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "f", "strict": True, "schema": LIMITED},
+    }
+    responses_tool = {"type": "function", "name": "f", "strict": True, "parameters": LIMITED}
+    responses_format = {
+        "format": {"type": "json_schema", "name": "f", "strict": True, "schema": LIMITED}
+    }
+    off = {"reasoning": {"effort": "none"}}
+    return [
+        (Protocol.CHAT, chat(tools=[chat_tool], tool_choice="required", **NO_THINKING), True),
+        (Protocol.CHAT, chat(response_format=chat_format, **NO_THINKING), False),
+        (
+            Protocol.RESPONSES,
+            _responses(tools=[responses_tool], tool_choice="required", **off),
+            True,
+        ),
+        (Protocol.RESPONSES, _responses(text=responses_format, **off), False),
+    ]
+
+
+@pytest.mark.parametrize(("protocol", "body", "is_tool"), _strict_bodies())
+def test_strict_schemas_keep_and_enforce_every_keyword(
+    recipe: Recipe, tokenizer, v41_grammar_compiler, protocol, body, is_tool: bool
+) -> None:
+    prepared = recipe.prepare(protocol, body)
+
+    def text(arguments: dict) -> str:
+        if not is_tool:
+            return json.dumps(arguments)
+        params = "".join(
+            f'<｜DSML｜ parameter name="{k}" string="{str(isinstance(v, str)).lower()}">'
+            f"{v if isinstance(v, str) else json.dumps(v)}</｜DSML｜ parameter>\n"
+            for k, v in arguments.items()
+        )
+        return f'<｜DSML｜ invoke name="f">\n{params}</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+
+    assert _accepts(v41_grammar_compiler, tokenizer, prepared.grammar, text(GOOD_ARGS))
+    for bad in BAD_ARGS:
+        assert not _accepts(v41_grammar_compiler, tokenizer, prepared.grammar, text(bad)), bad
+    # Strict normalisation as the package does it, in the prompt too, keywords kept.
+    prompt = tokenizer.decode(prepared.prompt_token_ids)
+    assert '"maxLength": 10' in prompt
+    assert '"additionalProperties": false, "required": ["city", "tags", "kind"]' in prompt
+    assert '"items": {"enum": ["a", "b"], "type": "string"}' in prompt
+
+
+@pytest.mark.parametrize(
+    ("schema", "needle"),
+    [
+        ({**LIMITED, "required": ["city"]}, "Required properties must match"),
+        ({**LIMITED, "additionalProperties": True}, "additionalProperties should not be true"),
+        (
+            {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}},
+            "uniqueItems",
+        ),
+    ],
+)
+def test_strict_rule_breaks_and_unenforced_keywords_are_400(
+    recipe: Recipe, schema: dict, needle: str
+) -> None:
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+    with pytest.raises(RecipeError, match=needle) as info:
+        recipe.prepare(Protocol.CHAT, chat(tools=[tool], **NO_THINKING))
+    assert info.value.status_code == 400
+
+
+def test_json_whitespace_option(recipe: Recipe, tokenizer, v41_grammar_compiler) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}
+    pretty = json.dumps({"city": "Oslo", "days": 2}, indent=2)
+    for protocol, body in (
+        (Protocol.CHAT, chat(response_format=fmt, **NO_THINKING)),
+        (Protocol.CHAT, chat(tools=CHAT_TOOLS, tool_choice="required", **NO_THINKING)),
+        (
+            Protocol.MESSAGES,
+            messages(
+                output_config={"format": {"type": "json_schema", "schema": CITY}}, **NO_THINKING
+            ),
+        ),
+    ):
+        compact = recipe.prepare(protocol, body).grammar
+        free = recipe.prepare(protocol, {**body, "json_whitespace": "any"}).grammar
+        assert compact != free
+        if compact.kind == "json":
+            assert not _accepts(v41_grammar_compiler, tokenizer, compact, pretty)
+            assert _accepts(v41_grammar_compiler, tokenizer, free, pretty)
+    vllm = chat(structured_outputs={"json": CITY, "disable_any_whitespace": False})
+    spec = recipe.prepare(Protocol.CHAT, {**vllm, **NO_THINKING}).grammar
+    assert _accepts(v41_grammar_compiler, tokenizer, spec, pretty)
