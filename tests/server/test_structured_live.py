@@ -492,46 +492,70 @@ def test_forced_tool_choice_in_thinking_mode_calls_after_the_reasoning(oai) -> N
             assert len(answer.tool_calls) == 1, (name, answer)
 
 
-def test_forced_tool_choice_in_thinking_mode_is_served_in_every_api(oai, claude) -> None:
-    # Responses `required` / named and Messages `tool` were a 400, Messages `any` was accepted
-    # but free. Now each reasons and may only answer with a call: the random model seldom ends
-    # its reasoning within max_tokens, but no answer text can ever appear.
+def test_forced_tool_choice_in_thinking_mode_calls_in_responses_and_messages(oai, claude) -> None:
+    # Responses `required` / named and Messages `tool` were a 400; Messages `any` was accepted
+    # but not enforced after the reasoning. The bias (a `logit_bias` extension here) ends the
+    # reasoning; the grammar forces the call.
     responses_tools = [
         {"type": "function", "name": n, "parameters": s} for n, s in TOOL_SCHEMAS.items()
     ]
     messages_tools = [{"name": n, "input_schema": s} for n, s in TOOL_SCHEMAS.items()]
-    jobs = {
-        "responses-required": lambda: oai.responses.create(
-            model=MODEL, input="Weather?", tools=responses_tools, tool_choice="required",
-            max_output_tokens=40,
-        ),
-        "responses-named": lambda: oai.responses.create(
-            model=MODEL, input="Weather?", tools=responses_tools,
-            tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
-        ),
-        "messages-any": lambda: claude.messages.create(
-            model=MODEL, max_tokens=40, messages=USER_JSON, tools=messages_tools,
-            tool_choice={"type": "any"},
-        ),
-        "messages-tool": lambda: claude.messages.create(
-            model=MODEL, max_tokens=40, messages=USER_JSON, tools=messages_tools,
-            tool_choice={"type": "tool", "name": "get_weather"},
-        ),
-    }  # fmt: skip
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        results = {
-            name: f.result() for name, f in {n: pool.submit(j) for n, j in jobs.items()}.items()
-        }
-    for name in ("responses-required", "responses-named"):
-        response = results[name]
-        assert {item.type for item in response.output} <= {"reasoning", "function_call"}, name
-        assert response.output_text == ""
-        assert response.output[0].type == "reasoning"
-    for name in ("messages-any", "messages-tool"):
-        message = results[name]
-        assert {block.type for block in message.content} <= {"thinking", "tool_use"}, name
-        assert message.content[0].type == "thinking"
-        assert message.stop_reason in ("max_tokens", "tool_use")
+    bias = {"logit_bias": {THINK_END: 100}}
+    thinking = {"reasoning": {"effort": "high"}, "extra_body": bias}
+    named = {"type": "function", "name": "get_weather"}
+    jobs: dict[str, tuple[Callable[[], Answer], set[str]]] = {}
+    for stream in (False, True):
+        jobs[f"responses-required-{stream}"] = (
+            lambda s=stream: _responses(
+                oai, s, tools=responses_tools, tool_choice="required", **thinking
+            ),
+            set(TOOL_SCHEMAS),
+        )
+        jobs[f"responses-named-{stream}"] = (
+            lambda s=stream: _responses(
+                oai,
+                s,
+                tools=responses_tools,
+                tool_choice=named,
+                parallel_tool_calls=False,
+                **thinking,
+            ),
+            {"get_weather"},
+        )
+        jobs[f"messages-any-{stream}"] = (
+            lambda s=stream: _messages(
+                claude,
+                s,
+                tools=messages_tools,
+                tool_choice={"type": "any"},
+                thinking={"type": "enabled"},
+                extra_body=bias,
+            ),
+            set(TOOL_SCHEMAS),
+        )
+        jobs[f"messages-named-{stream}"] = (
+            lambda s=stream: _messages(
+                claude,
+                s,
+                tools=messages_tools,
+                tool_choice={
+                    "type": "tool",
+                    "name": "get_weather",
+                    "disable_parallel_tool_use": True,
+                },
+                thinking={"type": "enabled"},
+                extra_body=bias,
+            ),
+            {"get_weather"},
+        )
+    answers = _run_concurrently({name: job for name, (job, _) in jobs.items()})
+    for name, (_, names) in jobs.items():
+        answer = answers[name]
+        _check_calls(answer, names)
+        assert answer.text == "", (name, answer)
+        assert answer.finish in ("completed", "tool_use"), (name, answer)
+        if "named" in name:
+            assert len(answer.tool_calls) == 1, (name, answer)
 
 
 CITY_LIMITED = {
