@@ -69,7 +69,7 @@ _STRUCTURED_OUTPUTS_KEYS = {
     "json_object": "json_object",
 }
 # vLLM options that change how a grammar is built; accepted only at their neutral value
-# (`disable_any_whitespace` is read as a whitespace choice, see `_structured_outputs`).
+# (`disable_any_whitespace` is read as a whitespace choice in `pop_chat_extensions`).
 _STRUCTURED_OUTPUTS_NEUTRAL = {
     "disable_fallback": (None, False, True),
     "disable_any_whitespace": (None, False, True),
