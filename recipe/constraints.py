@@ -38,7 +38,7 @@ Also handled here, before the package sees the body:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import deepseek_recipe as dr
@@ -97,7 +97,8 @@ class ConstraintOptions:
     field for errors); parallel_tool_calls: False allows one tool call at most;
     require_tool_call: Messages tool_choice `any` (the package renders it as `auto`), or a
     forced choice converted as `auto` in thinking mode (`relaxed_tool_choice`);
-    json_whitespace: longest whitespace run between JSON tokens.
+    json_whitespace: longest whitespace run between JSON tokens; strict_tools: names of the
+    tools marked `strict: true` (normalised here; the grammar keeps all their bounds).
     """
 
     extension: OutputConstraint | None = None
@@ -105,6 +106,7 @@ class ConstraintOptions:
     parallel_tool_calls: bool = True
     require_tool_call: bool = False
     json_whitespace: int = JSON_COMPACT_WHITESPACE
+    strict_tools: set[str] = field(default_factory=set)
 
 
 def effective_constraint(
@@ -126,9 +128,21 @@ def effective_constraint(
                 options.param,
             )
         return options.extension
+    if constraint is not None and constraint.kind.startswith("tool_call") and options.strict_tools:
+        constraint = OutputConstraint(constraint.kind, _marked_strict(constraint.schema, options))
     if constraint is not None and constraint.kind == "tool_call" and options.require_tool_call:
         return OutputConstraint("tool_call_required", constraint.schema)
     return constraint
+
+
+def _marked_strict(tools_json: str, options: ConstraintOptions) -> str:
+    """The package's tool list with `"strict": true` back on the tools normalised here."""
+    tools = json.loads(tools_json)
+    for tool in tools:
+        function = tool.get("function", {})
+        if function.get("name") in options.strict_tools:
+            function["strict"] = True
+    return _compact(tools)
 
 
 def grammar_spec(
@@ -188,7 +202,7 @@ def pop_chat_extensions(body: dict[str, Any], protocol: Protocol) -> ConstraintO
         parallel_tool_calls=_pop_parallel(body, protocol),
         json_whitespace=_pop_json_whitespace(body, protocol),
     )
-    _normalize_chat_strict(body, protocol)
+    options.strict_tools = _normalize_chat_strict(body, protocol)
     found: list[tuple[str, OutputConstraint]] = []
     backend = body.pop("guided_decoding_backend", None)
     if backend not in (None, "xgrammar"):
@@ -198,10 +212,10 @@ def pop_chat_extensions(body: dict[str, Any], protocol: Protocol) -> ConstraintO
             protocol,
             "guided_decoding_backend",
         )
-    for field, kind in _EXTENSION_FIELDS.items():
-        value = body.pop(field, None)
+    for name, kind in _EXTENSION_FIELDS.items():
+        value = body.pop(name, None)
         if value is not None:
-            found.append((field, _extension(kind, value, field, protocol)))
+            found.append((name, _extension(kind, value, name, protocol)))
     structured = body.pop("structured_outputs", None)
     if structured is not None:
         found.append(("structured_outputs", _structured_outputs(structured, protocol)))
@@ -228,8 +242,11 @@ def pop_responses_options(body: dict[str, Any], protocol: Protocol) -> Constrain
     )
     tools = body.get("tools")
     for i, tool in enumerate(tools if isinstance(tools, list) else ()):
-        if isinstance(tool, dict) and tool.get("type") == "function":
-            _normalize_strict_in(tool, "parameters", f"tools[{i}].parameters", protocol)
+        is_function = isinstance(tool, dict) and tool.get("type") == "function"
+        if is_function and _normalize_strict_in(
+            tool, "parameters", f"tools[{i}].parameters", protocol
+        ):
+            options.strict_tools.add(tool.get("name"))
     text = body.get("text")
     output_format = text.get("format") if isinstance(text, dict) else None
     if isinstance(output_format, dict) and output_format.get("type") == "json_schema":
@@ -387,28 +404,34 @@ def _strict_object(schema: Any, param: str, protocol: Protocol) -> Any:
     return result
 
 
-def _normalize_strict_in(holder: dict[str, Any], key: str, param: str, protocol: Protocol) -> None:
+def _normalize_strict_in(holder: dict[str, Any], key: str, param: str, protocol: Protocol) -> bool:
     """If `holder` is marked `strict: true`, normalise `holder[key]` (`strict_schema`) and drop
-    the mark so that the package renders and constrains the normalised schema as it is."""
+    the mark so that the package renders and constrains the normalised schema as it is.
+    Returns whether it did."""
     if holder.get("strict") is not True or not isinstance(holder.get(key), dict):
-        return
+        return False
     holder[key] = strict_schema(holder[key], param, protocol)
     del holder["strict"]
+    return True
 
 
-def _normalize_chat_strict(body: dict[str, Any], protocol: Protocol) -> None:
+def _normalize_chat_strict(body: dict[str, Any], protocol: Protocol) -> set[str]:
+    """Normalise the strict schemas of a Chat body; returns the names of the strict tools."""
+    strict_tools = set()
     tools = body.get("tools")
     for i, tool in enumerate(tools if isinstance(tools, list) else ()):
         function = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(function, dict):
             param = f"tools[{i}].function.parameters"
-            _normalize_strict_in(function, "parameters", param, protocol)
+            if _normalize_strict_in(function, "parameters", param, protocol):
+                strict_tools.add(function.get("name"))
     response_format = body.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
         json_schema = response_format.get("json_schema")
         if isinstance(json_schema, dict):
             param = "response_format.json_schema.schema"
             _normalize_strict_in(json_schema, "schema", param, protocol)
+    return strict_tools
 
 
 def _pop_json_whitespace(body: dict[str, Any], protocol: Protocol) -> int:

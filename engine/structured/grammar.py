@@ -277,15 +277,18 @@ def _strict_schema_text(schema: str) -> str:
 
 
 def _with_strict_formats(tools: object) -> object:
-    """Chat-style tools with `strict_formats` applied to each function's parameters and the
-    length bounds of their raw-string parameters dropped (`_without_raw_string_bounds`)."""
+    """Chat-style tools with `strict_formats` applied to each function's parameters and, for
+    tools not marked `strict: true`, the length bounds of their raw-string parameters dropped
+    (`_without_raw_string_bounds`)."""
     if not isinstance(tools, list):
         return tools
     fixed = []
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(function, dict) and isinstance(function.get("parameters"), dict):
-            parameters = _without_raw_string_bounds(strict_formats(function["parameters"]))
+            parameters = strict_formats(function["parameters"])
+            if function.get("strict") is not True:
+                parameters = _without_raw_string_bounds(parameters)
             function = {**function, "parameters": parameters}
             tool = {**tool, "function": function}
         fixed.append(tool)
@@ -298,8 +301,9 @@ def _without_raw_string_bounds(parameters: dict) -> dict:
     NOTE: DSML writes a string parameter raw (`string="true"`), and xgrammar 0.2 expands a
     length bound there into one grammar rule per allowed character, each with its own token
     mask: `maxLength: 256` alone took ~13 s to compile on 2 cores, and coding agents send such
-    bounds on every turn. Tool schemas are not strict (strict ones reach us without length
-    bounds: OpenAI's strict subset has none), so the bound is left to the client's validation.
+    bounds on every turn. For a tool that is not strict (OpenAI: adherence not guaranteed) the
+    bound is left to the client's validation; a `strict: true` tool keeps it and pays the
+    compilation (about 0.4 s for `maxLength: 10`, 2.4 s for 40 on 2 cores).
     Strings nested in object / array parameters are JSON inside the parameter and keep theirs.
     """
     properties = parameters.get("properties")
