@@ -36,6 +36,7 @@ from recipe.constraints import (
     messages_options,
     pop_chat_extensions,
     pop_responses_options,
+    relaxed_tool_choice,
 )
 from recipe.errors import Protocol, RecipeError
 from recipe.sealing import ReasoningSealer, SealError
@@ -186,7 +187,9 @@ class Recipe:
                 namespace_map = request.namespace_tool_map(self._options)
             converted = request.convert(self._options)
         except dr.ConversionError as exc:
-            raise _conversion_error(exc, protocol) from exc
+            converted = self._convert_forced_choice(body, protocol, extras.constraints)
+            if converted is None:
+                raise _conversion_error(exc, protocol) from exc
         options = extras.constraints
         constraint = effective_constraint(
             converted.inference_options.output_constraint, options, protocol
@@ -247,6 +250,24 @@ class Recipe:
             for bound in (self.config.default_max_tokens, self.config.max_tokens_limit):
                 max_tokens = min(max_tokens, bound or max_tokens)
         return max_tokens
+
+    def _convert_forced_choice(
+        self, body: dict[str, Any], protocol: Protocol, options: ConstraintOptions
+    ) -> dr.ConversationRequest | None:
+        """A forced tool_choice the package refused because thinking is on, converted as `auto`
+        (`relaxed_tool_choice`) with the call required by the grammar; None when the refusal
+        was for anything else."""
+        relaxed = relaxed_tool_choice(body, protocol)
+        if relaxed is None:
+            return None
+        try:
+            converted = _REQUEST_TYPES[protocol](relaxed).convert(self._options)
+        except (ValueError, TypeError, OverflowError, dr.ConversionError):
+            return None
+        if converted.parsing_options.thinking_initial_stage is None:
+            return None
+        options.require_tool_call = True
+        return converted
 
 
 _BODY_ERROR_PREFIXES = ("invalid request body: ", "invalid JSON request: ")

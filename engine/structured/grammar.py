@@ -28,14 +28,16 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer
 from xgrammar import structural_tag as st
 
-from engine.structured.formats import strict_formats
+from engine.structured.formats import strict_formats, unenforced_keyword
 
 if TYPE_CHECKING:
     from engine.structured.matcher import RequestMatcher
@@ -57,8 +59,10 @@ THINK_BEGIN = "<think>"
 THINK_END = "</think>"
 _TOOL_STRUCTURAL_TAG_MODEL = "deepseek_v4_1"
 _ANY_JSON_OBJECT = '{"type": "object"}'
-# Longest whitespace run allowed between JSON tokens: room for pretty-printing, but a degenerate
-# model cannot loop on whitespace forever.
+# Longest whitespace run allowed between JSON tokens. Compact (the default): one character, so
+# `{"a": 1}` and `{"a":1}` but no runs of newlines a random or degenerate model loops on. Free
+# (`json_whitespace: "any"`): room for pretty-printing, still bounded.
+JSON_COMPACT_WHITESPACE = 1
 JSON_MAX_WHITESPACE = 16
 # xgrammar prefixes C++ errors with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed check.
 _NATIVE_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -111,19 +115,24 @@ class GrammarSpec:
 
     `token_marker`: a marker string (a single added token) that this grammar matches as text but
     that must only ever be emitted as its dedicated token; matchers enforce it with a
-    `MarkerGuard` (see `GrammarCompiler.guard_for`). The spec is the cache key, so equal specs
-    share one compiled grammar.
+    `MarkerGuard` (see `GrammarCompiler.guard_for`).
+    json_whitespace: longest whitespace run between JSON tokens (kind `json`; structural tags
+    carry theirs in the source). The spec is the cache key, so equal specs share one compiled
+    grammar.
     """
 
     kind: str
     source: str
     token_marker: str | None = None
+    json_whitespace: int = JSON_COMPACT_WHITESPACE
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise GrammarError(
                 f"unknown grammar kind {self.kind!r}; expected one of {GRAMMAR_KINDS}"
             )
+        if self.json_whitespace < 1:
+            raise GrammarError(f"json_whitespace must be >= 1, got {self.json_whitespace}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,6 +147,7 @@ def spec_for_constraint(
     thinking: bool = False,
     parallel_tool_calls: bool = True,
     starts_in_tool_calls: bool = False,
+    json_whitespace: int = JSON_COMPACT_WHITESPACE,
 ) -> GrammarSpec:
     """The spec enforcing a recipe `OutputConstraint(kind, schema)` (`recipe.md` §5.4).
 
@@ -146,9 +156,12 @@ def spec_for_constraint(
     thinking: the prompt ends in `<think>`; free reasoning is allowed up to the `</think>` token
     and the constraint applies after it.
     parallel_tool_calls, starts_in_tool_calls: see `tool_call_spec` (tool-call kinds only).
+    json_whitespace: longest whitespace run between JSON tokens (JSON answers and tool
+    arguments).
 
     Raises:
-        GrammarError: unknown kind, or a tool list that is not valid JSON / not accepted.
+        GrammarError: unknown kind, a tool list that is not valid JSON / not accepted, or a
+            JSON Schema keyword that is not enforced (`check_schema_keywords`).
     """
     if kind in ("tool_call", "tool_call_required"):
         return tool_call_spec(
@@ -157,14 +170,16 @@ def spec_for_constraint(
             thinking=thinking,
             parallel_tool_calls=parallel_tool_calls,
             starts_in_tool_calls=starts_in_tool_calls,
+            json_whitespace=json_whitespace,
         )
     if kind not in ("json", "regex", "ebnf"):
         raise GrammarError(f"unknown output constraint kind {kind!r}")
     if kind == "json" and schema:
         schema = _strict_schema_text(schema)
     if not thinking:
-        return GrammarSpec(kind, schema)
-    return GrammarSpec("structural_tag", _after_reasoning(_content_format(kind, schema)))
+        return GrammarSpec(kind, schema, json_whitespace=json_whitespace)
+    content = _content_format(kind, schema, json_whitespace)
+    return GrammarSpec("structural_tag", _after_reasoning(content))
 
 
 def tool_call_spec(
@@ -174,6 +189,7 @@ def tool_call_spec(
     thinking: bool,
     parallel_tool_calls: bool = True,
     starts_in_tool_calls: bool = False,
+    json_whitespace: int = JSON_COMPACT_WHITESPACE,
 ) -> GrammarSpec:
     """The DSML tool-call structural tag for a compact JSON array of Chat-style tools.
 
@@ -181,11 +197,13 @@ def tool_call_spec(
     recipe passes only that tool then); otherwise free text is allowed but any `<｜DSML｜ calls>`
     block that starts must complete validly against the tools' parameter schemas.
     thinking: the structural tag starts inside reasoning (the prompt ends in `<think>`); the
-    tool-call format applies after the `</think>` token.
+    tool-call format applies after the `</think>` token (required: right after it, the answer
+    is the calls block).
     parallel_tool_calls: False allows one call at most (exactly one when required).
     starts_in_tool_calls: the prompt already ends with the opening of the calls block (the
     recipe prefills `\n\n<｜DSML｜ calls>\n` for a required or named tool_choice), so the
     output starts with the first invoke.
+    json_whitespace: longest whitespace run inside JSON (non-string) argument values.
 
     NOTE: xgrammar's builtin tag matches the DSML markers (`<｜DSML｜ calls>`, `invoke`,
     `parameter`) as text, so a marker could also be spelled from ordinary byte-level tokens
@@ -193,20 +211,24 @@ def tool_call_spec(
     128825) would read as plain text. The spec therefore names `｜DSML｜` as its `token_marker`.
 
     Raises:
-        GrammarError: the tool list is not JSON or xgrammar rejects it.
+        GrammarError: the tool list is not JSON, xgrammar rejects it, or a parameter schema
+            uses a keyword that is not enforced.
     """
     if starts_in_tool_calls and not is_required:
         raise GrammarError("a prefilled tool-call block requires a required tool choice")
     try:
         tools = _with_strict_formats(json.loads(tools_json))
+        _check_tool_keywords(tools)
         tag = xgr.get_model_structural_tag(
             _TOOL_STRUCTURAL_TAG_MODEL,
             tools=tools,
             tool_choice="required" if is_required else "auto",
             reasoning="disabled",
             parallel_tool_calls=parallel_tool_calls,
-            max_whitespace_cnt=JSON_MAX_WHITESPACE,
+            max_whitespace_cnt=json_whitespace,
         )
+    except GrammarError:
+        raise
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"invalid tool list for tool-call grammar: {exc}") from exc
     if starts_in_tool_calls:
@@ -217,26 +239,56 @@ def tool_call_spec(
     return GrammarSpec("structural_tag", source, token_marker=DSML_MARKER)
 
 
+def check_schema_keywords(schema: object, where: str = "schema") -> None:
+    """Refuse a JSON schema that uses a keyword or format xgrammar would not enforce.
+
+    Raises:
+        GrammarError: naming the keyword, e.g. "schema: JSON Schema keyword 'uniqueItems'
+            (at /properties/tags) is not supported".
+    """
+    message = unenforced_keyword(schema)
+    if message is not None:
+        raise GrammarError(f"{where}: {message}")
+
+
+def _check_tool_keywords(tools: object) -> None:
+    """`check_schema_keywords` on each function's parameters (xgrammar enforces no schema for
+    a tool marked `strict: false`: its arguments are any JSON object)."""
+    for tool in tools if isinstance(tools, list) else ():
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and function.get("strict") is not False:
+            name = function.get("name")
+            check_schema_keywords(function.get("parameters"), f"tool {name!r} parameters")
+
+
 def _strict_schema_text(schema: str) -> str:
     """`schema` with `strict_formats` applied (unchanged if it is not valid JSON: the compiler
-    reports that)."""
+    reports that).
+
+    Raises:
+        GrammarError: a keyword that is not enforced (`check_schema_keywords`).
+    """
     try:
         parsed = json.loads(schema)
     except ValueError:
         return schema
+    check_schema_keywords(parsed)
     return json.dumps(strict_formats(parsed), ensure_ascii=False, separators=(",", ":"))
 
 
 def _with_strict_formats(tools: object) -> object:
-    """Chat-style tools with `strict_formats` applied to each function's parameters and the
-    length bounds of their raw-string parameters dropped (`_without_raw_string_bounds`)."""
+    """Chat-style tools with `strict_formats` applied to each function's parameters and, for
+    tools not marked `strict: true`, the length bounds of their raw-string parameters dropped
+    (`_without_raw_string_bounds`)."""
     if not isinstance(tools, list):
         return tools
     fixed = []
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(function, dict) and isinstance(function.get("parameters"), dict):
-            parameters = _without_raw_string_bounds(strict_formats(function["parameters"]))
+            parameters = strict_formats(function["parameters"])
+            if function.get("strict") is not True:
+                parameters = _without_raw_string_bounds(parameters)
             function = {**function, "parameters": parameters}
             tool = {**tool, "function": function}
         fixed.append(tool)
@@ -249,8 +301,9 @@ def _without_raw_string_bounds(parameters: dict) -> dict:
     NOTE: DSML writes a string parameter raw (`string="true"`), and xgrammar 0.2 expands a
     length bound there into one grammar rule per allowed character, each with its own token
     mask: `maxLength: 256` alone took ~13 s to compile on 2 cores, and coding agents send such
-    bounds on every turn. Tool schemas are not strict (strict ones reach us without length
-    bounds: OpenAI's strict subset has none), so the bound is left to the client's validation.
+    bounds on every turn. For a tool that is not strict (OpenAI: adherence not guaranteed) the
+    bound is left to the client's validation; a `strict: true` tool keeps it and pays the
+    compilation (about 0.4 s for `maxLength: 10`, 2.4 s for 40 on 2 cores).
     Strings nested in object / array parameters are JSON inside the parameter and keep theirs.
     """
     properties = parameters.get("properties")
@@ -279,13 +332,14 @@ def _without_calls_opening(required: st.Format) -> st.Format:
     return st.SequenceFormat(elements=elements[1:])
 
 
-def _content_format(kind: str, source: str) -> st.Format:
+def _content_format(kind: str, source: str, json_whitespace: int) -> st.Format:
     if kind == "json":
         try:
             schema = json.loads(source or _ANY_JSON_OBJECT)
         except ValueError as exc:
             raise GrammarError(f"invalid JSON schema: not valid JSON ({exc})") from exc
-        return st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        check_schema_keywords(schema)
+        return st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=json_whitespace)
     if kind == "regex":
         return st.RegexFormat(pattern=source)
     return st.GrammarFormat(grammar=source)
@@ -348,12 +402,46 @@ class MarkerGuard:
             for i, token in enumerate(vocab)
             if i != marker_ids[0] and token and any(token.endswith(p) for p in prefixes)
         )
-        clear: dict[int, int] = {}
-        for token_id in blocked:
-            word, bit = divmod(token_id, 32)
-            clear[word] = clear.get(word, 0) | (1 << bit)
-        keep = tuple((word, _as_int32(~bits & 0xFFFFFFFF)) for word, bits in sorted(clear.items()))
-        return cls(marker_id=marker_ids[0], blocked_ids=blocked, keep_words=keep)
+        return cls(marker_id=marker_ids[0], blocked_ids=blocked, keep_words=_keep_words(blocked))
+
+
+@dataclass(frozen=True, eq=False)
+class TokenBlock:
+    """Tokens a constrained request never samples, whatever its grammar allows: the special and
+    added tokens (`<｜place▁holder▁no▁706｜>`, `<｜User｜>`...) that xgrammar would otherwise
+    take for their literal spelling inside a JSON string, a tool argument or a regex.
+
+    words / keep: `[n]` long word indices and `[n]` int32 masks of the bits to keep there
+    (host tensors, for one vectorised AND per step).
+    """
+
+    blocked_ids: tuple[int, ...]
+    words: torch.Tensor
+    keep: torch.Tensor
+
+    @classmethod
+    def of(cls, token_ids: Iterable[int]) -> TokenBlock:
+        blocked = tuple(sorted(set(token_ids)))
+        keep_words = _keep_words(blocked)
+        return cls(
+            blocked_ids=blocked,
+            words=torch.tensor([word for word, _ in keep_words], dtype=torch.long),
+            keep=torch.tensor([keep for _, keep in keep_words], dtype=torch.int32),
+        )
+
+    def apply(self, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Clear the blocked tokens' bits in `bitmask[rows]` (rows: long tensor), in place."""
+        index = rows.unsqueeze(1)
+        bitmask[index, self.words] = bitmask[index, self.words] & self.keep
+
+
+def _keep_words(token_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """(word index, int32 mask of the bits to keep) for the bitmask words holding `token_ids`."""
+    clear: dict[int, int] = {}
+    for token_id in token_ids:
+        word, bit = divmod(token_id, 32)
+        clear[word] = clear.get(word, 0) | (1 << bit)
+    return tuple((word, _as_int32(~bits & 0xFFFFFFFF)) for word, bits in sorted(clear.items()))
 
 
 def _as_int32(value: int) -> int:
@@ -396,6 +484,7 @@ class CompiledConstraint:
     spec: GrammarSpec
     grammar: xgr.CompiledGrammar
     guard: MarkerGuard | None
+    block: TokenBlock | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -404,7 +493,7 @@ class CompiledConstraint:
     def new_matcher(self) -> RequestMatcher:
         from engine.structured.matcher import RequestMatcher
 
-        return RequestMatcher(self.grammar, self.guard)
+        return RequestMatcher(self.grammar, self.guard, self.block)
 
 
 class GrammarCompiler:
@@ -420,12 +509,17 @@ class GrammarCompiler:
     cache. Requests for the same spec meanwhile wait on that one compilation instead of
     starting another; a request that finds no free slot within its timeout gets
     `GrammarCompilerBusyError`.
+
+    added_tokens: id -> spelling of the tokenizer's special and added tokens; a constraint
+    blocks every one of them but the stop tokens and those its source names literally
+    (`</think>`, `｜DSML｜` in the structural tags; a regex or EBNF may name others).
     """
 
     def __init__(
         self,
         tokenizer_info: xgr.TokenizerInfo,
         *,
+        added_tokens: Mapping[int, str] | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE,
         max_compilations: int = DEFAULT_MAX_COMPILATIONS,
         compile_threads: int = DEFAULT_COMPILE_THREADS,
@@ -444,6 +538,13 @@ class GrammarCompiler:
         self._in_flight: dict[GrammarSpec, threading.Event] = {}
         self._errors: dict[GrammarSpec, GrammarError] = {}
         self._guards: dict[str, MarkerGuard] = {}
+        stop_ids = set(tokenizer_info.stop_token_ids)
+        self._added_tokens = {
+            token_id: text
+            for token_id, text in (added_tokens or {}).items()
+            if token_id not in stop_ids and token_id < tokenizer_info.vocab_size
+        }
+        self._blocks: dict[tuple[int, ...], TokenBlock] = {}
         self._slots = threading.BoundedSemaphore(max_compilations)
         self._lock = threading.Lock()
 
@@ -451,8 +552,11 @@ class GrammarCompiler:
     def for_tokenizer(
         cls, tokenizer: Tokenizer, vocab_size: int, eos_token_id: int, **kwargs: int
     ) -> GrammarCompiler:
-        """A compiler for `tokenizer` with logits width `vocab_size` and EOS as the stop token."""
-        return cls(build_tokenizer_info(tokenizer, vocab_size, [eos_token_id]), **kwargs)
+        """A compiler for `tokenizer` with logits width `vocab_size` and EOS as the stop token;
+        its added tokens are blocked in constrained output (see the class docstring)."""
+        added = {i: token.content for i, token in tokenizer.get_added_tokens_decoder().items()}
+        info = build_tokenizer_info(tokenizer, vocab_size, [eos_token_id])
+        return cls(info, added_tokens=added, **kwargs)
 
     @property
     def vocab_size(self) -> int:
@@ -473,6 +577,18 @@ class GrammarCompiler:
             with self._lock:
                 self._guards[spec.token_marker] = guard
         return guard
+
+    def block_for(self, spec: GrammarSpec) -> TokenBlock | None:
+        """The added tokens a matcher of `spec` must never allow (None: none to block): all but
+        the stop tokens and those whose spelling `spec.source` contains."""
+        blocked = tuple(i for i, text in self._added_tokens.items() if text not in spec.source)
+        if not blocked:
+            return None
+        with self._lock:
+            block = self._blocks.get(blocked)
+            if block is None:
+                block = self._blocks[blocked] = TokenBlock.of(blocked)
+            return block
 
     def cached(self, spec: GrammarSpec) -> xgr.CompiledGrammar | None:
         """The cached grammar for `spec` (marking it recently used), or None. Mutates LRU order."""
@@ -506,7 +622,9 @@ class GrammarCompiler:
         Raises:
             GrammarError: as `compile` and `guard_for`.
         """
-        return CompiledConstraint(spec, self.compile(spec), self.guard_for(spec))
+        return CompiledConstraint(
+            spec, self.compile(spec), self.guard_for(spec), self.block_for(spec)
+        )
 
     async def constraint_async(
         self, spec: GrammarSpec, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
@@ -517,7 +635,7 @@ class GrammarCompiler:
             GrammarError: as `compile_async` (GrammarCompilerBusyError included).
         """
         grammar = await self.compile_async(spec, timeout_s)
-        return CompiledConstraint(spec, grammar, self.guard_for(spec))
+        return CompiledConstraint(spec, grammar, self.guard_for(spec), self.block_for(spec))
 
     async def compile_async(
         self, spec: GrammarSpec, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
@@ -591,30 +709,32 @@ class GrammarCompiler:
     def _compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         compile_fn = _COMPILE_BY_KIND[spec.kind]
         try:
-            return compile_fn(self._compiler, spec.source)
+            return compile_fn(self._compiler, spec)
         except GrammarError:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError/pydantic errors
             raise GrammarError(f"invalid {_KIND_NAMES[spec.kind]}: {_clean_message(exc)}") from exc
 
 
-def _compile_json(compiler: xgr.GrammarCompiler, source: str) -> xgr.CompiledGrammar:
-    if not source:
+def _compile_json(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    if not spec.source:
         # json_object: any object, extra properties allowed.
         return compiler.compile_json_schema(
-            _ANY_JSON_OBJECT, strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE
+            _ANY_JSON_OBJECT, strict_mode=False, max_whitespace_cnt=spec.json_whitespace
         )
-    return compiler.compile_json_schema(source, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    return compiler.compile_json_schema(spec.source, max_whitespace_cnt=spec.json_whitespace)
 
 
-def _compile_structural_tag(compiler: xgr.GrammarCompiler, source: str) -> xgr.CompiledGrammar:
-    return compiler.compile_structural_tag(st.StructuralTag.model_validate_json(source))
+def _compile_structural_tag(
+    compiler: xgr.GrammarCompiler, spec: GrammarSpec
+) -> xgr.CompiledGrammar:
+    return compiler.compile_structural_tag(st.StructuralTag.model_validate_json(spec.source))
 
 
 _COMPILE_BY_KIND = {
     "json": _compile_json,
-    "regex": lambda compiler, source: compiler.compile_regex(source),
-    "ebnf": lambda compiler, source: compiler.compile_grammar(source),
+    "regex": lambda compiler, spec: compiler.compile_regex(spec.source),
+    "ebnf": lambda compiler, spec: compiler.compile_grammar(spec.source),
     "structural_tag": _compile_structural_tag,
 }
 _KIND_NAMES = {

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
-from engine.structured.grammar import MarkerGuard
+from engine.structured.grammar import MarkerGuard, TokenBlock
 
 
 class RequestMatcher:
@@ -29,11 +29,18 @@ class RequestMatcher:
     Not thread-safe; the engine step owns it. Rollback is unbounded (xgrammar keeps the history).
     """
 
-    def __init__(self, grammar: xgr.CompiledGrammar, guard: MarkerGuard | None = None) -> None:
-        """guard: from `GrammarCompiler.guard_for(spec)`; applied after every bitmask fill."""
+    def __init__(
+        self,
+        grammar: xgr.CompiledGrammar,
+        guard: MarkerGuard | None = None,
+        block: TokenBlock | None = None,
+    ) -> None:
+        """guard, block: from `GrammarCompiler.guard_for(spec)` / `block_for(spec)`; applied
+        after every bitmask fill (`CompiledConstraint.new_matcher` passes both)."""
         self._matcher = xgr.GrammarMatcher(grammar)
         self.vocab_size = grammar.tokenizer_info.vocab_size
         self.guard = guard
+        self.block = block
         self.num_accepted = 0  # tokens accepted and not rolled back
 
     @property
@@ -75,7 +82,9 @@ class RequestMatcher:
             return True
         need_apply = self._matcher.fill_next_token_bitmask(bitmask, row)
         self.apply_guard(bitmask, row)
-        return need_apply or self.guard is not None
+        if self.block is not None:
+            self.block.apply(bitmask, torch.tensor([row]))
+        return need_apply or self.guard is not None or self.block is not None
 
     def apply_guard(self, bitmask: torch.Tensor, row: int) -> None:
         """Apply this matcher's `MarkerGuard` (if any) to an already filled `bitmask[row]`."""
@@ -134,6 +143,7 @@ class BatchBitmask:
             handles = [matchers[row].xgr_matcher for row in live]
             self._batch_matcher.batch_fill_next_token_bitmask(handles, bitmask, live)
             _apply_guards(bitmask, [(row, matchers[row].guard) for row in live])
+            _apply_blocks(bitmask, [(row, matchers[row].block) for row in live])
         return StepMask(bitmask=bitmask, rows=rows)
 
 
@@ -184,6 +194,18 @@ def _apply_guards(
         index = index[marker_allowed]
         for keep_word, keep in guard.keep_words:
             bitmask[index, keep_word] &= keep
+
+
+def _apply_blocks(
+    bitmask: torch.Tensor, blocked_rows: Sequence[tuple[int, TokenBlock | None]]
+) -> None:
+    """`TokenBlock.apply` for many rows at once, one pass per distinct block."""
+    rows_by_block: dict[TokenBlock, list[int]] = {}
+    for row, block in blocked_rows:
+        if block is not None:
+            rows_by_block.setdefault(block, []).append(row)
+    for block, rows in rows_by_block.items():
+        block.apply(bitmask, torch.tensor(rows, dtype=torch.long))
 
 
 def _fill_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:

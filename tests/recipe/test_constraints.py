@@ -117,7 +117,8 @@ def test_extension_json_renders_the_response_format_section(recipe: Recipe) -> N
     [
         (chat(structured_outputs={"regex": "a", "json": {}}), "exactly one"),
         (chat(structured_outputs={}), "exactly one"),
-        (chat(structured_outputs={"regex": "a", "disable_any_whitespace": True}), "not supported"),
+        (chat(structured_outputs={"regex": "a", "whitespace_pattern": " *"}), "not supported"),
+        (chat(json_whitespace="loose"), "json_whitespace"),
         (chat(structured_outputs={"regex": "a", "lark": "x"}), "unknown field"),
         (chat(structured_outputs="regex"), "must be an object"),
         (chat(structured_outputs={"choice": []}), "non-empty list"),
@@ -246,3 +247,241 @@ def test_answer_formats_cannot_continue_a_partial_answer(recipe: Recipe) -> None
     reasoning = {"role": "assistant", "content": "", "reasoning_content": "So", "prefix": True}
     prepared = recipe.prepare(Protocol.CHAT, chat(messages=[*USER, reasoning], ebnf='root ::= "a"'))
     assert prepared.grammar is not None and prepared.grammar.kind == "structural_tag"
+
+
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TWO_CHAT_TOOLS = [
+    *CHAT_TOOLS,
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+TWO_RESPONSES_TOOLS = [
+    {"type": "function", "name": "get_weather", "parameters": CITY},
+    {"type": "function", "name": "get_time", "parameters": TIME},
+]
+TWO_MESSAGES_TOOLS = [*MESSAGES_TOOLS, {"name": "get_time", "input_schema": TIME}]
+TIME_CALL = (
+    '<｜DSML｜ invoke name="get_time">\n'
+    '<｜DSML｜ parameter name="zone" string="true">UTC</｜DSML｜ parameter>\n'
+    "</｜DSML｜ invoke>\n"
+)
+
+
+def _calls(*invokes: str) -> str:
+    return "\n\n<｜DSML｜ calls>\n" + "".join(invokes) + "</｜DSML｜ calls>"
+
+
+def _responses(**fields):
+    return {"model": "default", "input": "Reply in json please", **fields}
+
+
+# (protocol, body with a forced choice, the same body as the package would take it, named?)
+FORCED_IN_THINKING = [
+    (
+        Protocol.CHAT,
+        chat(tools=TWO_CHAT_TOOLS, tool_choice="required"),
+        chat(tools=TWO_CHAT_TOOLS, tool_choice="auto"),
+        False,
+    ),
+    (
+        Protocol.CHAT,
+        chat(
+            tools=TWO_CHAT_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+        ),
+        chat(tools=CHAT_TOOLS, tool_choice="auto"),
+        True,
+    ),
+    (
+        Protocol.RESPONSES,
+        _responses(tools=TWO_RESPONSES_TOOLS, tool_choice="required"),
+        _responses(tools=TWO_RESPONSES_TOOLS),
+        False,
+    ),
+    (
+        Protocol.RESPONSES,
+        _responses(
+            tools=TWO_RESPONSES_TOOLS,
+            tool_choice={"type": "function", "name": "get_weather"},
+            parallel_tool_calls=False,
+        ),
+        _responses(tools=TWO_RESPONSES_TOOLS[:1]),
+        True,
+    ),
+    (
+        Protocol.MESSAGES,
+        messages(tools=TWO_MESSAGES_TOOLS, tool_choice={"type": "any"}),
+        messages(tools=TWO_MESSAGES_TOOLS, tool_choice={"type": "auto"}),
+        False,
+    ),
+    (
+        Protocol.MESSAGES,
+        messages(
+            tools=TWO_MESSAGES_TOOLS,
+            tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        ),
+        messages(tools=MESSAGES_TOOLS, tool_choice={"type": "auto"}),
+        True,
+    ),
+]
+
+
+@pytest.mark.parametrize(("protocol", "body", "as_auto", "named"), FORCED_IN_THINKING)
+def test_forced_tool_choice_in_thinking_mode_reasons_then_must_call(
+    recipe: Recipe, tokenizer, v41_grammar_compiler, protocol, body, as_auto, named: bool
+) -> None:
+    # The package refuses these in thinking mode (400 "Thinking mode does not support this
+    # tool_choice", Messages `any` is silently `auto`); here the grammar requires the call.
+    prepared = recipe.prepare(protocol, body)
+    assert prepared.thinking
+    # The prompt is the package's own rendering of the allowed choice: thinking header, the
+    # named tool only (as it keeps for a named choice outside thinking mode).
+    assert prepared.prompt_token_ids == recipe.prepare(protocol, as_auto).prompt_token_ids
+    assert tokenizer.decode(prepared.prompt_token_ids).endswith("<｜Assistant｜><think>")
+    spec = prepared.grammar
+    weather = _invoke("Oslo", 2)
+
+    def accepts(text: str) -> bool:
+        return _accepts(v41_grammar_compiler, tokenizer, spec, text)
+
+    assert accepts("Let me think.</think>" + _calls(weather))
+    assert not accepts("Let me think.</think>No tool needed.")
+    assert not accepts("Let me think.</think>")
+    assert not accepts(_calls(weather))  # the reasoning must end first
+    assert accepts("Let me think.</think>" + _calls(TIME_CALL)) is not named
+    assert accepts("Hm.</think>" + _calls(weather, weather)) is not named
+
+
+def test_forced_tool_choice_keeps_the_package_errors(recipe: Recipe) -> None:
+    unknown = chat(tools=CHAT_TOOLS, tool_choice={"type": "function", "function": {"name": "x"}})
+    with pytest.raises(RecipeError, match="no function named 'x'"):
+        recipe.prepare(Protocol.CHAT, unknown)
+    # Outside thinking mode the package's prefilled calls block is kept.
+    prepared = recipe.prepare(Protocol.CHAT, chat(tools=CHAT_TOOLS, tool_choice="required"))
+    assert prepared.parsing_options.starts_in_tool_calls is False
+    off = recipe.prepare(
+        Protocol.CHAT, chat(tools=CHAT_TOOLS, tool_choice="required", **NO_THINKING)
+    )
+    assert off.parsing_options.starts_in_tool_calls is True
+
+
+LIMITED = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2},
+        "kind": {"const": "trip"},
+    },
+    "required": ["city", "tags", "kind"],
+}
+GOOD_ARGS = {"city": "Oslo", "tags": ["a"], "kind": "trip"}
+# Each is a value the package's strict mode would let through: it drops maxLength, minItems,
+# maxItems and a typed const, and refuses `enum` / `const` without `type`.
+BAD_ARGS = [
+    {"city": "Oslo" * 3, "tags": ["a"], "kind": "trip"},
+    {"city": "Oslo", "tags": [], "kind": "trip"},
+    {"city": "Oslo", "tags": ["a", "b", "a"], "kind": "trip"},
+    {"city": "Oslo", "tags": ["c"], "kind": "trip"},
+    {"city": "Oslo", "tags": ["a"], "kind": "work"},
+]
+
+
+def _strict_bodies():
+    chat_tool = {
+        "type": "function",
+        "function": {"name": "f", "strict": True, "parameters": LIMITED},
+    }
+    chat_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "f", "strict": True, "schema": LIMITED},
+    }
+    responses_tool = {"type": "function", "name": "f", "strict": True, "parameters": LIMITED}
+    responses_format = {
+        "format": {"type": "json_schema", "name": "f", "strict": True, "schema": LIMITED}
+    }
+    off = {"reasoning": {"effort": "none"}}
+    return [
+        (Protocol.CHAT, chat(tools=[chat_tool], tool_choice="required", **NO_THINKING), True),
+        (Protocol.CHAT, chat(response_format=chat_format, **NO_THINKING), False),
+        (
+            Protocol.RESPONSES,
+            _responses(tools=[responses_tool], tool_choice="required", **off),
+            True,
+        ),
+        (Protocol.RESPONSES, _responses(text=responses_format, **off), False),
+    ]
+
+
+@pytest.mark.parametrize(("protocol", "body", "is_tool"), _strict_bodies())
+def test_strict_schemas_keep_and_enforce_every_keyword(
+    recipe: Recipe, tokenizer, v41_grammar_compiler, protocol, body, is_tool: bool
+) -> None:
+    prepared = recipe.prepare(protocol, body)
+
+    def text(arguments: dict) -> str:
+        if not is_tool:
+            return json.dumps(arguments)
+        params = "".join(
+            f'<｜DSML｜ parameter name="{k}" string="{str(isinstance(v, str)).lower()}">'
+            f"{v if isinstance(v, str) else json.dumps(v)}</｜DSML｜ parameter>\n"
+            for k, v in arguments.items()
+        )
+        return f'<｜DSML｜ invoke name="f">\n{params}</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+
+    assert _accepts(v41_grammar_compiler, tokenizer, prepared.grammar, text(GOOD_ARGS))
+    for bad in BAD_ARGS:
+        assert not _accepts(v41_grammar_compiler, tokenizer, prepared.grammar, text(bad)), bad
+    # Strict normalisation as the package does it, in the prompt too, keywords kept.
+    prompt = tokenizer.decode(prepared.prompt_token_ids)
+    assert '"maxLength": 10' in prompt
+    assert '"additionalProperties": false, "required": ["city", "tags", "kind"]' in prompt
+    assert '"items": {"enum": ["a", "b"], "type": "string"}' in prompt
+
+
+@pytest.mark.parametrize(
+    ("schema", "needle"),
+    [
+        ({**LIMITED, "required": ["city"]}, "Required properties must match"),
+        ({**LIMITED, "additionalProperties": True}, "additionalProperties should not be true"),
+        (
+            {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}},
+            "uniqueItems",
+        ),
+    ],
+)
+def test_strict_rule_breaks_and_unenforced_keywords_are_400(
+    recipe: Recipe, schema: dict, needle: str
+) -> None:
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+    with pytest.raises(RecipeError, match=needle) as info:
+        recipe.prepare(Protocol.CHAT, chat(tools=[tool], **NO_THINKING))
+    assert info.value.status_code == 400
+
+
+def test_json_whitespace_option(recipe: Recipe, tokenizer, v41_grammar_compiler) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}
+    pretty = json.dumps({"city": "Oslo", "days": 2}, indent=2)
+    for protocol, body in (
+        (Protocol.CHAT, chat(response_format=fmt, **NO_THINKING)),
+        (Protocol.CHAT, chat(tools=CHAT_TOOLS, tool_choice="required", **NO_THINKING)),
+        (
+            Protocol.MESSAGES,
+            messages(
+                output_config={"format": {"type": "json_schema", "schema": CITY}}, **NO_THINKING
+            ),
+        ),
+    ):
+        compact = recipe.prepare(protocol, body).grammar
+        free = recipe.prepare(protocol, {**body, "json_whitespace": "any"}).grammar
+        assert compact != free
+        if compact.kind == "json":
+            assert not _accepts(v41_grammar_compiler, tokenizer, compact, pretty)
+            assert _accepts(v41_grammar_compiler, tokenizer, free, pretty)
+    vllm = chat(structured_outputs={"json": CITY, "disable_any_whitespace": False})
+    spec = recipe.prepare(Protocol.CHAT, {**vllm, **NO_THINKING}).grammar
+    assert _accepts(v41_grammar_compiler, tokenizer, spec, pretty)

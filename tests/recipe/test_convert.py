@@ -182,7 +182,6 @@ BAD = [
         ),
         "Invalid schema",
     ),
-    (Protocol.CHAT, chat(tools=TOOLS, tool_choice="required"), "Thinking mode"),
     (
         Protocol.CHAT,
         chat(

@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -448,3 +449,265 @@ def test_invalid_and_pathological_grammars_are_400_while_others_flow(
     assert elapsed < timeout + 1.5
     assert first_token_s is not None and first_token_s < timeout
     assert re.fullmatch("[ab]{4}", small.text)
+
+
+# ---------------------------------------------------------------- issue 12: items 1, 4, 5, 6
+
+THINK_END = "128822"
+PLACEHOLDER = "128706"  # <｜place▁holder▁no▁706｜>
+THINKING = {"thinking": {"type": "enabled"}}
+
+
+def test_forced_tool_choice_in_thinking_mode_calls_after_the_reasoning(oai) -> None:
+    # Was a 400 ("Thinking mode does not support this tool_choice"). A +100 bias on `</think>`
+    # ends the random model's reasoning at once; the grammar then forces the calls block.
+    chat_tools = [
+        {"type": "function", "function": {"name": n, "parameters": s}}
+        for n, s in TOOL_SCHEMAS.items()
+    ]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    jobs: dict[str, tuple[Callable[[], Answer], set[str]]] = {}
+    for stream in (False, True):
+        for seed in range(2):
+            common = {"tools": chat_tools, "logit_bias": {THINK_END: 100}, "seed": seed}
+            jobs[f"required-{stream}-{seed}"] = (
+                lambda s=stream, c=common: _chat(
+                    oai, s, tool_choice="required", extra_body=THINKING, **c
+                ),
+                set(TOOL_SCHEMAS),
+            )
+            jobs[f"named-{stream}-{seed}"] = (
+                lambda s=stream, c=common: _chat(
+                    oai, s, tool_choice=named, parallel_tool_calls=False, extra_body=THINKING, **c
+                ),
+                {"get_weather"},
+            )
+    answers = _run_concurrently({name: job for name, (job, _) in jobs.items()})
+    for name, (_, names) in jobs.items():
+        answer = answers[name]
+        _check_calls(answer, names)
+        assert answer.text == "", (name, answer)
+        assert answer.finish == "tool_calls", (name, answer)
+        if name.startswith("named"):
+            assert len(answer.tool_calls) == 1, (name, answer)
+
+
+def test_forced_tool_choice_in_thinking_mode_calls_in_responses_and_messages(oai, claude) -> None:
+    # Responses `required` / named and Messages `tool` were a 400; Messages `any` was accepted
+    # but not enforced after the reasoning. The bias (a `logit_bias` extension here) ends the
+    # reasoning; the grammar forces the call.
+    responses_tools = [
+        {"type": "function", "name": n, "parameters": s} for n, s in TOOL_SCHEMAS.items()
+    ]
+    messages_tools = [{"name": n, "input_schema": s} for n, s in TOOL_SCHEMAS.items()]
+    bias = {"logit_bias": {THINK_END: 100}}
+    thinking = {"reasoning": {"effort": "high"}, "extra_body": bias}
+    named = {"type": "function", "name": "get_weather"}
+    jobs: dict[str, tuple[Callable[[], Answer], set[str]]] = {}
+    for stream in (False, True):
+        jobs[f"responses-required-{stream}"] = (
+            lambda s=stream: _responses(
+                oai, s, tools=responses_tools, tool_choice="required", **thinking
+            ),
+            set(TOOL_SCHEMAS),
+        )
+        jobs[f"responses-named-{stream}"] = (
+            lambda s=stream: _responses(
+                oai,
+                s,
+                tools=responses_tools,
+                tool_choice=named,
+                parallel_tool_calls=False,
+                **thinking,
+            ),
+            {"get_weather"},
+        )
+        jobs[f"messages-any-{stream}"] = (
+            lambda s=stream: _messages(
+                claude,
+                s,
+                tools=messages_tools,
+                tool_choice={"type": "any"},
+                thinking={"type": "enabled"},
+                extra_body=bias,
+            ),
+            set(TOOL_SCHEMAS),
+        )
+        jobs[f"messages-named-{stream}"] = (
+            lambda s=stream: _messages(
+                claude,
+                s,
+                tools=messages_tools,
+                tool_choice={
+                    "type": "tool",
+                    "name": "get_weather",
+                    "disable_parallel_tool_use": True,
+                },
+                thinking={"type": "enabled"},
+                extra_body=bias,
+            ),
+            {"get_weather"},
+        )
+    answers = _run_concurrently({name: job for name, (job, _) in jobs.items()})
+    for name, (_, names) in jobs.items():
+        answer = answers[name]
+        _check_calls(answer, names)
+        assert answer.text == "", (name, answer)
+        assert answer.finish in ("completed", "tool_use"), (name, answer)
+        if "named" in name:
+            assert len(answer.tool_calls) == 1, (name, answer)
+
+
+CITY_LIMITED = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def test_strict_tool_string_limit_holds_in_responses_streaming(oai) -> None:
+    # The package's strict mode dropped `maxLength` from the grammar: a 400-token city.
+    tools = [{"type": "function", "name": "find", "strict": True, "parameters": CITY_LIMITED}]
+    jobs = {
+        f"{i}": lambda: _responses(oai, True, tools=tools, tool_choice="required") for i in range(3)
+    }
+    for name, answer in _run_concurrently(jobs).items():
+        assert answer.finish == "completed", (name, answer)
+        [(tool, arguments)] = answer.tool_calls
+        assert tool == "find"
+        assert len(arguments["city"]) <= 10, arguments
+        jsonschema.validate(arguments, CITY_LIMITED)
+
+
+def test_special_tokens_never_appear_inside_constrained_output(oai) -> None:
+    # A +100 bias makes the placeholder token the model's first choice everywhere; xgrammar
+    # alone took its spelling for string content (`{"note": "<｜place▁holder▁no▁706｜>..."}`).
+    note = {
+        "type": "object",
+        "properties": {"note": {"type": "string", "maxLength": 40}},
+        "required": ["note"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": note}}
+    # (a raw-text DSML string parameter keeps its length limit only in a strict tool, and
+    # it costs xgrammar seconds at 40)
+    short = {**note, "properties": {"note": {"type": "string", "maxLength": 12}}}
+    tools = [
+        {"type": "function", "function": {"name": "save", "strict": True, "parameters": short}}
+    ]
+    bias = {PLACEHOLDER: 100}
+    jobs = {
+        "format": lambda: _chat(oai, False, response_format=fmt, logit_bias=bias),
+        "format-stream": lambda: _chat(oai, True, response_format=fmt, logit_bias=bias),
+        "tool": lambda: _chat(oai, False, tools=tools, tool_choice="required", logit_bias=bias),
+        "regex": lambda: _chat(
+            oai, False, response_format={"type": "regex", "regex": ".{1,20}"}, logit_bias=bias
+        ),
+    }
+    for name, job in jobs.items():  # one at a time: the 2-s compile timeout of the fixture
+        answer = job()
+        arguments = [args for _, args in answer.tool_calls]
+        for value in [answer.text, *(a["note"] for a in arguments)]:
+            assert "place▁holder" not in value and "｜" not in value, (name, answer)
+        if name.startswith("format"):
+            _validate_json(answer.text, note)
+
+
+def test_unenforced_schema_keywords_are_400_naming_them(oai, claude) -> None:
+    unique = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+        _chat(
+            oai,
+            False,
+            response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": unique}},
+        )
+    tools = [{"name": "f", "input_schema": {"type": "object", "properties": {"x": {"not": {}}}}}]
+    with pytest.raises(anthropic.BadRequestError, match="'not'"):
+        _messages(claude, False, tools=tools)
+    with pytest.raises(openai.BadRequestError, match="format 'iri'"):
+        _responses(
+            oai,
+            False,
+            text={
+                "format": {
+                    "type": "json_schema",
+                    "name": "i",
+                    "schema": {"type": "string", "format": "iri"},
+                }
+            },
+        )
+
+
+def test_strict_schemas_with_untyped_enum_or_const_compile(oai) -> None:
+    # Was a 400 "one of `type`, `anyOf`, `$ref` field is required" (the package's strict mode).
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+            "kind": {"const": "trip"},
+        },
+        "required": ["tags", "kind"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "strict": True, "schema": schema}}
+    text = {"format": {"type": "json_schema", "name": "t", "strict": True, "schema": schema}}
+    tools = [
+        {"type": "function", "function": {"name": "tag", "strict": True, "parameters": schema}}
+    ]
+    jobs = {
+        "chat": lambda: _chat(oai, False, response_format=fmt),
+        "responses": lambda: _responses(oai, True, text=text),
+        "tool": lambda: _chat(
+            oai, True, tools=tools, tool_choice="required", parallel_tool_calls=False
+        ),
+    }
+    answers = _run_concurrently(jobs)
+    _validate_json(answers["chat"].text, schema)
+    _validate_json(answers["responses"].text, schema)
+    [(_, arguments)] = answers["tool"].tool_calls
+    jsonschema.validate(arguments, schema)
+
+
+class Reading(pydantic.BaseModel):
+    unit: Literal["c", "f"]
+    value: int = pydantic.Field(ge=-50, le=50)
+    place: str = pydantic.Field(max_length=12)
+
+
+def test_parse_with_a_pydantic_model_fits_a_small_budget(oai) -> None:
+    # Free whitespace (`{"unit"\n\n\n\t  \n \n :`) and the dropped maxLength made every one of
+    # these run out of tokens (LengthFinishReasonError).
+    def parse(seed: int) -> Answer:
+        completion = oai.chat.completions.parse(
+            model=MODEL,
+            messages=USER_JSON,
+            response_format=Reading,
+            max_tokens=60,
+            seed=seed,
+            extra_body=NO_THINKING,
+        )
+        assert isinstance(completion.choices[0].message.parsed, Reading)
+        return Answer(completion.choices[0].message.content or "")
+
+    answers = _run_concurrently({f"{seed}": lambda s=seed: parse(s) for seed in range(4)})
+    for answer in answers.values():
+        assert not re.search(r"\s\s", answer.text), answer.text
+
+
+def test_json_whitespace_any_allows_runs_again(oai) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    bias = {str(token): 30 for token in (201, 271)}  # "\n", "\n\n": whitespace is likelier
+    compact = _chat(oai, False, response_format=fmt, logit_bias=bias, max_tokens=60)
+    free = _chat(
+        oai,
+        False,
+        response_format=fmt,
+        logit_bias=bias,
+        max_tokens=60,
+        extra_body={"json_whitespace": "any"},
+    )
+    assert not re.search(r"\s\s", compact.text), compact.text
+    _validate_json(compact.text, schema)
+    assert re.search(r"\s\s", free.text), free.text

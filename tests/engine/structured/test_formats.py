@@ -12,7 +12,12 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine.structured import GrammarCompiler, RequestMatcher, spec_for_constraint
-from engine.structured.formats import STRICT_FORMAT_PATTERNS, strict_formats
+from engine.structured.formats import (
+    STRICT_FORMAT_PATTERNS,
+    strict_formats,
+    unenforced_keyword,
+    with_inferred_types,
+)
 from tests.engine.structured.conftest import EOS_ID
 
 
@@ -85,3 +90,37 @@ def test_constrained_dates_are_valid_dates(
     spec = spec_for_constraint("json", json.dumps({"type": "string", "format": "date"}))
     ids = v41_tokenizer.encode(value, add_special_tokens=False).ids
     assert RequestMatcher(compiler.compile(spec)).accept([*ids, EOS_ID]) is ok
+
+
+def test_enum_and_const_schemas_get_the_type_of_their_values() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"enum": ["x", "y"]},
+            "b": {"const": 3},
+            "c": {"enum": [1, 2.5, None]},
+            "d": {"type": "array", "items": {"enum": [True, "no"]}},
+            "e": {"anyOf": [{"const": "k"}, {"type": "null"}]},
+            "f": {"enum": ["x"], "type": "string", "description": "kept"},
+            "g": {"$ref": "#/$defs/G"},
+        },
+        "$defs": {"G": {"const": {"k": 1}}},
+    }
+    typed = with_inferred_types(schema)
+    props = typed["properties"]
+    assert props["a"] == {"enum": ["x", "y"], "type": "string"}
+    assert props["b"]["type"] == "integer"
+    assert props["c"]["type"] == ["number", "null"]
+    assert props["d"]["items"]["type"] == ["boolean", "string"]
+    assert props["e"]["anyOf"][0]["type"] == "string"
+    assert props["f"] == schema["properties"]["f"]
+    assert props["g"] == {"$ref": "#/$defs/G"}
+    assert typed["$defs"]["G"]["type"] == "object"
+    assert "type" not in schema["properties"]["a"]  # the input is not changed
+
+
+def test_property_names_are_not_mistaken_for_keywords() -> None:
+    schema = {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "null"}}}
+    assert unenforced_keyword(schema) is None
+    nested = {"type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}
+    assert "'uniqueItems' (at /properties/x)" in unenforced_keyword(nested)

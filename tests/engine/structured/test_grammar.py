@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import pytest
 from tokenizers import Tokenizer
 
 from engine.structured import (
+    BatchBitmask,
     GrammarCompiler,
     GrammarError,
     GrammarSpec,
     RequestMatcher,
     spec_for_constraint,
+    unpack_bitmask_row,
 )
 from tests.engine.structured.conftest import EOS_ID, V41_VOCAB_SIZE
 
@@ -316,3 +319,113 @@ def test_exit_waits_for_abandoned_compilations() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["timed out", "compiled at exit: True"]
+
+
+PLACEHOLDER_ID = 128706  # <｜place▁holder▁no▁706｜>
+USER_TOKEN = "<｜User｜>"
+
+
+def _allows(matcher: RequestMatcher, token_id: int) -> bool:
+    mask = BatchBitmask(V41_VOCAB_SIZE).fill([matcher])
+    assert mask is not None
+    return bool(unpack_bitmask_row(mask.bitmask, 0, V41_VOCAB_SIZE)[token_id])
+
+
+def _string_schema() -> str:
+    return json.dumps(
+        {"type": "object", "properties": {"c": {"type": "string"}}, "required": ["c"]}
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "prefix"),
+    [
+        (spec_for_constraint("json", _string_schema()), '{"c": "ab'),
+        (spec_for_constraint("json", _string_schema(), thinking=True), 'hm</think>{"c": "ab'),
+        (spec_for_constraint("json", ""), '{"c": "ab'),
+        (
+            spec_for_constraint("tool_call_required", json.dumps(WEATHER_TOOLS)),
+            '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+            '<｜DSML｜ parameter name="city" string="true">Os',
+        ),
+        (spec_for_constraint("regex", ".*"), "ab"),
+    ],
+)
+def test_added_tokens_are_never_allowed_inside_constrained_output(
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer, spec: GrammarSpec, prefix: str
+) -> None:
+    # xgrammar alone takes an added token for its literal spelling: valid string content.
+    bare = RequestMatcher(compiler.compile(spec))
+    assert bare.accept(_ids(v41_tokenizer, prefix))
+    assert _allows(bare, PLACEHOLDER_ID)
+    matcher = compiler.constraint(spec).new_matcher()
+    assert matcher.accept(_ids(v41_tokenizer, prefix))
+    assert not _allows(matcher, PLACEHOLDER_ID)
+    assert not _allows(matcher, v41_tokenizer.token_to_id(USER_TOKEN))
+    assert _allows(matcher, _ids(v41_tokenizer, "x")[0])  # ordinary text still flows
+
+
+def test_tokens_a_grammar_names_stay_allowed(
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer
+) -> None:
+    thinking = compiler.constraint(spec_for_constraint("regex", "ok", thinking=True))
+    assert _allows(thinking.new_matcher(), THINK_END_ID)
+    tool = compiler.constraint(spec_for_constraint("tool_call", json.dumps(WEATHER_TOOLS)))
+    matcher = tool.new_matcher()
+    assert matcher.accept(_ids(v41_tokenizer, "\n\n<"))
+    assert _allows(matcher, DSML_TOKEN_ID)
+    named = compiler.constraint(GrammarSpec("regex", f"a{USER_TOKEN}b")).new_matcher()
+    assert named.accept(_ids(v41_tokenizer, "a"))
+    assert _allows(named, v41_tokenizer.token_to_id(USER_TOKEN))
+    done = compiler.constraint(GrammarSpec("regex", "a")).new_matcher()
+    assert done.accept(_ids(v41_tokenizer, "a"))
+    assert _allows(done, EOS_ID)
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "array", "contains": {"const": 1}}, "contains"),
+        ({"type": "object", "properties": {"n": {"not": {"type": "null"}}}}, "not"),
+        ({"if": {"type": "integer"}, "then": {"minimum": 3}}, "if"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+        ({"type": "string", "contentEncoding": "base64"}, "contentEncoding"),
+        ({"type": "string", "format": "iri"}, "format 'iri'"),
+        ({"$defs": {"d": {"type": "string", "format": "bogus"}}, "$ref": "#/$defs/d"}, "bogus"),
+    ],
+)
+def test_unenforced_keywords_are_refused_by_name(schema: dict, keyword: str) -> None:
+    with pytest.raises(GrammarError, match=re.escape(keyword)):
+        spec_for_constraint("json", json.dumps(schema))
+    with pytest.raises(GrammarError, match=re.escape(keyword)):
+        spec_for_constraint("json", json.dumps(schema), thinking=True)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": schema}}}}]  # fmt: skip
+    with pytest.raises(GrammarError, match=r"tool 'f' parameters.*" + re.escape(keyword)):
+        spec_for_constraint("tool_call", json.dumps(tools))
+
+
+@pytest.mark.parametrize(
+    ("schema", "good", "bad"),
+    [
+        ({"type": "string", "maxLength": 3}, '"abc"', '"abcd"'),
+        ({"type": "string", "minLength": 2}, '"ab"', '"a"'),
+        ({"type": "string", "pattern": "^a+$"}, '"aa"', '"ab"'),
+        ({"type": "string", "format": "date-time"}, '"2020-01-01T00:00:00Z"', '"noon"'),
+        ({"type": "integer", "minimum": 3, "exclusiveMaximum": 5}, "4", "5"),
+        ({"type": "integer", "multipleOf": 2}, "4", "3"),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, "[1, 2]", "[1]"),
+        ({"type": "array", "items": {"type": "integer"}, "maxItems": 1}, "[1]", "[1, 2]"),
+        ({"const": "k"}, '"k"', '"j"'),
+        ({"type": "array", "items": {"enum": ["a", "b"]}}, '["a"]', '["c"]'),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False}, "[1, 1]", "[1.5]"),
+    ],
+)
+def test_accepted_keywords_are_enforced(
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer, schema: dict, good: str, bad: str
+) -> None:
+    spec = spec_for_constraint("json", json.dumps(schema))
+    assert _accepts_text(compiler, spec, _ids(v41_tokenizer, good))
+    assert not _accepts_text(compiler, spec, _ids(v41_tokenizer, bad))

@@ -20,6 +20,7 @@ from engine.structured import (
     spec_for_constraint,
     unpack_bitmask_row,
 )
+from engine.structured.grammar import JSON_COMPACT_WHITESPACE, JSON_MAX_WHITESPACE
 from tests.engine.structured.conftest import EOS_ID, V41_VOCAB_SIZE
 
 PERSON_SCHEMA = {
@@ -66,19 +67,41 @@ def person_matcher_factory(compiler: GrammarCompiler):
     return lambda: RequestMatcher(grammar)
 
 
-@pytest.mark.parametrize("indent", [None, 2])
+@pytest.mark.parametrize(
+    ("json_whitespace", "dumps"),
+    [
+        (JSON_COMPACT_WHITESPACE, {"separators": (",", ":")}),
+        (JSON_COMPACT_WHITESPACE, {}),  # ", " / ": "
+        (JSON_MAX_WHITESPACE, {"indent": 2}),
+    ],
+)
 def test_valid_document_is_allowed_token_by_token(
-    person_matcher_factory, v41_tokenizer: Tokenizer, indent: int | None
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer, json_whitespace: int, dumps: dict
 ) -> None:
-    matcher = person_matcher_factory()
-    for token_id in _ids(v41_tokenizer, json.dumps(PERSON, indent=indent)):
+    spec = GrammarSpec("json", json.dumps(PERSON_SCHEMA), json_whitespace=json_whitespace)
+    matcher = RequestMatcher(compiler.compile(spec))
+    for token_id in _ids(v41_tokenizer, json.dumps(PERSON, **dumps)):
         assert _allowed(matcher)[token_id], v41_tokenizer.decode([token_id])
         assert not _allowed(matcher)[EOS_ID]
         assert matcher.accept([token_id])
     assert _allowed(matcher)[EOS_ID]
     assert matcher.accept([EOS_ID])
     assert matcher.is_terminated
-    assert not matcher.accept([EOS_ID])
+
+
+def test_compact_json_refuses_whitespace_runs(compiler: GrammarCompiler, v41_tokenizer) -> None:
+    # The degenerate output: `{"unit"\n\n\n\t  \n \n :` ran out of max_tokens.
+    schema = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+    compact = RequestMatcher(compiler.compile(GrammarSpec("json", json.dumps(schema))))
+    free = RequestMatcher(
+        compiler.compile(
+            GrammarSpec("json", json.dumps(schema), json_whitespace=JSON_MAX_WHITESPACE)
+        )
+    )
+    run = _ids(v41_tokenizer, '{"unit"\n\n\n\t  \n \n :')
+    assert not compact.accept(run)
+    assert free.accept(run)
+    assert compact.accept(_ids(v41_tokenizer, '{"unit": "c"}'))
 
 
 def test_invalid_continuation_is_rejected_and_leaves_the_state(
