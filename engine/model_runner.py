@@ -208,6 +208,7 @@ def _token_id_problem(chunk: ScheduledChunk, vocab_size: int) -> str | None:
             ("logit_bias", params.logit_bias.keys()),
             ("stop_token_ids", params.stop_token_ids),
             ("banned_token_ids", params.banned_token_ids),
+            ("thinking_budget", params.thinking_budget.token_ids if params.thinking_budget else ()),
         ]
     for name, ids in fields:
         bad = [t for t in ids if not 0 <= t < vocab_size]

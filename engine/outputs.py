@@ -18,6 +18,7 @@ class SamplingInfo:
     position is prompt length + output_index); randomness is keyed by (seed, position).
     history: prompt + output token ids so far, present only when a penalty needs them.
     constraint: the request's `CompiledConstraint` (opaque here), or None.
+    forced_token_id: the one token this draw may produce (a spent thinking budget), or None.
     """
 
     params: SamplingParams
@@ -26,6 +27,7 @@ class SamplingInfo:
     num_prompt_tokens: int
     history: tuple[int, ...] | None = None
     constraint: Any = None
+    forced_token_id: int | None = None
 
 
 @dataclass(frozen=True)

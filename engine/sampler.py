@@ -16,6 +16,8 @@ Processing order (`process_logits`), each step per row:
       5. top-k                   keep x ≥ k-th largest value
       6. top-p                   keep the smallest best-first prefix with probability ≥ top_p
       7. min-p                   drop tokens with prob < min_p · max prob
+      8. forced token            rows with `forced_token_id` (a spent thinking budget): every
+                                 other token −inf, the forced one 0 (it is drawn, logprob 0)
     = processed logits (filtered tokens are −inf)
 
 Then greedy rows take `argmax(processed)`, exactly, with no noise; sampled rows take
@@ -184,6 +186,14 @@ class LogitBias:
 
 
 @dataclass(frozen=True)
+class ForcedTokens:
+    """Rows whose draw may produce one token only: `tokens[i]` for batch row `rows[i]`."""
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PenaltyEntries:
     """The logits a penalty can touch: one entry per history token of each penalised row
     (prompt tokens only for rows with a repetition penalty; duplicates kept).
@@ -226,6 +236,7 @@ class SamplingBatch:
     max_num_logprobs: int
     logit_bias: LogitBias | None
     penalties: PenaltyEntries | None
+    forced: ForcedTokens | None
     sample_rows: RowSelection  # temperature > 0: Gumbel draw
     greedy_rows: RowSelection  # temperature == 0: argmax
     filter_rows: RowSelection  # top-k or top-p active (greedy rows: only if logprobs wanted)
@@ -268,6 +279,10 @@ class SamplingBatch:
         ]
         bias_rows, bias_tokens, bias_values = _bias_entries(infos, vocab_size, eos_token_id)
         wants_logprobs = [p.logprobs for p in params]
+        forced_rows = [i for i in rows if infos[i].forced_token_id is not None]
+        forced_tokens = [infos[i].forced_token_id for i in forced_rows]
+        if any(not 0 <= t < vocab_size for t in forced_tokens):
+            raise ValueError(f"a forced token id is outside the vocabulary ({vocab_size})")
 
         def where(flags: list[bool]) -> list[int]:
             return [i for i in rows if flags[i]]
@@ -287,6 +302,8 @@ class SamplingBatch:
                 [int(w) for w in wants_logprobs],
                 bias_rows,
                 bias_tokens,
+                forced_rows,
+                forced_tokens,
                 *selections,
             ],
             torch.int64,
@@ -306,9 +323,10 @@ class SamplingBatch:
             device,
         )
         k_t, seeds_t, positions_t, wants_t, bias_rows_t, bias_tokens_t = ints[:6]
+        forced_rows_t, forced_tokens_t = ints[6:8]
         sample, greedy, filtered, min_p_sel, logprob_sel = (
             RowSelection(index, len(sel), len(sel) == len(infos))
-            for index, sel in zip(ints[6:], selections, strict=True)
+            for index, sel in zip(ints[8:], selections, strict=True)
         )
         temperature_t, top_p_t, min_p_t, presence_t, frequency_t, repetition_t, bias_t = floats
         num_logprobs = tuple(p.num_logprobs for p in params)
@@ -329,6 +347,7 @@ class SamplingBatch:
             max_num_logprobs=max(num_logprobs, default=0),
             logit_bias=LogitBias(bias_rows_t, bias_tokens_t, bias_t) if bias_rows else None,
             penalties=_penalty_entries(infos, where(is_penalised), vocab_size, device),
+            forced=ForcedTokens(forced_rows_t, forced_tokens_t) if forced_rows else None,
             sample_rows=sample,
             greedy_rows=greedy,
             filter_rows=filtered,
@@ -451,6 +470,7 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x.div_(batch.temperature[:, None])
     _apply_top_k_top_p(x, batch)
     _apply_min_p(x, batch)
+    _apply_forced(x, batch)
     return x
 
 
@@ -507,6 +527,15 @@ def _apply_min_p(x: torch.Tensor, batch: SamplingBatch) -> None:
         xs.masked_fill_(xs < floor, -math.inf)
 
     sel.apply_(x, drop)
+
+
+def _apply_forced(x: torch.Tensor, batch: SamplingBatch) -> None:
+    """Forced rows keep one token (value 0, so both the argmax and the Gumbel draw take it)."""
+    forced = batch.forced
+    if forced is None:
+        return
+    x.index_fill_(0, forced.rows, -math.inf)
+    x.index_put_((forced.rows, forced.tokens), torch.zeros_like(forced.tokens, dtype=x.dtype))
 
 
 # ----------------------------------------------------------------------------------------------

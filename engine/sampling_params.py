@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.thinking_budget import ThinkingBudget
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -24,6 +26,8 @@ class SamplingParams:
     called).
     ignore_eos: do not stop at the model's EOS id.
     max_tokens: generated tokens at most (None = up to the context length).
+    thinking_budget: reasoning tokens at most, then the reasoning-end token is forced
+    (`engine/thinking_budget.py`); None = unbounded.
     seed: makes sampling reproducible for this request whatever else is in the batch.
     priority: lower value is scheduled first (FCFS within a priority).
     affinity_key: requests sharing a key share a prompt prefix (Responses `prompt_cache_key`):
@@ -46,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
+    thinking_budget: ThinkingBudget | None = None
     seed: int | None = None
     priority: int = 0
     affinity_key: str | None = None

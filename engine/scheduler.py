@@ -552,6 +552,7 @@ def _uses_penalties(params: SamplingParams) -> bool:
 
 def _sampling_info(request: Request) -> SamplingInfo:
     history = tuple(request.all_token_ids) if _uses_penalties(request.params) else None
+    budget = request.params.thinking_budget
     return SamplingInfo(
         params=request.params,
         seed=request.seed,
@@ -559,6 +560,7 @@ def _sampling_info(request: Request) -> SamplingInfo:
         num_prompt_tokens=request.num_prompt_tokens,
         history=history,
         constraint=request.constraint,
+        forced_token_id=None if budget is None else budget.forced_token(request.output_token_ids),
     )
 
 

@@ -12,6 +12,8 @@ One `ResponseBridge` per user request. It owns one package `StreamProcessor` per
 * Responses: reasoning items carry `encrypted_content` sealed by the request's
   `reasoning_sealer` (once complete; null when `include` did not ask for it, not the package's
   `"{id}-{n}"` placeholder), and the response object echoes `prompt_cache_key`.
+* Messages `thinking.display: "omitted"` (`PreparedRequest.is_thinking_shown`): thinking blocks
+  keep their start, signature and stop but no `thinking_delta`, and their text is empty.
 """
 
 from __future__ import annotations
@@ -221,6 +223,8 @@ class ResponseBridge:
         body = bodies[0]
         if self.prepared.protocol is Protocol.RESPONSES:
             _finish_response_object(body, self.prepared)
+        if not self.prepared.is_thinking_shown:
+            _omit_thinking_text(body)
         if self.prepared.protocol is not Protocol.CHAT:
             return body
         body["choices"] = [
@@ -308,6 +312,8 @@ class ResponseBridge:
                 if data.get("usage") is not None:
                     choice.usage = data["usage"]
                 data["usage"] = None
+            if not self.prepared.is_thinking_shown and _is_thinking_delta(data):
+                continue
             events.append(StreamEvent(name, data))
         return events
 
@@ -376,6 +382,18 @@ def _seal_reasoning(item: dict[str, Any], prepared: PreparedRequest) -> None:
         part.get("text", "") for part in item.get("content") or () if isinstance(part, dict)
     )
     item["encrypted_content"] = sealer.seal(text)
+
+
+def _is_thinking_delta(data: dict[str, Any]) -> bool:
+    delta = data.get("delta")
+    return data.get("type") == "content_block_delta" and delta.get("type") == "thinking_delta"
+
+
+def _omit_thinking_text(body: dict[str, Any]) -> None:
+    """Empty the text of a Messages body's thinking blocks (their signature stays)."""
+    for block in body.get("content") or ():
+        if block.get("type") == "thinking":
+            block["thinking"] = ""
 
 
 def _native_logprob(entry: TokenLogprob) -> tuple[float, list[tuple[int, float]]]:

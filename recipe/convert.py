@@ -6,7 +6,10 @@ Chat `developer` -> system, `max_completion_tokens` honoured, `n` > 1 run as n e
 Responses `stop` honoured and `previous_response_id` / `store` / `background` refused,
 Messages `top_k` forwarded, output constraints turned into a grammar (`recipe/constraints.py`:
 Messages `tool_choice: any` and `output_config.format`, Chat grammar extensions,
-`parallel_tool_calls`), images refused with a 400.
+`parallel_tool_calls`), images refused with a 400. Thinking (`_pop_thinking_options`): Messages
+without `thinking` do not think (Anthropic's rule; the package would), `thinking.budget_tokens`
+is enforced by the engine (`engine/thinking_budget.py`), Messages `thinking.display: "omitted"`
+returns thinking blocks without their text, Chat `chat_template_kwargs` (vLLM's) switch thinking.
 
 Coding agents (issue 14): Responses `include: ["reasoning.encrypted_content"]` seals each
 reasoning item (`recipe/sealing.py`) and sealed items in `input` are opened back into reasoning
@@ -28,6 +31,7 @@ import numpy as np
 
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import GrammarSpec
+from engine.thinking_budget import ThinkingBudget
 from recipe.constraints import (
     ConstraintOptions,
     OutputConstraint,
@@ -86,7 +90,9 @@ class PreparedRequest:
     conversation_request: the package's converted request (chunk generators are made from it);
     parsing_options: the stream parser settings, stop sequences included (Responses too);
     echo / namespace_tool_map: Responses only; output_constraint: what the output must
-    follow, and grammar: its compiled form's spec (both None when unconstrained).
+    follow, and grammar: its compiled form's spec (both None when unconstrained);
+    is_thinking_shown: False when the reasoning is generated but its text is not returned
+    (Messages `thinking.display: "omitted"`: thinking blocks with empty text and a signature);
     reasoning_sealer: Responses asking for `reasoning.encrypted_content` (the bridge seals each
     reasoning item with it), else None; prompt_cache_key: Responses, echoed in the response.
     """
@@ -107,10 +113,31 @@ class PreparedRequest:
     reasoning_sealer: ReasoningSealer | None = None
     prompt_cache_key: str | None = None
     cache_salt: str | None = None  # the vLLM extension: prefix-cache isolation (all APIs)
+    is_thinking_shown: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class ThinkingOptions:
+    """What a request's `thinking` object asks beyond on / off (the package reads only that).
+
+    budget_tokens: reasoning tokens at most (`thinking: {"type": "enabled", "budget_tokens": N}`),
+    None = no limit; is_shown: the reasoning text is returned (Messages `display`).
+    """
+
+    budget_tokens: int | None = None
+    is_shown: bool = True
+
+
+@dataclass(frozen=True)
+class _OutputRules:
+    """Token-level rules for the engine: ids never sampled, and the thinking budget."""
+
+    banned_token_ids: tuple[int, ...] = ()
+    thinking_budget: ThinkingBudget | None = None
 
 
 @dataclass
@@ -127,6 +154,7 @@ class _Extras:
     constraints: ConstraintOptions = field(default_factory=ConstraintOptions)
     include_encrypted_reasoning: bool = False
     prompt_cache_key: str | None = None
+    thinking: ThinkingOptions = field(default_factory=ThinkingOptions)
 
 
 class Recipe:
@@ -211,11 +239,14 @@ class Recipe:
             parsing.stop_sequences = extras.stop
         # No tools may be called: the marker token that opens tool markup is never sampled.
         banned = () if parsing.parse_tool_calls else (self.tokenizer.dsml_token_id,)
+        rules = _OutputRules(
+            banned, self._thinking_budget(extras.thinking, parsing, max_tokens, protocol)
+        )
         return PreparedRequest(
             protocol=protocol,
             model=str(body.get("model")),
             prompt_token_ids=prompt_ids,
-            sampling_params=_sampling_params(converted, extras, max_tokens, banned, protocol),
+            sampling_params=_sampling_params(converted, extras, max_tokens, rules, protocol),
             parsing_options=parsing,
             conversation_request=converted,
             stream=converted.stream,
@@ -228,7 +259,38 @@ class Recipe:
             reasoning_sealer=self._sealer if extras.include_encrypted_reasoning else None,
             prompt_cache_key=extras.prompt_cache_key,
             cache_salt=cache_salt,
+            is_thinking_shown=extras.thinking.is_shown,
         )
+
+    def _thinking_budget(
+        self,
+        options: ThinkingOptions,
+        parsing: dr.ParsingOptions,
+        max_tokens: int,
+        protocol: Protocol,
+    ) -> ThinkingBudget | None:
+        """The engine's budget for `thinking.budget_tokens` (None: none asked, or the output
+        does not start in reasoning).
+
+        Raises:
+            RecipeError: 400 when the budget is not below the output limit (as Anthropic).
+        """
+        budget = options.budget_tokens
+        if budget is None:
+            return None
+        if budget >= max_tokens:
+            raise RecipeError(
+                400,
+                f"max_tokens must be greater than thinking.budget_tokens ({max_tokens} <= "
+                f"{budget})",
+                protocol,
+                "thinking.budget_tokens",
+            )
+        if parsing.thinking_initial_stage not in _REASONING_STAGES:
+            return None
+        # A tool call also ends the reasoning (the model may go straight to one).
+        ended_by = (self.tokenizer.dsml_token_id,) if parsing.parse_tool_calls else ()
+        return ThinkingBudget(budget, self.tokenizer.thinking_end_token_id, ended_by)
 
     def _max_tokens(
         self, converted: dr.ConversationRequest, num_prompt_tokens: int, protocol: Protocol
@@ -319,7 +381,7 @@ def _sampling_params(
     converted: dr.ConversationRequest,
     extras: _Extras,
     max_tokens: int,
-    banned_token_ids: tuple[int, ...],
+    rules: _OutputRules,
     protocol: Protocol,
 ) -> SamplingParams:
     options = converted.inference_options
@@ -336,7 +398,8 @@ def _sampling_params(
             top_logprobs=(options.top_logprobs or 0) if options.logprobs else 0,
             max_tokens=max_tokens,
             seed=options.seed,
-            banned_token_ids=banned_token_ids,
+            banned_token_ids=rules.banned_token_ids,
+            thinking_budget=rules.thinking_budget,
             affinity_key=extras.prompt_cache_key,
         )
     except (TypeError, ValueError) as exc:
@@ -382,6 +445,8 @@ _CONTEXT_EDITS = ("clear_thinking_20251015",)
 def _preprocess_chat(body: dict[str, Any], protocol: Protocol) -> _Extras:
     _refuse_unsupported(body, protocol, _CHAT_UNSUPPORTED)
     extras = _Extras(constraints=pop_chat_extensions(body, protocol))
+    _apply_chat_template_kwargs(body, protocol)
+    extras.thinking = _pop_thinking_options(body, protocol)
     messages = body.get("messages")
     if isinstance(messages, list):
         for message in messages:
@@ -428,6 +493,7 @@ def _preprocess_responses(body: dict[str, Any], protocol: Protocol) -> _Extras:
         )
     _refuse_unsupported(body, protocol, _RESPONSES_UNSUPPORTED)
     extras = _Extras(constraints=pop_responses_options(body, protocol))
+    extras.thinking = _pop_thinking_options(body, protocol)
     _apply_thinking_extension(body, protocol)
     stop = body.pop("stop", None)
     if stop is not None:
@@ -457,14 +523,7 @@ def _apply_thinking_extension(body: dict[str, Any], protocol: Protocol) -> None:
     thinking = body.pop("thinking", None)
     if thinking is None:
         return
-    kind = thinking.get("type") if isinstance(thinking, dict) else None
-    if kind not in _THINKING_TYPES or set(thinking) - {"type", "budget_tokens"}:
-        raise RecipeError(
-            400,
-            'thinking: must be {"type": "enabled" | "adaptive" | "disabled"}',
-            protocol,
-            "thinking",
-        )
+    kind = thinking["type"]  # checked by `_pop_thinking_options`
     reasoning = body.get("reasoning")
     reasoning = dict(reasoning) if isinstance(reasoning, dict) else {}
     effort = reasoning.get("effort")
@@ -476,6 +535,105 @@ def _apply_thinking_extension(body: dict[str, Any], protocol: Protocol) -> None:
 
 
 _THINKING_TYPES = ("enabled", "adaptive", "disabled")
+_THINKING_DISPLAYS = {"summarized": True, "omitted": False}  # display -> is the text shown
+_REASONING_STAGES = (
+    dr.ThinkingInitialStage.ReasoningStart,
+    dr.ThinkingInitialStage.ReasoningContinuation,
+)
+
+
+def _pop_thinking_options(
+    body: dict[str, Any], protocol: Protocol, *, has_display: bool = False
+) -> ThinkingOptions:
+    """Check the `thinking` object (`{"type": "enabled" | "adaptive" | "disabled"}`, plus
+    `budget_tokens` (an int >= 1, with `enabled` only) and, where has_display (Messages),
+    `display` ("summarized" | "omitted", not with `disabled`)) and take what the package does
+    not read out of it, leaving `{"type": ...}`.
+
+    NOTE: Anthropic requires budget_tokens >= 1024; any budget >= 1 is accepted here (the
+    engine ends the reasoning at whatever count), so every budget Anthropic takes works.
+    """
+    thinking = body.get("thinking")
+    if thinking is None:
+        return ThinkingOptions()
+    allowed = {"type", "budget_tokens", *(("display",) if has_display else ())}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in _THINKING_TYPES or set(thinking) - allowed:
+        keys = ", ".join(f'"{k}"' for k in sorted(allowed - {"type"}))
+        raise RecipeError(
+            400,
+            f'thinking: must be {{"type": "enabled" | "adaptive" | "disabled"}} (optional keys: '
+            f"{keys})",
+            protocol,
+            "thinking",
+        )
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (kind != "enabled" or not _is_int(budget) or budget < 1):
+        raise RecipeError(
+            400,
+            'thinking.budget_tokens: must be an integer >= 1, with "type": "enabled"',
+            protocol,
+            "thinking.budget_tokens",
+        )
+    display = thinking.get("display")
+    if display is not None and (kind == "disabled" or display not in _THINKING_DISPLAYS):
+        raise RecipeError(
+            400,
+            'thinking.display: must be "summarized" or "omitted" (not with "disabled")',
+            protocol,
+            "thinking.display",
+        )
+    body["thinking"] = {"type": kind}
+    return ThinkingOptions(budget, _THINKING_DISPLAYS[display or "summarized"])
+
+
+_TEMPLATE_KWARGS = {"thinking": bool, "enable_thinking": bool, "reasoning_effort": str}
+
+
+def _apply_chat_template_kwargs(body: dict[str, Any], protocol: Protocol) -> None:
+    """vLLM's `chat_template_kwargs` on Chat: `thinking` / `enable_thinking` (bool) become the
+    `thinking` object, `reasoning_effort` (str) the field; other keys are 400 (this server has
+    one template and no other switches). A value that contradicts the body's own field is 400.
+    """
+    kwargs = body.pop("chat_template_kwargs", None)
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise RecipeError(
+            400, "chat_template_kwargs must be an object", protocol, "chat_template_kwargs"
+        )
+    for name, value in kwargs.items():
+        if not isinstance(value, _TEMPLATE_KWARGS.get(name, ())):
+            raise RecipeError(
+                400,
+                f"chat_template_kwargs.{name}: not supported (only thinking / enable_thinking "
+                "(bool) and reasoning_effort (str))",
+                protocol,
+                f"chat_template_kwargs.{name}",
+            )
+    for name, value in kwargs.items():
+        field_name = "reasoning_effort" if name == "reasoning_effort" else "thinking"
+        _set_or_check(body, field_name, value, f"chat_template_kwargs.{name}", protocol)
+
+
+def _set_or_check(
+    body: dict[str, Any], name: str, value: bool | str, source: str, protocol: Protocol
+) -> None:
+    """Set body[name] from a template kwarg (`thinking`: a bool, as the `thinking` object), or
+    400 when the body already says otherwise."""
+    if name == "thinking":
+        value = {"type": "enabled" if value else "disabled"}
+    current = body.get(name)
+    if current is None:
+        body[name] = value
+        return
+    if name == "thinking":
+        kind = current.get("type") if isinstance(current, dict) else None
+        agrees = (kind == "disabled") is (value["type"] == "disabled")
+    else:
+        agrees = current == value
+    if not agrees:
+        raise RecipeError(400, f"{source} contradicts '{name}' in the request", protocol, source)
 
 
 def _pop_include(body: dict[str, Any], protocol: Protocol) -> bool:
@@ -559,6 +717,9 @@ def _preprocess_messages(body: dict[str, Any], protocol: Protocol) -> _Extras:
         raise RecipeError(400, "max_tokens: Field required", protocol, "max_tokens")
     extras = _Extras(constraints=messages_options(body, protocol))
     _check_context_management(body.pop("context_management", None), protocol)
+    if body.get("thinking") is None:  # Anthropic: no `thinking`, no thinking
+        body["thinking"] = {"type": "disabled"}
+    extras.thinking = _pop_thinking_options(body, protocol, has_display=True)
     top_k = body.pop("top_k", None)
     if top_k is not None:
         if not _is_int(top_k) or top_k < 0:

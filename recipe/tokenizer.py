@@ -67,6 +67,11 @@ class ModelTokenizer:
         """The `｜DSML｜` marker token that opens every piece of tool-call markup."""
         return self.special_ids[self.special_tokens.token(dr.SpecialToken.Dsml)]
 
+    @property
+    def thinking_end_token_id(self) -> int:
+        """The `</think>` token that ends the reasoning."""
+        return self.special_ids[self.special_tokens.token(dr.SpecialToken.ThinkingEnd)]
+
     def encode_prompt(self, rendered: dr.RenderedPrompt) -> list[int]:
         """Token ids of a rendered prompt: special ids only for `rendered.special_ranges`.
 

@@ -68,6 +68,7 @@ def build_recipe(engine: AsyncEngine, config: ServerConfig) -> Recipe:
             vocab_size=engine.core.runner.model.config.vocab_size,
             default_max_tokens=config.default_max_tokens,
             max_tokens_limit=config.max_tokens_limit,
+            default_thinking_mode=config.default_thinking,
         ),
         ReasoningSealer.from_file(key_file) if key_file else None,
     )

@@ -172,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_SERVER_DEFAULTS.shutdown_timeout_s,
         help="on SIGTERM, seconds in-flight requests get to finish before they are ended",
     )
+    add(
+        "--default-thinking",
+        choices=["on", "off"],
+        default="on" if _SERVER_DEFAULTS.default_thinking else "off",
+        help="whether Chat and Responses requests that do not say think; Messages requests "
+        "without `thinking` never think (Anthropic's rule)",
+    )
     return parser
 
 
@@ -203,6 +210,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         reasoning_key_file=args.reasoning_key_file,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        default_thinking=args.default_thinking == "on",
         engine=engine,
     )
 

@@ -28,6 +28,8 @@ class ServerConfig:
     max_request_bytes: largest request body accepted; a larger one is answered 413.
     shutdown_timeout_s: on SIGTERM, how long in-flight requests get to finish before the rest
         are ended with an error (`server.drain`).
+    default_thinking: Chat and Responses requests that do not say think (True) or not;
+        Messages requests without `thinking` never think (Anthropic's rule).
     engine: handed to `AsyncEngine.from_config` when the app builds its own engine.
     """
 
@@ -42,6 +44,7 @@ class ServerConfig:
     reasoning_key_file: str | None = None
     max_request_bytes: int = 8 * 1024 * 1024
     shutdown_timeout_s: float = 30.0
+    default_thinking: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

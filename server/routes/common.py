@@ -207,26 +207,14 @@ async def tokenize(
     )
 
 
-_TEMPLATE_KWARGS = {"thinking": bool, "enable_thinking": bool, "reasoning_effort": str}
-
-
 def _chat_prompt_ids(recipe: Recipe, model: str, body: ChatTokenizeRequest) -> list[int]:
-    """The prompt ids of the Chat request these fields make (`RecipeError` 400 as it would)."""
+    """The prompt ids of the Chat request these fields make (`RecipeError` 400 as it would,
+    `chat_template_kwargs` included)."""
     chat: dict[str, Any] = {"model": model, "messages": body.messages, "max_tokens": 1}
     if body.tools is not None:
         chat["tools"] = body.tools
-    for name, value in (body.chat_template_kwargs or {}).items():
-        if name not in _TEMPLATE_KWARGS or not isinstance(value, _TEMPLATE_KWARGS[name]):
-            raise APIError(
-                ErrorKind.INVALID_REQUEST,
-                f"chat_template_kwargs.{name}: not supported (only thinking / enable_thinking "
-                "(bool) and reasoning_effort (str))",
-                param=f"chat_template_kwargs.{name}",
-            )
-        if name == "reasoning_effort":
-            chat["reasoning_effort"] = value
-        else:
-            chat["thinking"] = {"type": "enabled" if value else "disabled"}
+    if body.chat_template_kwargs is not None:
+        chat["chat_template_kwargs"] = body.chat_template_kwargs
     ids = recipe.prepare(Protocol.CHAT, chat).prompt_token_ids
     if not body.add_generation_prompt:
         ids = ids[: -len(_generation_header(recipe, ids))]

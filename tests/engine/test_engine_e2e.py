@@ -11,6 +11,7 @@ import torch
 from engine.async_engine import AsyncEngine, EngineClosedError, EngineConfig, RequestRejectedError
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.thinking_budget import ThinkingBudget
 from tests.engine.engine_checks import assert_all_released
 
 
@@ -336,3 +337,23 @@ def test_an_aborted_long_prefill_stops_within_one_chunk(tiny_model) -> None:
     assert sum(computed) < len(long_prompt) and max(computed) < 1000
     assert elapsed < 3.0
     assert_all_released(engine)
+
+
+def test_a_spent_thinking_budget_forces_the_end_token(tiny_model) -> None:
+    prompt = [0, 9, 8]
+
+    def run(budget: ThinkingBudget | None) -> list[int]:
+        params = SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True, thinking_budget=budget
+        )
+        tokens, _ = asyncio.run(_run_all(_engine(tiny_model), [(prompt, params)]))[0]
+        return tokens[0]
+
+    free = run(None)
+    end = next(t for t in range(3, 1000) if t not in free)
+    forced = run(ThinkingBudget(max_tokens=3, end_token_id=end))
+    assert forced[:3] == free[:3] and forced[3] == end and len(forced) == 8
+    assert run(ThinkingBudget(max_tokens=0, end_token_id=end))[0] == end
+    # The reasoning already ended (by the end token, or a token that ends it too): no forcing.
+    assert run(ThinkingBudget(max_tokens=3, end_token_id=free[1])) == free
+    assert run(ThinkingBudget(max_tokens=3, end_token_id=end, ended_by=(free[2],))) == free

@@ -30,6 +30,7 @@ def _info(params: SamplingParams, seed: int = 0, output_index: int = 0, **kw) ->
         output_index=output_index,
         num_prompt_tokens=kw.pop("num_prompt_tokens", 0),
         history=kw.pop("history", None),
+        forced_token_id=kw.pop("forced_token_id", None),
     )
 
 
@@ -277,6 +278,27 @@ def test_min_tokens_suppresses_stop_ids_until_reached() -> None:
     processed = process_logits(logits, batch)
     assert torch.isinf(processed[0, [1, 4]]).all() and torch.isfinite(processed[0, [0, 2]]).all()
     assert torch.isfinite(processed[1:]).all()
+
+
+def test_a_forced_row_draws_its_token_and_leaves_the_others_alone() -> None:
+    logits = _logits(4, 100, seed=8)
+    sampled = SamplingParams(temperature=1.0, top_k=5, logprobs=True, top_logprobs=2)
+    greedy = SamplingParams(temperature=0, logit_bias={3: 100.0}, logprobs=True)
+    infos = [
+        _info(sampled, seed=1, forced_token_id=42),
+        _info(sampled, seed=1),
+        _info(greedy, forced_token_id=7),
+        _info(greedy),
+    ]
+    out = _sample(logits, infos)
+    free = _sample(logits[[1, 3]], [infos[1], infos[3]])
+    assert out.token_ids.tolist()[0::2] == [42, 7]
+    assert out.token_ids.tolist()[1::2] == free.token_ids.tolist()
+    assert out.logprobs[0::2].tolist() == [0.0, 0.0]
+    assert out.top_ids[0].tolist() == [42, out.top_ids[0, 1].item()]
+    assert out.top_logprobs[0, 1].item() == -math.inf
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SamplingBatch.from_infos([_info(sampled, forced_token_id=100)], 100, "cpu")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -529,3 +529,141 @@ def test_claude_code_request_shape_is_accepted(recipe: Recipe) -> None:
         with pytest.raises(RecipeError) as err:
             recipe.prepare(Protocol.MESSAGES, claude_code_body(context_management=bad))
         assert err.value.status_code == 400 and "context_management" in err.value.message
+
+
+# ---------------------------------------------------------------- thinking (issue 14.3)
+
+
+def messages(**fields):
+    return {"model": "default", "max_tokens": 100, "messages": USER_MSG, **fields}
+
+
+def test_messages_without_thinking_do_not_think(recipe: Recipe) -> None:
+    for body in (messages(), messages(thinking=None), messages(output_config={"effort": "max"})):
+        prepared = recipe.prepare(Protocol.MESSAGES, body)
+        assert not prepared.thinking and prepared.prompt_token_ids[-1] == END_THINK
+    for kind in ("enabled", "adaptive"):
+        prepared = recipe.prepare(Protocol.MESSAGES, messages(thinking={"type": kind}))
+        assert prepared.thinking and prepared.prompt_token_ids[-1] == THINK
+        assert prepared.is_thinking_shown and prepared.sampling_params.thinking_budget is None
+
+
+@pytest.mark.parametrize(
+    ("effort", "level"), [("low", 50), ("medium", 75), ("high", 75), ("xhigh", 75), ("max", 100)]
+)
+def test_messages_effort_sets_the_reasoning_effort_line(recipe, tokenizer, effort, level) -> None:
+    body = messages(thinking={"type": "adaptive"}, output_config={"effort": effort})
+    text = tokenizer.decode(recipe.prepare(Protocol.MESSAGES, body).prompt_token_ids)
+    assert f"Reasoning Effort: {level} (range 1-100" in text
+
+
+def test_claude_codes_adaptive_omitted_thinking(recipe: Recipe) -> None:
+    body = messages(
+        thinking={"type": "adaptive", "display": "omitted"}, output_config={"effort": "high"}
+    )
+    prepared = recipe.prepare(Protocol.MESSAGES, body)
+    assert prepared.thinking and not prepared.is_thinking_shown
+    shown = messages(thinking={"type": "enabled", "budget_tokens": 9, "display": "summarized"})
+    assert recipe.prepare(Protocol.MESSAGES, shown).is_thinking_shown
+
+
+@pytest.mark.parametrize(
+    ("protocol", "body"),
+    [
+        (Protocol.MESSAGES, messages(thinking={"type": "enabled", "budget_tokens": 12})),
+        (Protocol.CHAT, chat(max_tokens=100, thinking={"type": "enabled", "budget_tokens": 12})),
+        (
+            Protocol.RESPONSES,
+            {
+                "model": "default",
+                "input": "hi",
+                "thinking": {"type": "enabled", "budget_tokens": 12},
+            },
+        ),
+    ],
+    ids=["messages", "chat", "responses"],
+)
+def test_budget_tokens_becomes_the_engines_thinking_budget(recipe, protocol, body) -> None:
+    budget = recipe.prepare(protocol, body).sampling_params.thinking_budget
+    assert budget is not None and budget.max_tokens == 12 and budget.end_token_id == END_THINK
+    assert budget.ended_by == ()
+
+
+def test_with_tools_a_tool_call_also_ends_the_budgeted_reasoning(recipe: Recipe) -> None:
+    body = chat(tools=TOOLS, thinking={"type": "enabled", "budget_tokens": 12})
+    budget = recipe.prepare(Protocol.CHAT, body).sampling_params.thinking_budget
+    assert budget.ended_by == (recipe.tokenizer.dsml_token_id,)
+
+
+def test_budget_is_not_applied_when_the_output_does_not_start_in_reasoning(recipe) -> None:
+    prefix = [*USER_MSG, {"role": "assistant", "content": "Partial", "prefix": True}]
+    body = chat(messages=prefix, thinking={"type": "enabled", "budget_tokens": 5})
+    assert recipe.prepare(Protocol.CHAT, body).sampling_params.thinking_budget is None
+
+
+BAD_THINKING = [
+    (Protocol.MESSAGES, messages(thinking={"type": "enabled", "budget_tokens": 100}), "greater"),
+    (Protocol.MESSAGES, messages(thinking={"type": "enabled", "budget_tokens": 0}), ">= 1"),
+    (Protocol.MESSAGES, messages(thinking={"type": "adaptive", "budget_tokens": 9}), "enabled"),
+    (Protocol.MESSAGES, messages(thinking={"type": "enabled", "budget_tokens": "9"}), "integer"),
+    (Protocol.MESSAGES, messages(thinking={"type": "adaptive", "display": "full"}), "display"),
+    (Protocol.MESSAGES, messages(thinking={"type": "disabled", "display": "omitted"}), "display"),
+    (Protocol.MESSAGES, messages(thinking={"type": "adaptive", "extra": 1}), "thinking"),
+    (Protocol.MESSAGES, messages(thinking="on"), "thinking"),
+    (
+        Protocol.CHAT,
+        chat(max_tokens=10, thinking={"type": "enabled", "budget_tokens": 10}),
+        "greater",
+    ),
+    (Protocol.CHAT, chat(thinking={"type": "adaptive", "display": "omitted"}), "thinking"),
+    (Protocol.CHAT, chat(chat_template_kwargs={"custom": 1}), "chat_template_kwargs.custom"),
+    (Protocol.CHAT, chat(chat_template_kwargs={"thinking": "no"}), "chat_template_kwargs"),
+    (Protocol.CHAT, chat(chat_template_kwargs=[1]), "chat_template_kwargs"),
+    (
+        Protocol.CHAT,
+        chat(chat_template_kwargs={"enable_thinking": True}, thinking={"type": "disabled"}),
+        "contradicts",
+    ),
+    (
+        Protocol.CHAT,
+        chat(chat_template_kwargs={"reasoning_effort": "low"}, reasoning_effort="max"),
+        "contradicts",
+    ),
+]
+
+
+@pytest.mark.parametrize(("protocol", "body", "needle"), BAD_THINKING)
+def test_bad_thinking_options_are_400(recipe: Recipe, protocol, body, needle) -> None:
+    with pytest.raises(RecipeError) as info:
+        recipe.prepare(protocol, body)
+    assert info.value.status_code == 400 and needle in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "thinking"),
+    [
+        ({"thinking": False}, False),
+        ({"enable_thinking": False}, False),
+        ({"enable_thinking": True}, True),
+        ({"thinking": True, "reasoning_effort": "low"}, True),
+    ],
+)
+def test_chat_template_kwargs_switch_thinking(recipe, tokenizer, kwargs, thinking) -> None:
+    prepared = recipe.prepare(Protocol.CHAT, chat(chat_template_kwargs=kwargs))
+    assert prepared.thinking is thinking
+    text = tokenizer.decode(prepared.prompt_token_ids)
+    assert ("Reasoning Effort: 50" in text) is ("reasoning_effort" in kwargs)
+
+
+def test_default_thinking_off_applies_to_chat_and_responses_only(tokenizer) -> None:
+    off = Recipe(
+        tokenizer,
+        RecipeConfig(
+            model_names=("default",), context_len=CONTEXT_LEN, default_thinking_mode=False
+        ),
+    )
+    assert not off.prepare(Protocol.CHAT, chat()).thinking
+    assert not off.prepare(Protocol.RESPONSES, {"model": "default", "input": "hi"}).thinking
+    assert off.prepare(Protocol.CHAT, chat(thinking={"type": "enabled"})).thinking
+    assert off.prepare(Protocol.MESSAGES, messages(thinking={"type": "adaptive"})).thinking
+    assert not off.prepare(Protocol.MESSAGES, messages()).thinking
