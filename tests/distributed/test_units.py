@@ -36,24 +36,24 @@ class FakeGroup:
 
 def test_coordinator_backs_off_while_idle_and_resets_on_work() -> None:
     slept: list[float] = []
-    fake = FakeGroup(0, [[0, 0, 0]])
+    fake = FakeGroup(0, [[0, 0, 0, 0]])
     coordinator = StepCoordinator(
         fake, idle_sleep_s=0.01, max_idle_sleep_s=0.03, sleep=slept.append
     )
     for step in range(4):
-        fake.others = [[step, 0, 0]]
+        fake.others = [[step, 0, 0, 0]]
         assert not coordinator.agree(RankWork(0, 0)).has_work
     assert slept == [0.01, 0.02, 0.03, 0.03]
-    fake.others = [[4, 5, 1]]
+    fake.others = [[4, 5, 1, 0]]
     agreement = coordinator.agree(RankWork(0, 0))
     assert agreement.is_zero_token(0) and agreement.num_tokens == (0, 5)
-    fake.others = [[5, 0, 0]]
+    fake.others = [[5, 0, 0, 0]]
     coordinator.agree(RankWork(0, 0))
     assert slept[-1] == 0.01  # work reset the backoff
 
 
 def test_coordinator_raises_when_ranks_are_in_different_steps() -> None:
-    coordinator = StepCoordinator(FakeGroup(1, [[7, 1, 1]]), sleep=lambda s: None)
+    coordinator = StepCoordinator(FakeGroup(1, [[7, 1, 1, 0]]), sleep=lambda s: None)
     with pytest.raises(LockstepError, match="different steps"):
         coordinator.agree(RankWork(1, 1))
 
