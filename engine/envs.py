@@ -33,3 +33,10 @@ def torch_distributed() -> dict[str, str]:
     `MASTER_ADDR`, `MASTER_PORT`), those that are set; read by `engine.distributed.groups`."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def engine_authkey() -> bytes | None:
+    """`DEEPINFER_ENGINE_AUTHKEY`: the secret every node's engine ranks use to authenticate
+    their connection to the API process (several nodes only; one node makes its own)."""
+    value = os.environ.get("DEEPINFER_ENGINE_AUTHKEY")
+    return value.encode() if value else None

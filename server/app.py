@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
+from engine.client import EngineClient, as_client, build_engine_client
 from engine.structured import GrammarCompiler
 from recipe.convert import Recipe, RecipeConfig
 from recipe.errors import RecipeError
@@ -45,27 +46,27 @@ from server.routes import common, protocols
 logger = logging.getLogger(__name__)
 
 
-def checkpoint_folder(engine: AsyncEngine) -> Path:
-    folder = engine.core.runner.model.checkpoint_path
+def checkpoint_folder(engine: EngineClient) -> Path:
+    folder = engine.info.checkpoint_path
     if folder is None:
         raise RuntimeError("the engine's model has no checkpoint folder; pass a tokenizer")
     return Path(folder)
 
 
-def load_tokenizer(engine: AsyncEngine) -> Tokenizer:
+def load_tokenizer(engine: EngineClient) -> Tokenizer:
     """The `tokenizer.json` of the checkpoint folder the engine's model was loaded from."""
     return Tokenizer.from_file(str(checkpoint_folder(engine) / "tokenizer.json"))
 
 
-def build_recipe(engine: AsyncEngine, config: ServerConfig) -> Recipe:
+def build_recipe(engine: EngineClient, config: ServerConfig) -> Recipe:
     """The protocol layer over the checkpoint's own tokenizer and the engine's context limit."""
     key_file = config.reasoning_key_file
     return Recipe(
         load_model_tokenizer(checkpoint_folder(engine)),
         RecipeConfig(
             model_names=config.served_model_names,
-            context_len=engine.core.scheduler.config.max_model_len,
-            vocab_size=engine.core.runner.model.config.vocab_size,
+            context_len=engine.info.max_model_len,
+            vocab_size=engine.info.vocab_size,
             default_max_tokens=config.default_max_tokens,
             max_tokens_limit=config.max_tokens_limit,
             default_thinking_mode=config.default_thinking,
@@ -74,23 +75,23 @@ def build_recipe(engine: AsyncEngine, config: ServerConfig) -> Recipe:
     )
 
 
-def build_grammar_compiler(engine: AsyncEngine, recipe: Recipe) -> GrammarCompiler:
+def build_grammar_compiler(engine: EngineClient, recipe: Recipe) -> GrammarCompiler:
     """The grammar compiler for the model's vocabulary (logits width) with EOS as the stop."""
-    model_config = engine.core.runner.model.config
-    return GrammarCompiler.for_tokenizer(
-        recipe.tokenizer.full, model_config.vocab_size, model_config.eos_token_id
-    )
+    info = engine.info
+    return GrammarCompiler.for_tokenizer(recipe.tokenizer.full, info.vocab_size, info.eos_token_id)
 
 
 def create_app(
     config: ServerConfig,
-    engine: AsyncEngine | None = None,
+    engine: EngineClient | AsyncEngine | None = None,
     tokenizer: Tokenizer | None = None,
+    on_engine_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The app for `config`; `engine` / `tokenizer` replace the ones the lifespan would build.
 
-    The lifespan starts the engine (given or built) and shuts it down, so an engine serves one
-    app.
+    The lifespan starts the engine (given or built; `config.parallel` picks in process or
+    rank processes) and shuts it down, so an engine serves one app. `on_engine_failure` is
+    called when a built multi-process engine fails (the CLI exits).
     """
     state = ServerState(
         config=config,
@@ -100,10 +101,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        built = engine
+        built = None if engine is None else as_client(engine)
         if built is None:
             logger.info("loading model %s", config.engine.model)
-            built = await asyncio.to_thread(AsyncEngine.from_config, config.engine)
+            built = await asyncio.to_thread(
+                build_engine_client, config.engine, config.parallel, on_engine_failure
+            )
         state.tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, built)
         try:
             state.recipe = await asyncio.to_thread(build_recipe, built, config)

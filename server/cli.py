@@ -8,6 +8,7 @@ message instead of after the model load.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import errno
 import logging
@@ -18,10 +19,13 @@ from collections.abc import Sequence
 import torch
 
 from engine.async_engine import EngineConfig
+from engine.distributed.config import ParallelConfig
 from server.config import ServerConfig
 
 _ENGINE_DEFAULTS = EngineConfig()
 _SERVER_DEFAULTS = ServerConfig()
+_PARALLEL_DEFAULTS = ParallelConfig()
+ENGINE_FAILURE_EXIT_DELAY_S = 2.0  # /health answers 503 this long before a failed server exits
 logger = logging.getLogger(__name__)
 AUTO_DEVICE = "auto"  # CUDA when torch sees a GPU, else the CPU
 
@@ -179,7 +183,50 @@ def build_parser() -> argparse.ArgumentParser:
         help="whether Chat and Responses requests that do not say think; Messages requests "
         "without `thinking` never think (Anthropic's rule)",
     )
+    _add_parallel_options(parser)
     return parser
+
+
+def _add_parallel_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("multi-GPU (expert parallelism + attention data parallelism)")
+    add = group.add_argument
+    add(
+        "--ep",
+        type=int,
+        default=_PARALLEL_DEFAULTS.ep_size,
+        help="engine ranks, one process per device, all nodes together: routed experts split "
+        "across them, each owning its requests and KV; 1 runs the engine in the API process",
+    )
+    add(
+        "--nnodes",
+        type=int,
+        default=_PARALLEL_DEFAULTS.nnodes,
+        help="machines (ranks split evenly)",
+    )
+    add(
+        "--node-rank",
+        type=int,
+        default=_PARALLEL_DEFAULTS.node_rank,
+        help="this machine's index; node 0 serves HTTP, the others only run ranks",
+    )
+    add(
+        "--master-addr",
+        default=_PARALLEL_DEFAULTS.master_addr,
+        help="node 0's address (torch.distributed rendezvous and the ranks' connection)",
+    )
+    add(
+        "--master-port",
+        type=int,
+        default=None,
+        help="torch.distributed port on node 0 (the API listens for ranks on the next port); "
+        "required with --nnodes > 1, default: free ports",
+    )
+    add(
+        "--dist-timeout",
+        type=float,
+        default=_PARALLEL_DEFAULTS.timeout_s,
+        help="seconds a collective waits for a missing rank before the engine fails",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -212,6 +259,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout_s=args.shutdown_timeout,
         default_thinking=args.default_thinking == "on",
         engine=engine,
+        parallel=ParallelConfig(
+            ep_size=args.ep,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            timeout_s=args.dist_timeout,
+        ),
     )
 
 
@@ -227,12 +282,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    if config.parallel.node_rank > 0:
+        from engine.distributed.multiprocess import serve_ranks
+
+        raise SystemExit(serve_ranks(config.engine, config.parallel))
     sock = _bind_or_exit(config.host, config.port)
     # The model load and a first checkpoint generation report their steps on stderr.
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     host, port = sock.getsockname()[:2]
     logger.info("bound http://%s:%d; it answers once the model is loaded", host, port)
-    app = create_app(config)
+    failures: list[str] = []
+    server: DrainingServer
+
+    def on_engine_failure(reason: str) -> None:
+        # NOTE: runs on the event loop; /health answers 503 until uvicorn stops.
+        failures.append(reason)
+        loop = asyncio.get_running_loop()
+        loop.call_later(ENGINE_FAILURE_EXIT_DELAY_S, setattr, server, "should_exit", True)
+
+    app = create_app(config, on_engine_failure=on_engine_failure)
     server = DrainingServer(
         # The timeout is a backstop: the drain has ended every request by then.
         uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(STOP_GRACE_S) + 1),
@@ -242,6 +310,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # uvicorn re-raises the SIGINT it stopped on; `uvicorn.run` swallows it the same way.
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[sock])
+    if failures:
+        logger.error("exiting: the engine failed (%s)", failures[0])
+        raise SystemExit(1)
     if not server.started:
         raise SystemExit(3)  # uvicorn's startup failure status
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.async_engine import EngineConfig
+from engine.distributed.config import ParallelConfig
 
 API_MODEL_NAME = "DeepSeek-V4.1-Flash"
 
@@ -30,7 +31,8 @@ class ServerConfig:
         are ended with an error (`server.drain`).
     default_thinking: Chat and Responses requests that do not say think (True) or not;
         Messages requests without `thinking` never think (Anthropic's rule).
-    engine: handed to `AsyncEngine.from_config` when the app builds its own engine.
+    engine: the engine's config, used when the app builds its own engine.
+    parallel: how many engine ranks (`--ep`; 1: the engine runs in the API process).
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +48,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     default_thinking: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from tokenizers import Tokenizer
 
-from engine.async_engine import AsyncEngine
+from engine.client import EngineClient
 from engine.structured import GrammarCompiler
 from recipe.convert import Recipe
 from server.admission import AdmissionController
@@ -27,7 +27,7 @@ class ServerState:
     config: ServerConfig
     metrics: ServerMetrics
     admission: AdmissionController
-    engine: AsyncEngine | None = None
+    engine: EngineClient | None = None
     tokenizer: Tokenizer | None = None
     recipe: Recipe | None = None
     grammar_compiler: GrammarCompiler | None = None
@@ -49,7 +49,7 @@ def get_admission(request: Request) -> AdmissionController:
     return get_state(request).admission
 
 
-def get_engine(request: Request) -> AsyncEngine:
+def get_engine(request: Request) -> EngineClient:
     """The running engine; 503 (529 on Messages routes) before startup or after shutdown."""
     engine = get_state(request).engine
     if engine is None:

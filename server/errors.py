@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineClosedError
+from engine.client import EngineFailedError
 from recipe.errors import Protocol
 from recipe.errors import error_body as protocol_error_body
 
@@ -169,6 +170,10 @@ async def _engine_closed(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+async def _engine_failed(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(request.url.path, APIError(ErrorKind.UNAVAILABLE, str(exc)))
+
+
 async def _client_disconnected(request: Request, exc: Exception) -> Response:
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -180,4 +185,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(EngineClosedError, _engine_closed)
+    app.add_exception_handler(EngineFailedError, _engine_failed)
     app.add_exception_handler(ClientDisconnectedError, _client_disconnected)

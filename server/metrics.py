@@ -8,8 +8,9 @@ Protocol routes report each request's life through four calls, keyed by request 
     metrics.on_tokens(rid, len(delta.token_ids))  # every delta with tokens (first one too)
     metrics.on_finish(rid, num_prompt_tokens, finish_reason)   # once, also on abort/error
 
-Engine-wide gauges (running/waiting requests, KV usage) are read from the engine at scrape
-time by `render(engine)`.
+Engine gauges (running/waiting requests, KV usage) are read from the engine's snapshot at
+scrape time by `render(engine)`, one series per engine rank (a `rank` label; `--ep 1` has
+rank "0"); prefix-cache counters add up every rank's totals.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.async_engine import AsyncEngine
+from engine.client import EngineClient
 
 PREFIX = "deepinfer:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -77,15 +78,18 @@ class ServerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=reg)
 
+        def rank_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, (*labels, "rank"), registry=reg)
+
         def counter(name: str, doc: str) -> Counter:
             return Counter(PREFIX + name, doc, labels, registry=reg)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests running.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Global-KV blocks in use (0..1).")
+        self.num_requests_running = rank_gauge("num_requests_running", "Requests running.")
+        self.num_requests_waiting = rank_gauge("num_requests_waiting", "Requests waiting.")
+        self.kv_cache_usage = rank_gauge("kv_cache_usage_perc", "Global-KV blocks in use (0..1).")
         self.num_requests_in_flight = gauge("num_requests_in_flight", "Requests in the server.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -117,9 +121,6 @@ class ServerMetrics:
         self._prefix_totals = dict.fromkeys(self.prefix_cache, 0)
         self.prefix_cache_blocks = gauge("prefix_cache_blocks", "Blocks indexed by the cache.")
         for metric in (
-            self.num_requests_running,
-            self.num_requests_waiting,
-            self.kv_cache_usage,
             self.num_requests_in_flight,
             self.prompt_tokens,
             self.generation_tokens,
@@ -189,27 +190,30 @@ class ServerMetrics:
 
     # ---- scrape --------------------------------------------------------------------------------
 
-    def refresh_engine_stats(self, engine: AsyncEngine) -> None:
-        """Copy the engine's queue lengths and KV usage into the gauges."""
-        scheduler = engine.core.scheduler
-        self.num_requests_running.labels(self._model).set(scheduler.num_running)
-        self.num_requests_waiting.labels(self._model).set(scheduler.num_waiting)
-        self.kv_cache_usage.labels(self._model).set(scheduler.kv_manager.usage())
-        reuse, cache = scheduler.prefix_reuse, scheduler.kv_manager.prefix_cache
-        if reuse is not None and cache is not None:
-            stats, cache_stats = reuse.stats(), cache.stats()
+    def refresh_engine_stats(self, engine: EngineClient) -> None:
+        """Copy every rank's queue lengths and KV usage into the gauges."""
+        ranks = engine.snapshot().ranks
+        for snap in ranks:
+            rank = str(snap.rank)
+            self.num_requests_running.labels(self._model, rank).set(snap.num_running)
+            self.num_requests_waiting.labels(self._model, rank).set(snap.num_waiting)
+            self.kv_cache_usage.labels(self._model, rank).set(snap.kv_usage)
+        caches = [snap.prefix_cache for snap in ranks if snap.prefix_cache is not None]
+        if caches:
             totals = {
-                "queries": stats.num_queried_tokens,
-                "hits": stats.num_hit_tokens,
-                "replayed": stats.num_replayed_tokens,
-                "evicted": cache_stats.num_evicted,
+                "queries": sum(c.num_queried_tokens for c in caches),
+                "hits": sum(c.num_hit_tokens for c in caches),
+                "replayed": sum(c.num_replayed_tokens for c in caches),
+                "evicted": sum(c.num_evicted_blocks for c in caches),
             }
             for name, total in totals.items():
                 self.prefix_cache[name].labels(self._model).inc(total - self._prefix_totals[name])
             self._prefix_totals = totals
-            self.prefix_cache_blocks.labels(self._model).set(cache_stats.num_cached_blocks)
+            self.prefix_cache_blocks.labels(self._model).set(
+                sum(c.num_cached_blocks for c in caches)
+            )
 
-    def render(self, engine: AsyncEngine | None) -> bytes:
+    def render(self, engine: EngineClient | None) -> bytes:
         """The Prometheus text exposition (engine gauges refreshed first when given)."""
         if engine is not None:
             self.refresh_engine_stats(engine)

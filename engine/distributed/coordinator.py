@@ -2,8 +2,8 @@
 
 Every MoE layer is a collective, so every rank must run every step, even one with nothing to do.
 Once per step, before it builds its batch, each rank calls `StepCoordinator.agree(RankWork)`:
-one small all-gather of `[step, num_tokens, num_seqs]` over the control group. All ranks get the
-same `StepAgreement` back and act on it the same way:
+one small all-gather of `[step, num_tokens, num_seqs, stop]` over the control group. All ranks
+get the same `StepAgreement` back and act on it the same way:
 
     agreement = coordinator.agree(RankWork(num_tokens, num_seqs))
     if not agreement.has_work:      # no rank has work: `agree` already slept
@@ -25,6 +25,9 @@ Idle: when no rank has work every rank sleeps `idle_sleep_s`, doubling up to `ma
 while the engine stays idle (work arriving meanwhile waits at most that long); the first step
 with work resets the backoff. A mismatch of step numbers (a rank skipped or repeated a step)
 raises `LockstepError` on every rank instead of pairing the wrong collectives.
+
+Stop: a rank asked to stop sets `RankWork.stop`; the agreement's `stop` is then true on every
+rank in the same step, so all leave the loop together (none is left waiting in a collective).
 """
 
 from __future__ import annotations
@@ -63,10 +66,12 @@ def gloo_int_gather(group: dist.ProcessGroup | None) -> IntGather:
 
 @dataclass(frozen=True)
 class RankWork:
-    """What one rank would run this step: scheduled tokens and sequences."""
+    """What one rank would run this step: scheduled tokens and sequences; `stop`: this rank
+    wants every rank to leave the step loop now (instead of running the step)."""
 
     num_tokens: int
     num_seqs: int
+    stop: bool = False
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0 or self.num_seqs < 0:
@@ -82,10 +87,12 @@ class StepAgreement:
     step: int
     num_tokens: tuple[int, ...]
     num_seqs: tuple[int, ...]
+    stop: bool = False
 
     @property
     def has_work(self) -> bool:
-        return any(self.num_tokens)
+        """Some rank runs tokens this step (never when the ranks stop)."""
+        return not self.stop and any(self.num_tokens)
 
     @property
     def max_tokens(self) -> int:
@@ -136,7 +143,7 @@ class StepCoordinator:
     def agree(self, work: RankWork) -> StepAgreement:
         """Exchange this rank's work with every rank; sleep when nobody has any. Collective:
         every rank must call it once per step."""
-        rows = self._gather([self._step, work.num_tokens, work.num_seqs])
+        rows = self._gather([self._step, work.num_tokens, work.num_seqs, int(work.stop)])
         steps = [row[0] for row in rows]
         if any(s != self._step for s in steps):
             raise LockstepError(f"ranks are in different steps: {steps} (this rank: {self._step})")
@@ -144,9 +151,10 @@ class StepCoordinator:
             step=self._step,
             num_tokens=tuple(row[1] for row in rows),
             num_seqs=tuple(row[2] for row in rows),
+            stop=any(row[3] for row in rows),
         )
         self._step += 1
-        if agreement.has_work:
+        if agreement.has_work or agreement.stop:
             self._next_sleep_s = self._idle_sleep_s
         else:
             self._sleep(self._next_sleep_s)

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer
 
-from engine.async_engine import AsyncEngine
+from engine.client import EngineClient
 from recipe.convert import Recipe
 from recipe.errors import Protocol
 from recipe.tokenizer import check_text
@@ -149,10 +149,10 @@ def _model_card(name: str, max_model_len: int) -> dict:
 @router.get("/v1/models", responses=_ERRORS)
 async def list_models(
     config: Annotated[ServerConfig, Depends(get_config)],
-    engine: Annotated[AsyncEngine, Depends(get_engine)],
+    engine: Annotated[EngineClient, Depends(get_engine)],
 ) -> dict:
     """OpenAI's list shape, with Anthropic's paging fields so its SDK parses it too."""
-    max_model_len = engine.core.scheduler.config.max_model_len
+    max_model_len = engine.info.max_model_len
     names = config.served_model_names
     return {
         "object": "list",
@@ -167,17 +167,17 @@ async def list_models(
 async def retrieve_model(
     model_id: str,
     config: Annotated[ServerConfig, Depends(get_config)],
-    engine: Annotated[AsyncEngine, Depends(get_engine)],
+    engine: Annotated[EngineClient, Depends(get_engine)],
 ) -> dict:
     name = resolve_model_name(config, model_id)
-    return _model_card(name, engine.core.scheduler.config.max_model_len)
+    return _model_card(name, engine.info.max_model_len)
 
 
 @router.post("/tokenize", responses=_ERRORS)
 async def tokenize(
     body: TokenizeRequest | ChatTokenizeRequest,
     state: Annotated[ServerState, Depends(get_state)],
-    engine: Annotated[AsyncEngine, Depends(get_engine)],
+    engine: Annotated[EngineClient, Depends(get_engine)],
     tokenizer: Annotated[Tokenizer, Depends(get_tokenizer)],
 ) -> TokenizeResponse:
     model = resolve_model_name(state.config, body.model)
@@ -201,7 +201,7 @@ async def tokenize(
         ids, strs = list(encoding.ids), list(encoding.tokens)
     return TokenizeResponse(
         count=len(ids),
-        max_model_len=engine.core.scheduler.config.max_model_len,
+        max_model_len=engine.info.max_model_len,
         tokens=ids,
         token_strs=strs if body.return_token_strs else None,
     )

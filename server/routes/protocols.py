@@ -1,7 +1,7 @@
 """The three protocol routes: Chat Completions, Responses, Messages (+ Messages count_tokens).
 
 Each route is thin: parse JSON → `Recipe.prepare` (validation, prompt ids, sampling params) →
-admission → `AsyncEngine.generate` → `ResponseBridge` (protocol events or one body). Leaving a
+admission → `EngineClient.generate` → `ResponseBridge` (protocol events or one body). Leaving a
 stream early (client gone) closes the engine iterator, which aborts the request and frees its KV.
 """
 
@@ -16,7 +16,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from engine.async_engine import AsyncEngine, RequestRejectedError
+from engine.async_engine import RequestRejectedError
+from engine.client import EngineClient
 from engine.structured import CompiledConstraint, GrammarCompilerBusyError, GrammarError
 from recipe.bridge import ResponseBridge, StreamEvent
 from recipe.convert import PreparedRequest, Recipe
@@ -55,7 +56,7 @@ def get_recipe(state: Annotated[ServerState, Depends(get_state)]) -> Recipe:
     return state.recipe
 
 
-Engine = Annotated[AsyncEngine, Depends(get_engine)]
+Engine = Annotated[EngineClient, Depends(get_engine)]
 RecipeDep = Annotated[Recipe, Depends(get_recipe)]
 Admission = Annotated[AdmissionController, Depends(get_admission)]
 Metrics = Annotated[ServerMetrics, Depends(get_metrics)]
@@ -124,7 +125,7 @@ class _Call:
         prepared: PreparedRequest,
         constraint: CompiledConstraint | None,
         recipe: Recipe,
-        engine: AsyncEngine,
+        engine: EngineClient,
         metrics: Metrics,
     ) -> None:
         self.prepared = prepared
@@ -185,7 +186,7 @@ async def _serve(
     protocol: Protocol,
     request: Request,
     recipe: Recipe,
-    engine: AsyncEngine,
+    engine: EngineClient,
     admission: AdmissionController,
     metrics: ServerMetrics,
 ):

@@ -36,24 +36,24 @@ class FakeGroup:
 
 def test_coordinator_backs_off_while_idle_and_resets_on_work() -> None:
     slept: list[float] = []
-    fake = FakeGroup(0, [[0, 0, 0]])
+    fake = FakeGroup(0, [[0, 0, 0, 0]])
     coordinator = StepCoordinator(
         fake, idle_sleep_s=0.01, max_idle_sleep_s=0.03, sleep=slept.append
     )
     for step in range(4):
-        fake.others = [[step, 0, 0]]
+        fake.others = [[step, 0, 0, 0]]
         assert not coordinator.agree(RankWork(0, 0)).has_work
     assert slept == [0.01, 0.02, 0.03, 0.03]
-    fake.others = [[4, 5, 1]]
+    fake.others = [[4, 5, 1, 0]]
     agreement = coordinator.agree(RankWork(0, 0))
     assert agreement.is_zero_token(0) and agreement.num_tokens == (0, 5)
-    fake.others = [[5, 0, 0]]
+    fake.others = [[5, 0, 0, 0]]
     coordinator.agree(RankWork(0, 0))
     assert slept[-1] == 0.01  # work reset the backoff
 
 
 def test_coordinator_raises_when_ranks_are_in_different_steps() -> None:
-    coordinator = StepCoordinator(FakeGroup(1, [[7, 1, 1]]), sleep=lambda s: None)
+    coordinator = StepCoordinator(FakeGroup(1, [[7, 1, 1, 0]]), sleep=lambda s: None)
     with pytest.raises(LockstepError, match="different steps"):
         coordinator.agree(RankWork(1, 1))
 
@@ -146,3 +146,32 @@ def test_load_model_of_an_ep_rank_reads_only_its_experts(tiny_checkpoint: Path) 
         }
         assert experts == {4, 5, 6, 7}
     assert len(model.mtp[0].ffn.experts) == model.config.dspark_n_routed_experts
+
+
+def test_any_rank_asking_to_stop_stops_every_rank_in_the_same_step() -> None:
+    slept: list[float] = []
+    coordinator = StepCoordinator(FakeGroup(0, [[0, 5, 1, 1]]), sleep=slept.append)
+    agreement = coordinator.agree(RankWork(3, 1))
+    assert agreement.stop and not agreement.has_work and not agreement.is_zero_token(0)
+    assert slept == []  # stopping does not sleep
+    coordinator = StepCoordinator(FakeGroup(0, [[0, 5, 1, 0]]), sleep=slept.append)
+    assert not coordinator.agree(RankWork(0, 0)).stop
+
+
+def test_parallel_config_validation() -> None:
+    from engine.distributed.config import ParallelConfig
+    from server.cli import build_parser, config_from_args
+
+    with pytest.raises(ValueError, match="multiple of nnodes"):
+        ParallelConfig(ep_size=3, nnodes=2, master_port=29500)
+    with pytest.raises(ValueError, match="explicit master_port"):
+        ParallelConfig(ep_size=4, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank"):
+        ParallelConfig(ep_size=4, nnodes=2, node_rank=2, master_port=29500)
+    parallel = ParallelConfig(ep_size=16, nnodes=2, node_rank=1, master_port=29500)
+    assert parallel.local_ranks == range(8, 16) and parallel.engine_port == 29501
+    args = build_parser().parse_args(
+        ["--ep", "8", "--nnodes", "2", "--node-rank", "1", "--master-port", "29600"]
+    )
+    got = config_from_args(args).parallel
+    assert (got.ep_size, got.nnodes, got.node_rank, got.master_port) == (8, 2, 1, 29600)

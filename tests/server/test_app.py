@@ -143,7 +143,7 @@ def test_generation_route_and_metrics_move(client):
     assert _metric(client, "deepinfer:num_requests_running") == 0
     assert _metric(client, "deepinfer:num_requests_in_flight") == 0
     assert _metric(client, "deepinfer:kv_cache_usage_perc") == 0
-    client.app.state.server.engine.core.scheduler.check_integrity()
+    client.app.state.server.engine.async_engine.core.scheduler.check_integrity()
 
 
 def _metric(client, name: str, **labels: str) -> float:

@@ -1,0 +1,90 @@
+"""What the API process and the engine ranks send each other (plain picklable dataclasses, no
+tensors), over one `multiprocessing.connection` per rank.
+
+    API → rank:  AddRequests, AbortRequests, SetGrammarVocabulary, Stop
+    rank → API:  RankHello (on connecting), RankReady (once, after loading), StepResult
+                 (after every step that ran or received something), RankFailed (then it exits)
+
+A connection that ends (EOF) without `RankFailed` means the rank died.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.client import EngineInfo, RankSnapshot
+from engine.outputs import Delta
+from engine.sampling_params import SamplingParams
+from engine.structured.grammar import GrammarSpec, MarkerGuard
+
+
+@dataclass(frozen=True)
+class WireConstraint:
+    """A compiled grammar as bytes: `xgrammar.CompiledGrammar.serialize_json`, rebuilt on the
+    rank against the vocabulary of `SetGrammarVocabulary` (xgrammar objects do not pickle)."""
+
+    spec: GrammarSpec
+    grammar_json: str
+    guard: MarkerGuard | None
+
+
+@dataclass(frozen=True)
+class WireRequest:
+    """One engine request (one choice of a user request), as `AsyncEngine` builds it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    index: int
+    constraint: WireConstraint | None
+    cache_salt: str | None
+
+
+@dataclass(frozen=True)
+class AddRequests:
+    requests: tuple[WireRequest, ...]
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SetGrammarVocabulary:
+    """The grammar compiler's `TokenizerInfo.serialize_json` (sent once, before the first
+    constrained request)."""
+
+    tokenizer_info_json: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the step loop (together with every rank) and exit."""
+
+
+@dataclass(frozen=True)
+class RankHello:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class RankReady:
+    rank: int
+    info: EngineInfo
+    snapshot: RankSnapshot
+
+
+@dataclass(frozen=True)
+class StepResult:
+    rank: int
+    deltas: tuple[Delta, ...]
+    snapshot: RankSnapshot
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    rank: int
+    error: str

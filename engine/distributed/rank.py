@@ -1,0 +1,200 @@
+"""One engine rank: a process that loads its shard and steps its own `EngineCore` in lockstep.
+
+    run_rank(spec)          the process entry (torch.multiprocessing spawn target)
+      connect to the API process (`spec.address`, HMAC `spec.authkey`), say `RankHello`
+      join torch.distributed (gloo on CPU, NCCL on CUDA), load this rank's experts
+      build the core as `AsyncEngine.from_model` does, wrap its runner (`LockstepRunner`)
+      send `RankReady`; then loop:
+          apply the API's messages (add, abort, grammar vocabulary, stop)
+          core.step() if this rank has requests, else the idle step
+          send `StepResult` (deltas + snapshot) when anything changed
+
+The rank owns its requests' scheduling, KV and sampling (attention DP); only routed experts
+cross ranks. It ignores SIGINT (Ctrl-C reaches the whole process group; the API process
+stops the ranks in order) and exits when the API's connection ends. On any failure it sends
+`RankFailed` and exits at once with status 1 (`os._exit`: a rank whose peers are gone must not
+wait in `destroy_process_group`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection
+
+import torch
+
+from engine.async_engine import AsyncEngine, EngineConfig
+from engine.client import engine_info, rank_snapshot
+from engine.distributed.coordinator import StepCoordinator, gloo_int_gather
+from engine.distributed.expert_parallel import ExpertParallel
+from engine.distributed.groups import RankConfig, RankGroups, init_groups
+from engine.distributed.lockstep import LockstepRunner
+from engine.distributed.messages import (
+    AbortRequests,
+    AddRequests,
+    RankFailed,
+    RankHello,
+    RankReady,
+    SetGrammarVocabulary,
+    StepResult,
+    Stop,
+    WireConstraint,
+    WireRequest,
+)
+from engine.models import DeepseekV41ForCausalLM, load_model
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank process needs (picklable: it crosses the spawn).
+
+    engine: the engine config with `model` resolved to a checkpoint folder.
+    num_threads: torch CPU threads of this rank.
+    """
+
+    rank: RankConfig
+    engine: EngineConfig
+    address: tuple[str, int]
+    authkey: bytes
+    num_threads: int
+
+
+def run_rank(spec: RankSpec) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"INFO:     [rank {spec.rank.rank}] %(message)s")
+    torch.set_num_threads(spec.num_threads)
+    conn = Client(spec.address, authkey=spec.authkey)
+    conn.send(RankHello(spec.rank.rank, os.getpid()))
+    try:
+        groups = init_groups(spec.rank)
+        rank = RankEngine.build(spec, groups)
+        conn.send(RankReady(spec.rank.rank, rank.info, rank.snapshot()))
+        rank.serve(conn)
+    except BaseException:  # noqa: BLE001 (reported to the API process, then exit)
+        logger.exception("rank %d failed", spec.rank.rank)
+        try:
+            conn.send(RankFailed(spec.rank.rank, traceback.format_exc()))
+            conn.close()
+        except OSError:
+            pass
+        os._exit(1)
+    conn.close()
+    torch.distributed.destroy_process_group()
+
+
+def load_rank_model(config: EngineConfig, ep: ExpertParallel) -> DeepseekV41ForCausalLM:
+    """This rank's model: dense parts, attention and DSpark whole, its routed experts only
+    (the same choices as the in-process engine's `_load`)."""
+    dtype = getattr(torch, config.dtype)
+    on_cuda = torch.device(config.device).type == "cuda"
+    model = load_model(
+        config.model,
+        device=config.device,
+        dtype=dtype,
+        quantized_experts=on_cuda and dtype == torch.bfloat16,
+        expert_parallel=ep,
+    )
+    if on_cuda and config.cuda_graphs:
+        model.enable_cuda_graphs()
+        model.capture_cuda_graphs(config.max_num_seqs)
+    return model
+
+
+class RankEngine:
+    """The core of one rank and the loop that feeds it (see the module docstring)."""
+
+    def __init__(self, rank: int, engine: AsyncEngine, runner: LockstepRunner, num_ranks: int):
+        self.rank = rank
+        self.core = engine.core
+        self.eos_token_id = engine.eos_token_id
+        self.runner = runner
+        self.info = engine_info(self.core, num_ranks)
+        self._tokenizer_info = None  # xgrammar.TokenizerInfo, from SetGrammarVocabulary
+
+    @classmethod
+    def build(cls, spec: RankSpec, groups: RankGroups) -> RankEngine:
+        config = dataclasses.replace(spec.engine, device=str(spec.rank.device))
+        model = load_rank_model(config, ExpertParallel.from_groups(groups))
+        # NOTE: AsyncEngine is only the builder here (scheduler, KV, runner, step budget as in
+        # process); its loop never runs: `serve` drives the core.
+        engine = AsyncEngine.from_model(model, config)
+        runner = LockstepRunner(engine.core.runner, StepCoordinator(gloo_int_gather(groups.cpu)))
+        engine.core.runner = runner
+        return cls(groups.rank, engine, runner, groups.world_size)
+
+    def snapshot(self):
+        return rank_snapshot(self.core, self.rank)
+
+    def serve(self, conn: Connection) -> None:
+        while not self.runner.stopped:
+            received = self._receive(conn)
+            deltas = self.core.step() if self.core.has_work() else None
+            if deltas is None:
+                self.runner.idle_step()
+            if self.runner.fatal is not None:
+                raise RuntimeError("a lockstep collective failed") from self.runner.fatal
+            if deltas or received:
+                conn.send(StepResult(self.rank, tuple(deltas or ()), self.snapshot()))
+
+    def _receive(self, conn: Connection) -> bool:
+        """Apply every message waiting on `conn`; True when there was one. The API's end
+        closing counts as `Stop`."""
+        received = False
+        try:
+            while conn.poll(0):
+                self._apply(conn.recv())
+                received = True
+        except (EOFError, OSError):
+            self.runner.stop_requested = True
+        return received
+
+    def _apply(self, message) -> None:
+        if isinstance(message, AddRequests):
+            now = time.monotonic()
+            for wire in message.requests:
+                self.core.add_request(self._request(wire, now))
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                self.core.abort(request_id)
+        elif isinstance(message, SetGrammarVocabulary):
+            import xgrammar as xgr
+
+            self._tokenizer_info = xgr.TokenizerInfo.deserialize_json(message.tokenizer_info_json)
+        elif isinstance(message, Stop):
+            self.runner.stop_requested = True
+        else:
+            raise TypeError(f"unknown message {type(message).__name__}")
+
+    def _request(self, wire: WireRequest, now: float) -> Request:
+        return Request(
+            request_id=wire.request_id,
+            prompt_token_ids=list(wire.prompt_token_ids),
+            params=wire.params,
+            seed=wire.seed,
+            arrival_time=now,
+            eos_token_id=self.eos_token_id,
+            index=wire.index,
+            constraint=self._constraint(wire.constraint),
+            cache_salt=wire.cache_salt,
+        )
+
+    def _constraint(self, wire: WireConstraint | None):
+        if wire is None:
+            return None
+        import xgrammar as xgr
+
+        from engine.structured import CompiledConstraint
+
+        if self._tokenizer_info is None:
+            raise RuntimeError("a constrained request arrived before the grammar vocabulary")
+        grammar = xgr.CompiledGrammar.deserialize_json(wire.grammar_json, self._tokenizer_info)
+        return CompiledConstraint(wire.spec, grammar, wire.guard)
