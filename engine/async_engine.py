@@ -23,6 +23,7 @@ from engine.model_runner import ModelRunner, build_prefix_reuse
 from engine.models import DeepseekV41ForCausalLM, load_model
 from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta
+from engine.overlap import OverlappedCore
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -81,6 +82,9 @@ class EngineConfig:
         them for later requests with the same prefix (`engine/kv_cache/reuse.py`).
     swa_replay: what a prefix hit recomputes (`DeepseekV41ForCausalLM.replay_tokens`):
         `bounded` (one block, approximate) or `exact` (equals a full prefill).
+    async_scheduling: schedule step N+1 while step N runs (`engine/overlap.py`; same tokens
+        as without); None = only when the model is not on the CPU (a CPU forward keeps the
+        host busy, so there is nothing to overlap it with).
     """
 
     model: str = "default"
@@ -96,6 +100,7 @@ class EngineConfig:
     activation_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     swa_replay: str = "bounded"
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.swa_replay not in ("bounded", "exact"):
@@ -177,7 +182,11 @@ class AsyncEngine:
             step_budget,
             prefix_reuse=build_prefix_reuse(model, kv_manager, config.swa_replay),
         )
-        return cls(EngineCore(scheduler, runner), model.config.eos_token_id)
+        overlapped = config.async_scheduling
+        if overlapped is None:
+            overlapped = model.device.type != "cpu"
+        core_type = OverlappedCore if overlapped else EngineCore
+        return cls(core_type(scheduler, runner), model.config.eos_token_id)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 

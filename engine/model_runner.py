@@ -7,13 +7,17 @@ imports xgrammar); nothing about request lifecycles: slots and block ids come fr
 scheduler's plain-data output, and `release` is told which requests finished.
 
 One step: build the batch → start the grammar mask fill → forward → apply the mask → sample →
-advance the matchers.
+advance the matchers. The step comes in three phases so that an async engine can overlap them
+with the host work of its neighbours: `launch` (batch, mask fill, forward, and the sampling
+when it needs no host tokens of the step before), `sample` (the rest), `collect` (the one
+device → host sync, matchers advance). `execute` runs them back to back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,13 +27,14 @@ from engine.kv_cache.reuse import PrefixReuse, PrefixReuseConfig
 from engine.models import DeepseekV41ForCausalLM, StepBatch, ints_to_device
 from engine.models.deepseek_v41.state import write_token_history
 from engine.outputs import (
+    PLACEHOLDER_TOKEN_ID,
     ModelOutput,
     SamplingInfo,
     ScheduledChunk,
     SchedulerOutput,
     TokenLogprob,
 )
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 
 if TYPE_CHECKING:
     from engine.structured.tracker import GrammarTracker
@@ -91,8 +96,11 @@ class ModelRunner:
             )
         return self.grammar
 
-    def build_batch(self, output: SchedulerOutput) -> StepBatch:
-        """Flat token ids, per-chunk offsets, positions, slots, block tables, logit rows."""
+    def build_batch(
+        self, output: SchedulerOutput, previous: StepInFlight | None = None
+    ) -> StepBatch:
+        """Flat token ids, per-chunk offsets, positions, slots, block tables, logit rows; a
+        placeholder (always a chunk's last token) takes `previous`'s sampled id on the device."""
         chunks = output.chunks
         flat = [t for c in chunks for t in c.token_ids]
         starts = [0]
@@ -103,8 +111,12 @@ class ModelRunner:
         sampled_rows = [starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sampling is not None]
         dev = self.device
         replaying = any(c.restore is not None for c in chunks)
+        token_ids = ints_to_device(flat, dev)
+        holes = [i for i, t in enumerate(flat) if t == PLACEHOLDER_TOKEN_ID]
+        if holes:
+            token_ids = _fill_placeholders(token_ids, holes, chunks, starts, previous)
         return StepBatch(
-            token_ids=ints_to_device(flat, dev),
+            token_ids=token_ids,
             starts=starts,
             start_positions=[c.start_position for c in chunks],
             slots=ints_to_device([c.slot for c in chunks], dev),
@@ -142,7 +154,20 @@ class ModelRunner:
         """Run one step; sample the next token of every chunk that reaches its request's end.
 
         Chunks that `invalid_chunks` refuses are left out of the step and reported in
-        `ModelOutput.failed`; the others run as if they were alone.
+        `ModelOutput.failed`; the others run as if they were alone. Synchronous: the three
+        phases of `launch` → `sample` → `collect` back to back.
+        """
+        step = self.launch(output)
+        self.sample(step)
+        return self.collect(step)
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput, previous: StepInFlight | None = None) -> StepInFlight:
+        """Start a step's forward on the device; also its sampling unless that needs tokens of
+        `previous` on the host (`StepInFlight.needs_host_tokens`), which `sample` then waits for.
+
+        previous: the step still in flight, whose device-side sampled ids replace the
+        `PLACEHOLDER_TOKEN_ID` entries of `output` (the ids never visit the host first).
         """
         failed = self.invalid_chunks(output)
         if failed:
@@ -150,24 +175,42 @@ class ModelRunner:
             output = dataclasses.replace(
                 output, chunks=chunks, num_tokens=sum(len(c.token_ids) for c in chunks)
             )
-            return dataclasses.replace(self._execute_valid(output), failed=failed)
-        return self._execute_valid(output)
-
-    def _execute_valid(self, output: SchedulerOutput) -> ModelOutput:
+        step = StepInFlight(output, failed)
         if output.is_empty:
-            return ModelOutput(sampled={}, logprobs={})
-        batch = self.build_batch(output)
-        sampled_chunks = [c for c in output.chunks if c.sampling is not None]
-        infos = [c.sampling for c in sampled_chunks]
-        request_ids = [c.request_id for c in sampled_chunks]
+            return step
+        batch = self.build_batch(output, previous)
+        infos = [c.sampling for c in step.sampled_chunks]
         grammar = self._grammar_for(infos)
-        pending_mask = grammar.start_mask(request_ids, infos) if grammar is not None else None
+        if grammar is not None and not step.needs_host_tokens:
+            step.pending_mask = grammar.start_mask(step.request_ids, infos)
         self.restore_token_history(output)
-        step = self.model.forward_step(batch, self.state)
-        if not sampled_chunks:
-            return ModelOutput(sampled={}, logprobs={})
+        step.logits = self.model.forward_step(batch, self.state).logits
+        if not step.needs_host_tokens:
+            self.sample(step)
+        return step
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        step: StepInFlight,
+        previous_tokens: Mapping[str, int] | None = None,
+        dropped: Collection[str] = (),
+    ) -> None:
+        """Sample `step` (a no-op when `launch` already did) and start copying the ids to the
+        host. previous_tokens: the previous step's sampled id by request (`collect`ed), which
+        fills placeholders in penalty histories; dropped: requests that finished since
+        `step` was scheduled: their rows are sampled without grammar and their ids discarded.
+        """
+        if step.is_sampled or step.logits is None or not step.sampled_chunks:
+            step.is_sampled = True
+            return
+        infos = [_resolve(c, previous_tokens or {}, dropped) for c in step.sampled_chunks]
+        step.dropped = frozenset(dropped)
+        grammar = self._grammar_for(infos)
         if grammar is not None:
-            grammar.apply_mask(pending_mask, step.logits)
+            if step.pending_mask is None:
+                step.pending_mask = grammar.start_mask(step.request_ids, infos)
+            grammar.apply_mask(step.pending_mask, step.logits)
         sampling = SamplingBatch.from_infos(
             infos,
             self.model.config.vocab_size,
@@ -175,16 +218,39 @@ class ModelRunner:
             eos_token_id=self.model.config.eos_token_id,
         )
         result = self.sampler.sample(step.logits, sampling)
-        token_ids = result.token_ids.tolist()  # the step's one device → host sync
-        if grammar is not None:
-            grammar.commit(request_ids, infos, token_ids)
-        sampled = {c.request_id: [t] for c, t in zip(sampled_chunks, token_ids, strict=True)}
+        step.device_token_ids = result.token_ids
+        step.result = _to_host(result)
+        step.infos = infos
+        step.is_sampled = True
+        if step.logits.is_cuda:
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+
+    def collect(self, step: StepInFlight, dropped: Collection[str] = ()) -> ModelOutput:
+        """Wait for `step`'s sampled ids on the host (its one device → host sync), advance the
+        grammar matchers of its rows not `dropped` (nor dropped at `sample`), and return them."""
+        if step.result is None:
+            return ModelOutput(sampled={}, logprobs={}, failed=step.failed)
+        if step.ready is not None:
+            step.ready.synchronize()
+        result = step.result
+        token_ids = result.token_ids.tolist()
+        chunks = step.sampled_chunks
+        if self.grammar is not None:
+            skip = step.dropped | set(dropped)
+            kept = [i for i, c in enumerate(chunks) if c.request_id not in skip]
+            self.grammar.commit(
+                [step.request_ids[i] for i in kept],
+                [step.infos[i] for i in kept],
+                [token_ids[i] for i in kept],
+            )
+        sampled = {c.request_id: [t] for c, t in zip(chunks, token_ids, strict=True)}
         logprobs: dict[str, list[TokenLogprob]] = {}
         if result.logprobs is not None:
             chosen = result.logprobs.tolist()
             top_ids = result.top_ids.tolist() if result.top_ids is not None else None
             top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-            for row, chunk in enumerate(sampled_chunks):
+            for row, chunk in enumerate(chunks):
                 k = chunk.sampling.params.num_logprobs
                 if not chunk.sampling.params.logprobs:
                     continue
@@ -196,12 +262,119 @@ class ModelRunner:
                     top = tuple(zip(top_ids[row][:k], lps, strict=True))
                 chosen_lp = max(chosen[row], LOGPROB_FLOOR)
                 logprobs[chunk.request_id] = [TokenLogprob(token_ids[row], chosen_lp, top)]
-        return ModelOutput(sampled=sampled, logprobs=logprobs)
+        return ModelOutput(sampled=sampled, logprobs=logprobs, failed=step.failed)
+
+
+class StepInFlight:
+    """One step launched on the device and not yet collected (see `ModelRunner.launch`).
+
+    `device_token_ids` holds the sampled ids on the device (row i: `sampled_chunks[i]`), which
+    the next step reads for its placeholders; `result` the copies bound for the host.
+    """
+
+    def __init__(self, output: SchedulerOutput, failed: dict[str, str]) -> None:
+        self.output = output
+        self.failed = failed
+        self.sampled_chunks = [c for c in output.chunks if c.sampling is not None]
+        self.request_ids = [c.request_id for c in self.sampled_chunks]
+        self.row_of = {rid: row for row, rid in enumerate(self.request_ids)}
+        self.logits: torch.Tensor | None = None
+        self.pending_mask: Any = None
+        self.infos: list[SamplingInfo] = []
+        self.dropped: frozenset[str] = frozenset()
+        self.device_token_ids: torch.Tensor | None = None
+        self.result: SamplerOutput | None = None
+        self.ready: torch.cuda.Event | None = None
+        self.is_sampled = False
+
+    def fail(self, failed: dict[str, str]) -> None:
+        """Mark the step as not run: `collect` reports `failed` and samples nothing; the next
+        step's placeholders get id 0 (their requests are finished by this step's update)."""
+        self.failed = {**self.failed, **failed}
+        self.logits = self.device_token_ids = self.result = None
+        self.is_sampled = True
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """True when a row's sampling reads its previous token on the host: a grammar mask (the
+        matcher must accept it first) or a penalty history ending in a placeholder. Such a
+        step is sampled only after the previous one is collected.
+        NOTE: any future mask that depends on a request's generated tokens (a thinking
+        budget) belongs here too."""
+        return any(
+            c.token_ids[-1] == PLACEHOLDER_TOKEN_ID
+            and (c.sampling.constraint is not None or c.sampling.history is not None)
+            for c in self.sampled_chunks
+        )
+
+
+def _resolve(
+    chunk: ScheduledChunk, previous_tokens: Mapping[str, int], dropped: Collection[str]
+) -> SamplingInfo:
+    """The chunk's `SamplingInfo` with its history's placeholder filled from `previous_tokens`;
+    a dropped row (its request finished, its token is discarded) loses its grammar, whose
+    matcher is gone, and fills the placeholder with any valid id."""
+    info = chunk.sampling
+    is_dropped = chunk.request_id in dropped
+    history = info.history
+    if history and history[-1] == PLACEHOLDER_TOKEN_ID:
+        token = 0 if is_dropped else previous_tokens[chunk.request_id]
+        info = dataclasses.replace(info, history=(*history[:-1], token))
+    if is_dropped and info.constraint is not None:
+        info = dataclasses.replace(info, constraint=None)
+    return info
+
+
+def _to_host(result: SamplerOutput) -> SamplerOutput:
+    """`result` copied to pinned host memory without waiting (CUDA); itself on the CPU. The
+    copies are valid once the step's `ready` event has completed."""
+    if not result.token_ids.is_cuda:
+        return result
+
+    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    return SamplerOutput(
+        copy(result.token_ids),
+        copy(result.logprobs),
+        copy(result.top_ids),
+        copy(result.top_logprobs),
+    )
+
+
+def _fill_placeholders(
+    token_ids: torch.Tensor,
+    holes: list[int],
+    chunks: tuple[ScheduledChunk, ...],
+    starts: list[int],
+    previous: StepInFlight | None,
+) -> torch.Tensor:
+    """`token_ids` with the flat positions `holes` set to the ids `previous` sampled for their
+    requests, gathered on the device.
+
+    NOTE: a placeholder whose request has no sampled row in `previous` (its chunk failed there)
+    gets id 0: that request is finished by the previous step's `update`, which then ignores
+    this chunk."""
+    chunk_of = {starts[i + 1] - 1: c.request_id for i, c in enumerate(chunks)}
+    if previous is None or previous.device_token_ids is None:
+        sources = torch.zeros(len(holes), dtype=torch.long, device=token_ids.device)
+    else:
+        # One extra 0 after the previous step's rows, for requests it has no row of.
+        padded = torch.cat([previous.device_token_ids, previous.device_token_ids.new_zeros(1)])
+        missing = len(previous.request_ids)
+        rows = [previous.row_of.get(chunk_of[i], missing) for i in holes]
+        sources = padded[ints_to_device(rows, token_ids.device)]
+    token_ids[ints_to_device(holes, token_ids.device)] = sources
+    return token_ids
 
 
 def _token_id_problem(chunk: ScheduledChunk, vocab_size: int) -> str | None:
     """Which field of a chunk holds a token id outside [0, vocab_size), or None."""
-    fields: list[tuple[str, object]] = [("prompt token ids", chunk.token_ids)]
+    known_ids = [t for t in chunk.token_ids if t != PLACEHOLDER_TOKEN_ID]
+    fields: list[tuple[str, object]] = [("prompt token ids", known_ids)]
     if chunk.sampling is not None:
         params = chunk.sampling.params
         fields += [

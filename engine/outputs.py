@@ -9,6 +9,11 @@ from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.step_budget import StepShape
 
+# A token id not yet known on the host: the output a step in flight samples (async scheduling).
+# It appears only in `ScheduledChunk.token_ids` and at the end of `SamplingInfo.history`; the
+# runner replaces it with the id sampled on the device by the previous step.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True)
 class SamplingInfo:
@@ -16,7 +21,8 @@ class SamplingInfo:
 
     output_index: index of the token being sampled among the request's outputs (its absolute
     position is prompt length + output_index); randomness is keyed by (seed, position).
-    history: prompt + output token ids so far, present only when a penalty needs them.
+    history: prompt + output token ids so far, present only when a penalty needs them (its
+    last entry may be `PLACEHOLDER_TOKEN_ID`, resolved by the runner before sampling).
     constraint: the request's `CompiledConstraint` (opaque here), or None.
     forced_token_id: the one token this draw may produce (a spent thinking budget), or None.
     """

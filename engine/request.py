@@ -28,6 +28,13 @@ class Request:
     Counting rule: `num_computed_tokens` catches up with `all_token_ids`; the positions
     `[num_computed_tokens, len(all_token_ids))` are what the next step may compute. A request
     is decoding once only its last (sampled, not yet cached) token is left.
+
+    In flight (async scheduling): a step handed out but not yet applied by `update` covers
+    `num_inflight_tokens` positions after `num_computed_tokens` and will sample
+    `num_output_placeholders` outputs not yet known on the host. The next step continues at
+    `num_scheduled_tokens`; a position at or past `num_tokens` holds a placeholder that the
+    runner fills with the id sampled on the device. Both counts are 0 between steps of the
+    synchronous loop.
     """
 
     request_id: str
@@ -39,6 +46,8 @@ class Request:
     index: int = 0  # choice index within the user request (n > 1)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_inflight_tokens: int = 0
+    num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -66,6 +75,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Positions computed or handed to a step in flight: where the next chunk starts."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus the outputs a step in flight will sample."""
+        return self.num_tokens + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

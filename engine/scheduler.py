@@ -38,6 +38,15 @@ functions of its padded shape, stay within the memory budget and the target step
 prefill therefore advances in chunks that each take about the target time, and an abort takes
 effect at the next chunk boundary.
 
+Async scheduling. `schedule()` may be called again before the previous output's `update()`:
+every chunk handed out is counted in `Request.num_inflight_tokens` (and its sampled token in
+`num_output_placeholders`) until `update` applies it, and the next chunk starts after it. A
+decode row whose last token is still being sampled carries `PLACEHOLDER_TOKEN_ID`, which the
+runner fills on the device. A request is not scheduled past a length limit its placeholders
+already reach; EOS and stop ids are only seen by `update`, so a request that stopped may have
+one more chunk in flight, whose token `update` ignores (never emitted). In the synchronous loop
+both counts are 0 whenever `schedule()` runs.
+
 Requests that can never run (empty prompt, prompt + max_tokens > max_model_len, more blocks than
 the whole pool, a context whose one-token step exceeds the memory budget) are rejected in
 `add_request`: finished at once with `FinishReason.ABORT` and an `error`. They, and aborted
@@ -52,7 +61,14 @@ from dataclasses import dataclass
 
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.reuse import PrefixReuse
-from engine.outputs import Delta, ModelOutput, SamplingInfo, ScheduledChunk, SchedulerOutput
+from engine.outputs import (
+    PLACEHOLDER_TOKEN_ID,
+    Delta,
+    ModelOutput,
+    SamplingInfo,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.step_budget import StepBudget, StepShape
@@ -101,9 +117,10 @@ class _StepPlan:
     def chunk_len(self, request: Request, start: int | None = None) -> int:
         """Positions the request's next chunk may take: what is left, within the token budget
         and the step budget (memory, time); 0 only when the token budget is spent. start: where
-        the chunk starts (default: the request's computed tokens; a prefix hit's replay)."""
-        start = request.num_computed_tokens if start is None else start
-        wanted = min(request.num_tokens - start, self.budget_left)
+        the chunk starts (default: after the positions computed or in flight; a prefix hit's
+        replay)."""
+        start = request.num_scheduled_tokens if start is None else start
+        wanted = min(request.num_tokens_with_placeholders - start, self.budget_left)
         return self.step_budget.max_chunk(self.shape(), start, wanted)
 
     def shape(self) -> StepShape:
@@ -116,7 +133,7 @@ class _StepPlan:
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_new_tokens[request.request_id] = num_tokens
-        self.end_positions[request.request_id] = request.num_computed_tokens + num_tokens
+        self.end_positions[request.request_id] = request.num_scheduled_tokens + num_tokens
         self.budget_left -= num_tokens
 
     def drop(self, request_id: str) -> None:
@@ -127,9 +144,10 @@ class _StepPlan:
 class Scheduler:
     """Owns the waiting and running queues; decides each step's batch; applies its results.
 
-    `schedule()` and `update()` alternate: `update` advances `num_computed_tokens` by what the
-    matching `schedule` output computed. `add_request` and `abort` may be called between any
-    two calls. Not thread-safe: the engine calls it from one thread.
+    `update()` applies `schedule()` outputs in order: it advances `num_computed_tokens` by what
+    the matching output computed. Synchronous engines alternate the two; an async engine
+    schedules one step ahead (see the module docstring). `add_request` and `abort` may be
+    called between any two calls. Not thread-safe: the engine calls it from one thread.
     """
 
     def __init__(
@@ -228,15 +246,21 @@ class Scheduler:
         """Choose this step's chunks (decode rows first) and allocate their blocks.
 
         Mutates: allocations, admissions (WAITING -> RUNNING) and preemptions (RUNNING ->
-        WAITING); `num_computed_tokens` is left for `update`. Never exceeds the token budget and
-        never lists a request twice. Returns an empty output when nothing can run.
+        WAITING); each chunk's positions and sampled token count as in flight until `update`
+        (`num_computed_tokens` is left for `update`). Never exceeds the token budget and never
+        lists a request twice. Returns an empty output when nothing can run.
         """
         plan = _StepPlan(self.config.max_num_batched_tokens, self.step_budget)
         self._schedule_running(plan, decoding=True)
         self._schedule_running(plan, decoding=False)
         if plan.num_preempted == 0:
             self._admit_waiting(plan)
-        return self._build_output(plan)
+        output = self._build_output(plan)
+        for chunk in output.chunks:
+            request = self._requests[chunk.request_id]
+            request.num_inflight_tokens += len(chunk.token_ids)
+            request.num_output_placeholders += chunk.sampling is not None
+        return output
 
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[Delta]:
         """Apply one executed step; return the Deltas to stream, one per request with news.
@@ -263,7 +287,9 @@ class Scheduler:
         for chunk in scheduler_output.chunks:
             request = self._requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted after schedule()
+                continue  # aborted, finished or preempted after schedule()
+            request.num_inflight_tokens -= len(chunk.token_ids)
+            request.num_output_placeholders -= chunk.sampling is not None
             if chunk.request_id in model_output.failed:
                 request.error = model_output.failed[chunk.request_id]
                 self._finish(request, FinishReason.ABORT)
@@ -309,6 +335,10 @@ class Scheduler:
             rid = request.request_id
             _require(request.status is RequestStatus.WAITING, f"waiting {rid!r} is not WAITING")
             _require(request.num_computed_tokens == 0, f"waiting {rid!r} has computed tokens")
+            _require(
+                request.num_inflight_tokens == 0 == request.num_output_placeholders,
+                f"waiting {rid!r} has a step in flight",
+            )
             _require(not self.kv_manager.is_allocated(rid), f"waiting {rid!r} holds KV")
         for request in self._running:
             rid = request.request_id
@@ -324,6 +354,11 @@ class Scheduler:
             _require(
                 request.num_computed_tokens < request.num_tokens,
                 f"running {rid!r} has no position left to compute",
+            )
+            _require(
+                request.num_inflight_tokens >= 0
+                and 0 <= request.num_output_placeholders <= request.num_inflight_tokens,
+                f"running {rid!r} has inconsistent in-flight counts",
             )
         _require(
             self.kv_manager.stats().num_requests == len(self._running),
@@ -346,14 +381,38 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
-            num_left = request.num_tokens - request.num_computed_tokens
+            num_left = request.num_tokens_with_placeholders - request.num_scheduled_tokens
             if (num_left == 1) != decoding or request.request_id in plan.num_new_tokens:
                 continue
+            if self._reaches_length_limit(request) or self._waits_for_its_outputs(request):
+                continue  # its step in flight samples its last token, or one this row needs
             num_new = plan.chunk_len(request)
             if num_new == 0:
                 continue  # the step budget is spent: this chunk waits for the next step
-            if self._allocate_or_preempt(request, request.num_computed_tokens + num_new, plan):
+            if self._allocate_or_preempt(request, request.num_scheduled_tokens + num_new, plan):
                 plan.add(request, num_new)
+
+    def _reaches_length_limit(self, request: Request) -> bool:
+        """True when the outputs a step in flight samples already end the request for length
+        (`max_tokens`, `max_model_len`): the next token would be computed only to be dropped."""
+        if request.num_output_placeholders == 0:
+            return False
+        max_tokens = request.params.max_tokens
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return (
+            max_tokens is not None and num_outputs >= max_tokens
+        ) or request.num_tokens_with_placeholders >= self.config.max_model_len
+
+    def _waits_for_its_outputs(self, request: Request) -> bool:
+        """True when the next draw depends on the identity of a token a step in flight
+        samples: a thinking budget's draw at its index is forced unless an earlier output
+        ended the reasoning. That one row waits for the outputs (once per request)."""
+        budget = request.params.thinking_budget
+        return (
+            budget is not None
+            and request.num_output_placeholders > 0
+            and request.num_output_tokens + request.num_output_placeholders == budget.max_tokens
+        )
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _StepPlan) -> bool:
         """Give a running request blocks for positions `< num_tokens`, preempting the worst
@@ -375,6 +434,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         if self.prefix_reuse is not None:
             self.prefix_reuse.forget(request)
+        request.num_inflight_tokens = 0  # `update` ignores the chunk in flight: not RUNNING
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
         bisect.insort(self._waiting, request, key=self._order_key)
@@ -407,7 +468,7 @@ class Scheduler:
         chunks = []
         for request_id, num_new in plan.num_new_tokens.items():
             request = self._requests[request_id]
-            start = request.num_computed_tokens
+            start = request.num_scheduled_tokens
             end = start + num_new
             chunks.append(
                 ScheduledChunk(
@@ -416,7 +477,11 @@ class Scheduler:
                     block_table=self.kv_manager.block_table(request_id),
                     start_position=start,
                     token_ids=_token_range(request, start, end),
-                    sampling=_sampling_info(request) if end == request.num_tokens else None,
+                    sampling=(
+                        _sampling_info(request)
+                        if end == request.num_tokens_with_placeholders
+                        else None
+                    ),
                     restore=(
                         None
                         if self.prefix_reuse is None
@@ -532,9 +597,14 @@ class Scheduler:
 
 
 def _token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
-    """Token ids at positions `start .. end − 1` without concatenating prompt and output."""
+    """Token ids at positions `start .. end − 1` without concatenating prompt and output;
+    `PLACEHOLDER_TOKEN_ID` at positions a step in flight samples."""
     prompt, output = request.prompt_token_ids, request.output_token_ids
     num_prompt = len(prompt)
+    num_unknown = max(0, end - max(start, request.num_tokens))
+    if num_unknown:
+        known = _token_range(request, start, end - num_unknown) if start < end - num_unknown else ()
+        return (*known, *[PLACEHOLDER_TOKEN_ID] * num_unknown)
     if end <= num_prompt:
         return tuple(prompt[start:end])
     if start >= num_prompt:
@@ -551,16 +621,27 @@ def _uses_penalties(params: SamplingParams) -> bool:
 
 
 def _sampling_info(request: Request) -> SamplingInfo:
-    history = tuple(request.all_token_ids) if _uses_penalties(request.params) else None
+    history = None
+    if _uses_penalties(request.params):
+        history = (
+            *request.all_token_ids,
+            *[PLACEHOLDER_TOKEN_ID] * request.num_output_placeholders,
+        )
     budget = request.params.thinking_budget
     return SamplingInfo(
         params=request.params,
         seed=request.seed,
-        output_index=request.num_output_tokens,
+        output_index=request.num_output_tokens + request.num_output_placeholders,
         num_prompt_tokens=request.num_prompt_tokens,
         history=history,
         constraint=request.constraint,
-        forced_token_id=None if budget is None else budget.forced_token(request.output_token_ids),
+        # NOTE: a budget forces only the draw at its index, which is never scheduled ahead of
+        # the outputs before it (`_waits_for_its_outputs`), so none is a placeholder then.
+        forced_token_id=(
+            None
+            if budget is None or request.num_output_placeholders
+            else budget.forced_token(request.output_token_ids)
+        ),
     )
 
 
