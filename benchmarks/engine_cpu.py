@@ -1,11 +1,11 @@
 """Engine throughput on the CPU: concurrent requests through `AsyncEngine`, one table.
 
     python benchmarks/engine_cpu.py [--model default] [--concurrency 1 8 32] [--prompt-len 512]
-                                    [--output-len 128]
+                                    [--output-len 128] [--no-async-scheduling]
 
 Every request has its own random prompt (no shared prefix) and generates exactly --output-len
 tokens (ignore_eos). Reports output tokens/s, all tokens/s, median time to first token and the
-number of engine steps.
+number of engine steps and steps/s (async scheduling is on unless --no-async-scheduling).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ async def run(engine: AsyncEngine, concurrency: int, prompt_len: int, output_len
         "total_tok_s": (generated + concurrency * prompt_len) / elapsed,
         "ttft_median_s": statistics.median(f for f, _ in results),
         "steps": engine.step_count - steps0,
+        "steps_s": (engine.step_count - steps0) / elapsed,
     }
 
 
@@ -62,23 +63,27 @@ async def main_async(args: argparse.Namespace) -> None:
         model=args.model,
         max_num_seqs=max(args.concurrency),
         kv_cache_tokens=max(args.concurrency) * (args.prompt_len + args.output_len + 256),
+        max_model_len=args.prompt_len + args.output_len + 256,
         max_num_batched_tokens=args.max_batched_tokens,
+        async_scheduling=args.async_scheduling,
     )
     engine = AsyncEngine.from_config(config)
     await engine.start()
     print(
         f"model {args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"prompt {args.prompt_len}, output {args.output_len}"
+        f"prompt {args.prompt_len}, output {args.output_len}, "
+        f"async scheduling {'on' if args.async_scheduling else 'off'}"
     )
     print(
         f"{'conc':>4} {'seconds':>8} {'out tok/s':>10} {'all tok/s':>10} {'TTFT p50 s':>11} "
-        f"{'steps':>6}"
+        f"{'steps':>6} {'steps/s':>8}"
     )
     for c in args.concurrency:
         r = await run(engine, c, args.prompt_len, args.output_len)
         print(
             f"{r['concurrency']:>4} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} "
-            f"{r['total_tok_s']:>10.1f} {r['ttft_median_s']:>11.2f} {r['steps']:>6}"
+            f"{r['total_tok_s']:>10.1f} {r['ttft_median_s']:>11.2f} {r['steps']:>6} "
+            f"{r['steps_s']:>8.2f}"
         )
     await engine.shutdown()
 
@@ -90,6 +95,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-batched-tokens", type=int, default=32768)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on CUDA, run every step eagerly (no CUDA graphs)",
     )
     add(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule engine step N+1 while step N runs (same tokens); default: on for CUDA, "
+        "off on the CPU",
+    )
+    add(
         "--target-step-ms",
         type=float,
         default=None,
@@ -244,6 +251,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         target_step_ms=args.target_step_ms,
         enable_prefix_caching=args.enable_prefix_caching,
         swa_replay=args.swa_replay,
+        async_scheduling=args.async_scheduling,
     )
     return ServerConfig(
         host=args.host,

@@ -263,3 +263,38 @@ def test_scheduler_drops_the_row_after_a_stop_it_learns_late() -> None:
     assert request.output_token_ids == [9]
     scheduler.check_integrity()
     assert not scheduler.has_unfinished_requests()
+
+
+def test_async_scheduling_is_off_by_default_on_the_cpu(tiny_model) -> None:
+    config = EngineConfig(model="tiny", max_num_seqs=2, kv_cache_tokens=4096)
+    assert not isinstance(AsyncEngine.from_model(tiny_model, config).core, OverlappedCore)
+
+
+def test_a_failing_step_fails_only_its_requests_under_async_scheduling(tiny_model) -> None:
+    engine = _engine(tiny_model, True)
+    runner = engine.core.runner
+    launch = runner.launch
+
+    def failing(output, previous=None):  # the model raises on steps with the poisoned request
+        if any(c.request_id == "poisoned" for c in output.chunks):
+            raise RuntimeError("secret detail of the poisoned request")
+        return launch(output, previous)
+
+    runner.launch = failing
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    jobs = [([0, 5, 6], params), ([0, 9, 9], params), ([0, 5, 6], params)]
+
+    async def scenario():
+        await engine.start()
+        try:
+            first = await _deltas(engine, *jobs[0], "before")
+            poisoned = await _deltas(engine, *jobs[1], "poisoned")
+            after = await _deltas(engine, *jobs[2], "after")
+            return first, poisoned, after
+        finally:
+            await engine.shutdown()
+
+    first, poisoned, after = asyncio.run(scenario())
+    assert first == after and after[-1][3] is FinishReason.LENGTH
+    assert poisoned == [(0, [], None, FinishReason.ABORT, 0)]
+    assert_all_released(engine)

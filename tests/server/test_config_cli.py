@@ -168,3 +168,12 @@ def test_cli_body_limit_and_shutdown_timeout():
     for bad in ({"max_request_bytes": 10}, {"shutdown_timeout_s": -1.0}):
         with pytest.raises(ValueError):
             ServerConfig(**bad)
+
+
+def test_cli_async_scheduling_flag():
+    def parsed(*argv: str) -> bool | None:
+        return config_from_args(build_parser().parse_args(list(argv))).engine.async_scheduling
+
+    assert parsed() is None  # the engine decides by device
+    assert parsed("--no-async-scheduling") is False
+    assert parsed("--async-scheduling") is True
