@@ -298,3 +298,34 @@ def test_a_failing_step_fails_only_its_requests_under_async_scheduling(tiny_mode
     assert first == after and after[-1][3] is FinishReason.LENGTH
     assert poisoned == [(0, [], None, FinishReason.ABORT, 0)]
     assert_all_released(engine)
+
+
+def test_prefix_cache_hits_under_async_scheduling_give_the_same_tokens(tiny_model_exact_kv) -> None:
+    """Turn 2 extends turn 1's prompt and output (the agent pattern): under async scheduling it
+    hits the blocks turn 1 committed and generates what an uncached synchronous engine does."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first_prompt = [0, *[3 + (7 * i) % 900 for i in range(260)]]
+
+    def conversation(engine: AsyncEngine) -> list[list[int]]:
+        async def scenario():
+            await engine.start()
+            try:
+                prompt, outputs = first_prompt, []
+                for turn in range(2):
+                    background = _deltas(engine, [0, 40 + turn], greedy, f"bg{turn}")
+                    deltas, _ = await asyncio.gather(
+                        _deltas(engine, prompt, greedy, f"t{turn}"), background
+                    )
+                    outputs.append(_tokens(deltas))
+                    prompt = [*prompt, *outputs[-1], 11, 12, 13]
+                return outputs
+            finally:
+                await engine.shutdown()
+
+        return asyncio.run(scenario())
+
+    uncached = _engine(tiny_model_exact_kv, False, enable_prefix_caching=False)
+    cached = _engine(tiny_model_exact_kv, True, swa_replay="exact")
+    assert conversation(cached) == conversation(uncached)
+    assert cached.core.scheduler.prefix_reuse.stats().num_hit_tokens >= 256
+    assert_all_released(cached)
