@@ -15,8 +15,10 @@ device → host sync, matchers advance). `execute` runs them back to back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Collection, Mapping
+import time
+from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -175,7 +177,7 @@ class ModelRunner:
             output = dataclasses.replace(
                 output, chunks=chunks, num_tokens=sum(len(c.token_ids) for c in chunks)
             )
-        step = StepInFlight(output, failed)
+        step = StepInFlight(output, failed, on_cuda=self.device.type == "cuda")
         if output.is_empty:
             return step
         batch = self.build_batch(output, previous)
@@ -184,7 +186,8 @@ class ModelRunner:
         if grammar is not None and not step.needs_host_tokens:
             step.pending_mask = grammar.start_mask(step.request_ids, infos)
         self.restore_token_history(output)
-        step.logits = self.model.forward_step(batch, self.state).logits
+        with step.timed():
+            step.logits = self.model.forward_step(batch, self.state).logits
         if not step.needs_host_tokens:
             self.sample(step)
         return step
@@ -217,22 +220,19 @@ class ModelRunner:
             self.device,
             eos_token_id=self.model.config.eos_token_id,
         )
-        result = self.sampler.sample(step.logits, sampling)
-        step.device_token_ids = result.token_ids
-        step.result = _to_host(result)
+        with step.timed():
+            result = self.sampler.sample(step.logits, sampling)
+            step.device_token_ids = result.token_ids
+            step.result = _to_host(result)
         step.infos = infos
         step.is_sampled = True
-        if step.logits.is_cuda:
-            step.ready = torch.cuda.Event()
-            step.ready.record()
 
     def collect(self, step: StepInFlight, dropped: Collection[str] = ()) -> ModelOutput:
         """Wait for `step`'s sampled ids on the host (its one device → host sync), advance the
         grammar matchers of its rows not `dropped` (nor dropped at `sample`), and return them."""
         if step.result is None:
             return ModelOutput(sampled={}, logprobs={}, failed=step.failed)
-        if step.ready is not None:
-            step.ready.synchronize()
+        step.wait()
         result = step.result
         token_ids = result.token_ids.tolist()
         chunks = step.sampled_chunks
@@ -272,8 +272,11 @@ class StepInFlight:
     the next step reads for its placeholders; `result` the copies bound for the host.
     """
 
-    def __init__(self, output: SchedulerOutput, failed: dict[str, str]) -> None:
+    def __init__(
+        self, output: SchedulerOutput, failed: dict[str, str], *, on_cuda: bool = False
+    ) -> None:
         self.output = output
+        self.on_cuda = on_cuda
         self.failed = failed
         self.sampled_chunks = [c for c in output.chunks if c.sampling is not None]
         self.request_ids = [c.request_id for c in self.sampled_chunks]
@@ -284,8 +287,35 @@ class StepInFlight:
         self.dropped: frozenset[str] = frozenset()
         self.device_token_ids: torch.Tensor | None = None
         self.result: SamplerOutput | None = None
-        self.ready: torch.cuda.Event | None = None
         self.is_sampled = False
+        self._events: list[torch.cuda.Event] = []  # CUDA: around the forward and the sampling
+        self._host_seconds = 0.0  # CPU: the same phases, timed on the host
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Time a phase of the step's device work (CUDA events, or the host clock on the CPU)."""
+        if self.on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events += [start, end]
+        else:
+            started = time.perf_counter()
+            yield
+            self._host_seconds += time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Block until the step's device work (and the copies of its ids to the host) is done."""
+        if self._events:
+            self._events[-1].synchronize()
+
+    @property
+    def device_seconds(self) -> float:
+        """Device time of the step's forward and sampling (valid after `wait`), without the
+        time it queued behind the step before it: what the step budget's time model fits."""
+        pairs = zip(self._events[::2], self._events[1::2], strict=True)
+        return self._host_seconds + sum(a.elapsed_time(b) for a, b in pairs) / 1000.0
 
     def fail(self, failed: dict[str, str]) -> None:
         """Mark the step as not run: `collect` reports `failed` and samples nothing; the next
@@ -327,7 +357,7 @@ def _resolve(
 
 def _to_host(result: SamplerOutput) -> SamplerOutput:
     """`result` copied to pinned host memory without waiting (CUDA); itself on the CPU. The
-    copies are valid once the step's `ready` event has completed."""
+    copies are valid after `StepInFlight.wait`."""
     if not result.token_ids.is_cuda:
         return result
 

@@ -24,7 +24,6 @@ request emits was sampled from the same logits and mask as in the synchronous lo
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 from engine.core import EngineCore, internal_error_message
@@ -38,7 +37,6 @@ logger = logging.getLogger(__name__)
 class _InFlight:
     scheduled: SchedulerOutput  # as scheduled (the runner's step leaves invalid chunks out)
     step: StepInFlight
-    launched_at: float  # time.perf_counter()
 
 
 class OverlappedCore(EngineCore):
@@ -47,7 +45,6 @@ class OverlappedCore(EngineCore):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._in_flight: _InFlight | None = None
-        self._last_ready_at = 0.0
 
     def has_work(self) -> bool:
         return self._in_flight is not None or super().has_work()
@@ -55,15 +52,12 @@ class OverlappedCore(EngineCore):
     def step(self) -> list[Delta]:
         """Schedule and launch step N+1, then apply step N; returns N's deltas."""
         scheduled = self.scheduler.schedule()
-        launched_at = time.perf_counter()
         launched = self._launch(scheduled)
         previous, previous_output = self._collect_in_flight()
         deltas = self.scheduler.update(previous, previous_output)
         self.runner.release([d.request_id for d in deltas if d.finish_reason is not None])
         self._sample(launched, previous_output)
-        self._in_flight = (
-            None if scheduled.is_empty else _InFlight(scheduled, launched, launched_at)
-        )
+        self._in_flight = None if scheduled.is_empty else _InFlight(scheduled, launched)
         return deltas
 
     # ---- the three phases, each failing only its own step's requests -------------------------
@@ -76,8 +70,8 @@ class OverlappedCore(EngineCore):
             return _failed_step(scheduled)
 
     def _collect_in_flight(self) -> tuple[SchedulerOutput, ModelOutput]:
-        """Wait for step N's sampled ids (nothing when no step is in flight); feed its time
-        (from when the device could start it to when its ids were back) to the step budget."""
+        """Wait for step N's sampled ids (nothing when no step is in flight); feed its device
+        time to the step budget."""
         if self._in_flight is None:
             return SchedulerOutput(chunks=(), num_tokens=0), ModelOutput(sampled={}, logprobs={})
         scheduled, step = self._in_flight.scheduled, self._in_flight.step
@@ -89,11 +83,8 @@ class OverlappedCore(EngineCore):
             logger.exception("engine step failed; failing the requests of the step: %s", ids)
             failed = {rid: internal_error_message(rid) for rid in ids}
             output = ModelOutput(sampled={}, logprobs={}, failed=failed)
-        ready_at = time.perf_counter()
         if not output.failed:
-            elapsed = ready_at - max(self._in_flight.launched_at, self._last_ready_at)
-            self.scheduler.step_budget.observe(scheduled.shape, elapsed)
-        self._last_ready_at = ready_at
+            self.scheduler.step_budget.observe(scheduled.shape, step.device_seconds)
         return scheduled, output
 
     def _sample(self, launched: StepInFlight, previous_output: ModelOutput) -> None:
