@@ -1,17 +1,20 @@
 """Engine throughput on the CPU: concurrent requests through `AsyncEngine`, one table.
 
     python benchmarks/engine_cpu.py [--model default] [--concurrency 1 8 32] [--prompt-len 512]
-                                    [--output-len 128] [--no-async-scheduling]
+                                    [--output-len 128] [--async-scheduling on off]
+                                    [--rounds 1]
 
 Every request has its own random prompt (no shared prefix) and generates exactly --output-len
 tokens (ignore_eos). Reports output tokens/s, all tokens/s, median time to first token and the
-number of engine steps and steps/s (async scheduling is on unless --no-async-scheduling).
+number of engine steps and steps/s, with async scheduling on and off interleaved (the same
+model; one engine each), so that both modes see the same machine load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import time
 
@@ -65,27 +68,35 @@ async def main_async(args: argparse.Namespace) -> None:
         kv_cache_tokens=max(args.concurrency) * (args.prompt_len + args.output_len + 256),
         max_model_len=args.prompt_len + args.output_len + 256,
         max_num_batched_tokens=args.max_batched_tokens,
-        async_scheduling=args.async_scheduling,
     )
-    engine = AsyncEngine.from_config(config)
-    await engine.start()
+    first = AsyncEngine.from_config(dataclasses.replace(config, async_scheduling=True))
+    model = first.core.runner.model
+    engines = {"on": first}
+    engines["off"] = AsyncEngine.from_model(
+        model, dataclasses.replace(config, async_scheduling=False)
+    )
     print(
         f"model {args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"prompt {args.prompt_len}, output {args.output_len}, "
-        f"async scheduling {'on' if args.async_scheduling else 'off'}"
+        f"prompt {args.prompt_len}, output {args.output_len}, {args.rounds} round(s), "
+        "async scheduling on and off interleaved"
     )
     print(
-        f"{'conc':>4} {'seconds':>8} {'out tok/s':>10} {'all tok/s':>10} {'TTFT p50 s':>11} "
-        f"{'steps':>6} {'steps/s':>8}"
+        f"{'conc':>4} {'async':>5} {'seconds':>8} {'out tok/s':>10} {'all tok/s':>10} "
+        f"{'TTFT p50 s':>11} {'steps':>6} {'steps/s':>8}"
     )
+    for engine in engines.values():
+        await engine.start()
     for c in args.concurrency:
-        r = await run(engine, c, args.prompt_len, args.output_len)
-        print(
-            f"{r['concurrency']:>4} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} "
-            f"{r['total_tok_s']:>10.1f} {r['ttft_median_s']:>11.2f} {r['steps']:>6} "
-            f"{r['steps_s']:>8.2f}"
-        )
-    await engine.shutdown()
+        for _ in range(args.rounds):
+            for mode in args.async_scheduling:
+                r = await run(engines[mode], c, args.prompt_len, args.output_len)
+                print(
+                    f"{r['concurrency']:>4} {mode:>5} {r['seconds']:>8.1f} "
+                    f"{r['output_tok_s']:>10.1f} {r['total_tok_s']:>10.1f} "
+                    f"{r['ttft_median_s']:>11.2f} {r['steps']:>6} {r['steps_s']:>8.2f}"
+                )
+    for engine in engines.values():
+        await engine.shutdown()
 
 
 def main() -> None:
@@ -95,7 +106,14 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-batched-tokens", type=int, default=32768)
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--async-scheduling",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on", "off"],
+        help="modes to run, interleaved per round (the same model, one engine each)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="repetitions per concurrency")
     asyncio.run(main_async(parser.parse_args()))
 
 
