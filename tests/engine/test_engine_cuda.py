@@ -39,3 +39,33 @@ def test_graphed_engine_generates_what_the_eager_engine_does(tiny_checkpoint: Pa
     assert sorted(second.attention_in.graphs)[:3] == [1, 2, 4]  # captured at start
     assert second.attention_in.replays == 12  # the prompt, then 11 decode steps
     assert results[True] == results[False] and len(results[True][0][0]) == 12
+
+
+@pytest.mark.gpu
+def test_async_scheduling_on_cuda_generates_what_the_synchronous_engine_does(
+    tiny_checkpoint: Path,
+) -> None:
+    # Greedy and seeded rows of different lengths, an EOS-biased and a penalised row: async
+    # scheduling (the CUDA default) must give the synchronous engine's tokens exactly.
+    eos = 1
+    jobs = [
+        ([0, *range(20, 35)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+        ([0, 9, 8], SamplingParams(temperature=1.0, seed=3, max_tokens=9, n=2)),
+        ([0, 4, 4], SamplingParams(temperature=1.0, seed=5, logit_bias={eos: 4.0}, max_tokens=30)),
+        ([0, 3, 2], SamplingParams(temperature=0.7, seed=2, frequency_penalty=1.5, max_tokens=8)),
+    ]
+    results = {}
+    for overlapped in (False, True):
+        config = EngineConfig(
+            model=str(tiny_checkpoint),
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=8,
+            kv_cache_tokens=4096,
+            max_model_len=1024,
+            async_scheduling=overlapped,
+        )
+        engine = AsyncEngine.from_config(config)
+        results[overlapped] = asyncio.run(_run_all(engine, jobs))
+        assert_all_released(engine)
+    assert results[True] == results[False]
