@@ -278,10 +278,12 @@ class Scheduler:
         Returns: first the final Deltas of requests rejected or aborted since the last `update`
         (no new tokens, `finish_reason=ABORT`, `error` for rejections), then one Delta per
         sampled request (cumulative counts; `finish_reason` set on its last Delta). Chunks of
-        requests aborted after `schedule` are ignored; a request in `model_output.failed` is
-        FINISHED with ABORT and that reason as its `error` (its final Delta follows the
-        rejections), and its chunk is not counted. Raises RuntimeError if the runner did not
-        sample for a chunk that asked for it, or if the output does not match the request state.
+        requests aborted, finished or preempted after `schedule` are ignored (under async
+        scheduling: the chunk in flight after a stop; its token is never emitted); a request
+        in `model_output.failed` is FINISHED with ABORT and that reason as its `error` (its
+        final Delta follows the rejections), and its chunk is not counted. Raises RuntimeError
+        if the runner did not sample for a chunk that asked for it, or if the output does not
+        match the request state.
         """
         deltas, self._outbox = self._outbox, []
         for chunk in scheduler_output.chunks:
