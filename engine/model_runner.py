@@ -328,9 +328,8 @@ class StepInFlight:
     def needs_host_tokens(self) -> bool:
         """True when a row's sampling reads its previous token on the host: a grammar mask (the
         matcher must accept it first) or a penalty history ending in a placeholder. Such a
-        step is sampled only after the previous one is collected.
-        NOTE: any future mask that depends on a request's generated tokens (a thinking
-        budget) belongs here too."""
+        step is sampled only after the previous one is collected. (A thinking budget's forced
+        draw is not here: the scheduler never runs that row ahead of its outputs.)"""
         return any(
             c.token_ids[-1] == PLACEHOLDER_TOKEN_ID
             and (c.sampling.constraint is not None or c.sampling.history is not None)

@@ -15,7 +15,9 @@ Sampling of N+1 is queued right behind its forward unless a row needs N's token 
 grammar mask (the matcher must accept N's token before it can fill N+1's row) or a penalty
 history. Such a step samples after N is collected, so only the rows that need N's tokens wait
 for them: the forward of N+1 still overlaps N's return trip, and a request that finished at N
-is sampled without its (released) grammar and discarded.
+is sampled without its (released) grammar and discarded. A thinking budget's one forced draw
+depends on whether an earlier output ended the reasoning: the scheduler does not run that row
+ahead (it waits one step, once per request).
 
 Tokens equal those of `EngineCore`: randomness is keyed by (seed, position), and every token a
 request emits was sampled from the same logits and mask as in the synchronous loop.

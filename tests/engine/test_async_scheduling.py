@@ -8,6 +8,7 @@ scheduled decode rows with placeholders ahead of the tokens they continue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured import GrammarCompiler, GrammarSpec
+from engine.thinking_budget import ThinkingBudget
 from tests.engine.engine_checks import assert_all_released
 
 TINY_VOCAB = 1024
@@ -329,3 +331,30 @@ def test_prefix_cache_hits_under_async_scheduling_give_the_same_tokens(tiny_mode
     assert conversation(cached) == conversation(uncached)
     assert cached.core.scheduler.prefix_reuse.stats().num_hit_tokens >= 256
     assert_all_released(cached)
+
+
+def test_a_thinking_budget_under_async_scheduling_forces_the_same_token(tiny_model) -> None:
+    """The budget's draw depends on whether an earlier output ended the reasoning: that row
+    waits for its outputs instead of running ahead, and the tokens equal the synchronous run's
+    (the forced end token exactly once, at the budget's index)."""
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = _tokens(_run(_engine(tiny_model, False), [([0, 9, 8], free)])[0])
+    end = 77 if 77 not in plain else 78
+    budgets = [
+        ThinkingBudget(max_tokens=3, end_token_id=end),
+        ThinkingBudget(max_tokens=0, end_token_id=end),
+        ThinkingBudget(max_tokens=3, end_token_id=end, ended_by=(plain[1],)),  # ended by the model
+    ]
+    jobs = [
+        ([0, 9, 8], dataclasses.replace(free, thinking_budget=budget, seed=i))
+        for i, budget in enumerate(budgets)
+    ]
+    engine = _engine(tiny_model, True)
+    schedules = _record_schedules(engine)
+    got = _run(engine, jobs)
+    assert got == _run(_engine(tiny_model, False), jobs)
+    assert _tokens(got[0])[3] == end and _tokens(got[0]).count(end) == 1
+    assert _tokens(got[1])[0] == end
+    assert _tokens(got[2]) == plain
+    assert _placeholder_rows(schedules) > 10
+    assert_all_released(engine)
