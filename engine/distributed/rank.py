@@ -122,7 +122,11 @@ class RankEngine:
 
     @classmethod
     def build(cls, spec: RankSpec, groups: RankGroups) -> RankEngine:
-        config = dataclasses.replace(spec.engine, device=str(spec.rank.device))
+        # NOTE: ranks step synchronously: `LockstepRunner` agrees on each step in `execute`
+        # (async scheduling's launch/sample/collect phases are not lockstepped yet).
+        config = dataclasses.replace(
+            spec.engine, device=str(spec.rank.device), async_scheduling=False
+        )
         model = load_rank_model(config, ExpertParallel.from_groups(groups))
         # NOTE: AsyncEngine is only the builder here (scheduler, KV, runner, step budget as in
         # process); its loop never runs: `serve` drives the core.
