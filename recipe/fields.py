@@ -354,7 +354,9 @@ def with_sampling_fields(
 # ---------------------------------------------------------------- checks
 
 
-def _check(protocol: Protocol, body: dict[str, Any], rules: Mapping[str, FieldRule], at: str):
+def _check(
+    protocol: Protocol, body: dict[str, Any], rules: Mapping[str, FieldRule], at: str
+) -> None:
     for name, value in body.items():
         path = f"{at}{name}"
         rule = rules.get(name)
