@@ -95,6 +95,7 @@ _OPENAI_EXTENSIONS: dict[str, FieldRule] = {
     "ignore_eos": _impl(_SAMPLING),
     "min_tokens": _impl(_SAMPLING),
 }
+_JSON_WHITESPACE = _impl(f"{_CONSTRAINTS}: whitespace allowed between JSON tokens")
 
 CHAT_FIELDS: Mapping[str, FieldRule] = MappingProxyType(
     {
@@ -144,6 +145,7 @@ CHAT_FIELDS: Mapping[str, FieldRule] = MappingProxyType(
         "moderation": _MODERATION,
         # Extensions (vLLM, SGLang).
         **_OPENAI_EXTENSIONS,
+        "json_whitespace": _JSON_WHITESPACE,
         "chat_template_kwargs": _impl(f"{_OURS}: thinking / enable_thinking / reasoning_effort"),
         "structured_outputs": _impl(_CONSTRAINTS),
         "guided_json": _impl(_CONSTRAINTS),
@@ -202,6 +204,7 @@ RESPONSES_FIELDS: Mapping[str, FieldRule] = MappingProxyType(
         **_OPENAI_EXTENSIONS,
         "seed": _impl(_SAMPLING),
         "stop": _impl(f"{_OURS}: stop sequences"),
+        "json_whitespace": _JSON_WHITESPACE,
     }
 )
 
@@ -244,6 +247,7 @@ MESSAGES_FIELDS: Mapping[str, FieldRule] = MappingProxyType(
         # Extensions (vLLM's, as on the OpenAI routes).
         "cache_salt": _OPENAI_EXTENSIONS["cache_salt"],
         "logit_bias": _OPENAI_EXTENSIONS["logit_bias"],
+        "json_whitespace": _JSON_WHITESPACE,
     }
 )
 

@@ -126,8 +126,6 @@ EFFECTS: dict[Protocol, dict[str, tuple[Any, dict[str, Any]]]] = {
         "logit_bias": ({"5": 1}, {}),
     },
 }
-# Honoured once the thinking work (`chat_template_kwargs` on Chat) is merged.
-PENDING = {(Protocol.CHAT, "chat_template_kwargs")}
 
 METADATA_VALUES: dict[str, Any] = {
     "metadata": {"user_id": "u-1"},
@@ -173,14 +171,8 @@ def classified(kind: FieldClass) -> list[tuple[Protocol, str]]:
 
 
 def _implemented_params() -> list:
-    pending = pytest.mark.xfail(strict=True, reason="chat_template_kwargs: the thinking branch")
     return [
-        pytest.param(
-            protocol,
-            name,
-            marks=pending if (protocol, name) in PENDING else (),
-            id=f"{protocol.value}-{name}",
-        )
+        pytest.param(protocol, name, id=f"{protocol.value}-{name}")
         for protocol, name in classified(FieldClass.IMPLEMENTED)
     ]
 
