@@ -25,6 +25,7 @@ BASES: dict[Protocol, dict[str, Any]] = {
     Protocol.RESPONSES: {"model": "default", "input": "Answer in json"},
     Protocol.MESSAGES: {"model": "default", "messages": JSON_MSG, "max_tokens": 64},
 }
+JSON_FORMAT = {"type": "json_schema", "schema": {"type": "object"}}
 CHAT_OFF = {"thinking": {"type": "disabled"}}
 RESPONSES_OFF = {"reasoning": {"effort": "none"}}
 MESSAGES_ON = {"thinking": {"type": "enabled"}}
@@ -73,6 +74,7 @@ EFFECTS: dict[Protocol, dict[str, tuple[Any, dict[str, Any]]]] = {
         "guided_choice": (["a", "b"], {}),
         "guided_decoding_backend": ("outlines", {}),
         "ebnf": ('root ::= "a"', {}),
+        "json_whitespace": ("any", {"response_format": {"type": "json_object"}}),
     },
     Protocol.RESPONSES: {
         "model": ("other", {}),
@@ -106,6 +108,7 @@ EFFECTS: dict[Protocol, dict[str, tuple[Any, dict[str, Any]]]] = {
         "min_tokens": (3, {}),
         "seed": (3, {}),
         "stop": ("x", {}),
+        "json_whitespace": ("any", {"text": {"format": {"type": "json_object"}}}),
     },
     Protocol.MESSAGES: {
         "model": ("other", {}),
@@ -124,6 +127,7 @@ EFFECTS: dict[Protocol, dict[str, tuple[Any, dict[str, Any]]]] = {
         "context_management": ({"edits": [{"type": "clear_tool_uses_20250919"}]}, {}),
         "cache_salt": ("salt", {}),
         "logit_bias": ({"5": 1}, {}),
+        "json_whitespace": ("any", {"output_config": {"format": JSON_FORMAT}}),
     },
 }
 
