@@ -145,8 +145,10 @@ def _mix(config: WorkloadConfig, rng: random.Random) -> dict[str, Any]:
 
 def _fixed(config: WorkloadConfig, rng: random.Random) -> Session:
     messages = [{"role": "user", "content": _words(rng, config.input_tokens)}]
-    eos = {"ignore_eos": True} if config.ignore_eos else {}
-    yield _body(config, messages, **eos, **_mix(config, rng))
+    mix = _mix(config, rng)
+    # A grammar (tools, JSON) ends the output at EOS: ignore_eos is a 400 with one.
+    eos = {"ignore_eos": True} if config.ignore_eos and not mix else {}
+    yield _body(config, messages, **eos, **mix)
 
 
 def _shared_system_prompt(config: WorkloadConfig) -> str:

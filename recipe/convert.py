@@ -43,6 +43,7 @@ from recipe.constraints import (
     relaxed_tool_choice,
 )
 from recipe.errors import Protocol, RecipeError
+from recipe.fields import take_fields, with_sampling_fields
 from recipe.sealing import ReasoningSealer, SealError
 from recipe.tokenizer import ModelTokenizer
 
@@ -197,6 +198,7 @@ class Recipe:
         if not isinstance(body, dict):
             raise RecipeError(400, "request body must be a JSON object", protocol)
         body = copy.deepcopy(body)
+        sampling_fields = take_fields(protocol, body)  # unknown fields are a 400
         if protocol is Protocol.RESPONSES:
             _open_sealed_reasoning(body, self._sealer, protocol)
         cache_salt = _pop_cache_salt(body, protocol)
@@ -242,7 +244,7 @@ class Recipe:
         rules = _OutputRules(
             banned, self._thinking_budget(extras.thinking, parsing, max_tokens, protocol)
         )
-        return PreparedRequest(
+        prepared = PreparedRequest(
             protocol=protocol,
             model=str(body.get("model")),
             prompt_token_ids=prompt_ids,
@@ -261,6 +263,7 @@ class Recipe:
             cache_salt=cache_salt,
             is_thinking_shown=extras.thinking.is_shown,
         )
+        return with_sampling_fields(prepared, sampling_fields, protocol)
 
     def _thinking_budget(
         self,
