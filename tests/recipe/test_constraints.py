@@ -32,6 +32,9 @@ def chat(**fields):
     return {"model": "default", "messages": USER, **fields}
 
 
+THINKING = {"type": "adaptive"}  # Messages think only when asked (Anthropic's semantics)
+
+
 def messages(**fields):
     return {"model": "default", "max_tokens": 50, "messages": USER, **fields}
 
@@ -315,8 +318,8 @@ FORCED_IN_THINKING = [
     ),
     (
         Protocol.MESSAGES,
-        messages(tools=TWO_MESSAGES_TOOLS, tool_choice={"type": "any"}),
-        messages(tools=TWO_MESSAGES_TOOLS, tool_choice={"type": "auto"}),
+        messages(tools=TWO_MESSAGES_TOOLS, tool_choice={"type": "any"}, thinking=THINKING),
+        messages(tools=TWO_MESSAGES_TOOLS, tool_choice={"type": "auto"}, thinking=THINKING),
         False,
     ),
     (
@@ -324,8 +327,9 @@ FORCED_IN_THINKING = [
         messages(
             tools=TWO_MESSAGES_TOOLS,
             tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+            thinking=THINKING,
         ),
-        messages(tools=MESSAGES_TOOLS, tool_choice={"type": "auto"}),
+        messages(tools=MESSAGES_TOOLS, tool_choice={"type": "auto"}, thinking=THINKING),
         True,
     ),
 ]
