@@ -303,10 +303,12 @@ class DirBlockStore:
         except OSError as exc:
             self._discard(tmp)
             return self._write_failed(exc)
-        published = self._link(tmp, final)
+        try:
+            published = self._link(tmp, final)
+        except OSError as exc:
+            self._discard(tmp)
+            return self._write_failed(exc)
         self._discard(tmp)
-        if published is None:
-            return self._write_failed(OSError(errno.EIO, "link and rename failed"))
         deadline = now + self.policy.ttl(traffic_class)
         if published:
             try:
@@ -479,8 +481,8 @@ class DirBlockStore:
                 "which the KV cache uses as expiry deadlines"
             )
 
-    def _link(self, tmp: str, final: str) -> bool | None:
-        """True: published; False: another writer's copy is there; None: failed."""
+    def _link(self, tmp: str, final: str) -> bool:
+        """True: published; False: another writer's copy is there. Raises OSError."""
         try:
             self.ops.link(tmp, final)
             return True
@@ -488,13 +490,9 @@ class DirBlockStore:
             return False
         except OSError as exc:
             if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                self._count_write_error(_ERRNO_REASONS.get(exc.errno or 0, "other"))
-                return None
-        try:  # no hard links on this filesystem: rename (last writer wins, both valid)
-            self.ops.rename(tmp, final)
-            return True
-        except OSError:
-            return None
+                raise
+        self.ops.rename(tmp, final)  # no hard links here: last writer wins, both valid
+        return True
 
     def _write_failed(self, exc: OSError) -> bool:
         reason = _ERRNO_REASONS.get(exc.errno or 0, "other")

@@ -208,9 +208,9 @@ class BlockTiers:
                 f"promote-{first.key.hex()}", promote, job.traffic_class
             )
 
-    def believes_present(self, block: BlockIdentity, now: float) -> bool:
+    def believes_present(self, block: BlockIdentity) -> bool:
         """Whether every store remembers an unexpired copy (no I/O)."""
-        return all(s.remembers(block.key, now) for s in self.stores)
+        return all(s.remembers(block.key, s.clock()) for s in self.stores)
 
     # ---------------------------------------------------------------- writes
 
