@@ -29,7 +29,7 @@ import os
 import secrets
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +107,7 @@ class DirStoreStats:
     gc_runs: int
     used_bytes: int
     num_blocks: int
+    read_seconds: float  # total latency of the hits
     corrupt: Mapping[str, int]
     write_errors: Mapping[str, int]
 
@@ -137,6 +138,7 @@ class _Counters:
     evicted: int = 0
     evicted_bytes: int = 0
     gc_runs: int = 0
+    read_seconds: float = 0.0
     corrupt: dict[str, int] = field(default_factory=dict)
     write_errors: dict[str, int] = field(default_factory=dict)
 
@@ -179,7 +181,6 @@ class DirBlockStore:
         self._counters = _Counters()
         self._used_bytes = 0
         self._num_blocks = 0
-        self._latencies: deque[float] = deque(maxlen=4096)
         self._deadlines: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         self._made_dirs: set[str] = set()
         self._free_checked_at = float("-inf")
@@ -226,7 +227,7 @@ class DirBlockStore:
         with self._lock:
             self._counters.hits += 1
             self._counters.bytes_read += len(data)
-            self._latencies.append(time.perf_counter() - started)
+            self._counters.read_seconds += time.perf_counter() - started
         self._remember(block.key, info.st_mtime, now)
         return payload
 
@@ -417,16 +418,10 @@ class DirBlockStore:
                 gc_runs=c.gc_runs,
                 used_bytes=self._used_bytes,
                 num_blocks=self._num_blocks,
+                read_seconds=c.read_seconds,
                 corrupt=dict(c.corrupt),
                 write_errors=dict(c.write_errors),
             )
-
-    def drain_read_latencies(self) -> list[float]:
-        """Read latencies (seconds) of hits since the last call (for a histogram)."""
-        with self._lock:
-            out = list(self._latencies)
-            self._latencies.clear()
-        return out
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every `*.kvb` file parses with valid CRCs, belongs to
