@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import torch
@@ -177,3 +178,51 @@ def _raise_eio_on_blocks(link):
         link(src, dst)
 
     return wrapped
+
+
+def test_a_slow_tier_never_stalls_a_request(tiny_model_exact_kv, tmp_path) -> None:
+    """A read that hangs past `kv_load_timeout_s`: the request proceeds with the prefix loaded
+    so far (blocks 0 and 1) and gives the same output; the engine step never waited."""
+    prompt = _tokens(700, seed=4)
+    [(out_a, _)] = asyncio.run(_run(_engine(tiny_model_exact_kv, str(tmp_path)), [prompt]))
+    b = _engine(tiny_model_exact_kv, str(tmp_path), kv_load_timeout_s=0.3)
+    store_b = _tiers(b).stores[0]
+    store_b.ops = FaultyOps()
+    store_b.ops.before_read = lambda p: time.sleep(2) if p.endswith("-2.kvb") else None
+    started = time.monotonic()
+    [(out_b, cached_b)] = asyncio.run(_run(b, [prompt], flush=False))
+    assert out_b == out_a and cached_b == 256
+    assert time.monotonic() - started < 10
+    assert_all_released(b)
+
+
+def test_abort_while_waiting_for_kv_releases_everything(tiny_model_exact_kv, tmp_path) -> None:
+    prompt = _tokens(700, seed=5)
+    asyncio.run(_run(_engine(tiny_model_exact_kv, str(tmp_path)), [prompt]))
+    b = _engine(tiny_model_exact_kv, str(tmp_path), kv_load_timeout_s=30)
+    store_b = _tiers(b).stores[0]
+    store_b.ops = FaultyOps()
+    store_b.ops.before_read = lambda p: time.sleep(1) if p.endswith("-1.kvb") else None
+
+    async def scenario() -> list:
+        await b.start()
+        try:
+            task = asyncio.create_task(_first_delta(b, prompt))
+            await asyncio.sleep(0.3)  # the request now waits for its blocks
+            reuse = b.core.scheduler.prefix_reuse
+            assert reuse.num_waiting_for_kv == 1 and b.core.scheduler.num_running == 0
+            task.cancel()  # the client leaves: the engine aborts the request
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.2)
+            return [reuse.num_waiting_for_kv]
+        finally:
+            await b.shutdown()
+
+    assert asyncio.run(scenario()) == [0]
+    assert_all_released(b)
+
+
+async def _first_delta(engine: AsyncEngine, prompt: list[int]):
+    async for delta in engine.generate(prompt, GREEDY, "waiting"):
+        return delta
