@@ -19,6 +19,8 @@ Each step, in this order, while the token budget lasts:
   3. WAITING requests, in (priority, arrival) order, while `max_num_seqs`, free slots and free
      blocks allow; admission stops at the first request that does not fit (no overtaking, so a
      large request is not starved). Skipped in a step that preempted (memory is tight).
+     A request waiting for KV from a directory tier (`PrefixReuse.is_ready`) is passed over
+     until its blocks are loaded or its deadline passes.
 Running requests are visited best first, by the same (priority, arrival) order.
 
 Memory. Admission reserves blocks for every known token of the request (prompt + outputs so far)
