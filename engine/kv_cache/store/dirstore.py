@@ -11,9 +11,10 @@ map, KV format or replay mode misses instead of colliding.
 
 Publish: write a temp file in the target's directory, `link` it to the final name (the first
 writer wins; `EEXIST` is fine, both copies are valid), unlink the temp, set the mtime to the
-expiry deadline. No locks and no fsync: every read validates the whole file (`format.py`), so
-a torn or foreign file is a miss. Reads treat every failure (absent, expired, corrupt by
-reason, I/O error) as a miss and count it. The file's mtime holds `last access + TTL(class)`,
+expiry deadline (an expired file already there is replaced by `rename`). No locks and no
+fsync: every read validates the whole file (`format.py`), so a torn or foreign file is a
+miss. Reads treat every failure (absent, expired, corrupt by reason, I/O error) as a miss and
+count it. The file's mtime holds `last access + TTL(class)`,
 only ever extended (`ttl.py`); an expired block is never served, before or after GC.
 
 Thread-safe: readers, writers and GC may run on different threads (and processes).
@@ -306,6 +307,9 @@ class DirBlockStore:
             return self._write_failed(exc)
         try:
             published = self._link(tmp, final)
+            if not published and not self.touch(block.key, block.depth, traffic_class):
+                self.ops.rename(tmp, final)  # the file there is expired (or gone): replace it
+                published = True
         except OSError as exc:
             self._discard(tmp)
             return self._write_failed(exc)
@@ -325,8 +329,7 @@ class DirBlockStore:
                 over = self._used_bytes > self.config.high_watermark * self.config.max_bytes
             if over:
                 self.on_gc_needed()
-            return True
-        return self.touch(block.key, block.depth, traffic_class)  # another writer won
+        return True  # another writer won (its copy was touched)
 
     # ---------------------------------------------------------------- GC
 

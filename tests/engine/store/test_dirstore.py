@@ -354,3 +354,16 @@ def test_low_free_space_skips_writes(tmp_path) -> None:
     block = chain(1)[0]
     assert store.write(block, payload_of(block.key), "chat") is False
     assert store.stats().write_errors == {"low_space": 1}
+
+
+def test_a_write_replaces_an_expired_file(tmp_path) -> None:
+    clock = Clock()
+    store = make_store(tmp_path, clock)
+    block = chain(1)[0]
+    write_chain(store, [block], "agent")
+    clock.now += 4 * DAY  # expired, GC has not run
+    assert store.read(block) is None
+    assert store.write(block, payload_of(block.key), "agent")
+    assert store.read(block) == payload_of(block.key)
+    assert os.stat(store.path_of(block.key, 0)).st_mtime == pytest.approx(clock.now + 3 * DAY)
+    store.check_integrity()

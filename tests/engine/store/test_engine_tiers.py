@@ -226,3 +226,59 @@ def test_abort_while_waiting_for_kv_releases_everything(tiny_model_exact_kv, tmp
 async def _first_delta(engine: AsyncEngine, prompt: list[int]):
     async for delta in engine.generate(prompt, GREEDY, "waiting"):
         return delta
+
+
+class _Later:
+    """A store clock `offset_s` ahead of the real one."""
+
+    def __init__(self, offset_s: float) -> None:
+        self.offset_s = offset_s
+
+    def __call__(self) -> float:
+        return time.time() + self.offset_s
+
+
+def test_a_gpu_hit_refreshes_the_directory_copies(tiny_model_exact_kv, tmp_path) -> None:
+    """Agent blocks live 3 days from their last use in any tier: a GPU-tier hit two days
+    later moves their deadline to 5 days; a reader 6 days later misses them (an expired block
+    is never served), answers the same and replaces them."""
+    prompt = _tokens(700, seed=6)
+    a = _engine(tiny_model_exact_kv, str(tmp_path))
+    store_a = _tiers(a).stores[0]
+    day = 86400.0
+
+    async def two_turns() -> list:
+        await a.start()
+        try:
+            out = []
+            for offset in (0.0, 2 * day):
+                store_a.clock = _Later(offset)
+                tokens, cached = [], 0
+                async for delta in a.generate(prompt, GREEDY, f"t{offset}", traffic_class="agent"):
+                    tokens.extend(delta.token_ids)
+                    cached = delta.num_cached_tokens
+                out.append((tokens, cached))
+                assert await asyncio.to_thread(_tiers(a).flush, 30)
+            return out
+        finally:
+            await a.shutdown()
+
+    (out_1, cached_1), (out_2, cached_2) = asyncio.run(two_turns())
+    assert (cached_1, cached_2) == (0, 640) and out_1 == out_2
+    deadlines = [os.stat(store_a.path_of(k, i)).st_mtime for i, k in enumerate(_keys(a, prompt))]
+    assert all(abs(d - (time.time() + 5 * day)) < 600 for d in deadlines)
+    b = _engine(tiny_model_exact_kv, str(tmp_path))
+    _tiers(b).stores[0].clock = _Later(6 * day)
+    [(out_b, cached_b)] = asyncio.run(_run(b, [prompt]))
+    assert cached_b == 0 and out_b == out_1
+    assert _tiers(b).stores[0].stats().expired == 1  # the chain's first block; reading stops
+    # B recomputed the blocks and replaced the expired files (deadline 6 + 3 days).
+    deadlines = [os.stat(store_a.path_of(k, i)).st_mtime for i, k in enumerate(_keys(a, prompt))]
+    assert all(abs(d - (time.time() + 9 * day)) < 600 for d in deadlines)
+
+
+def _keys(engine: AsyncEngine, prompt: list[int]) -> list[bytes]:
+    from engine.kv_cache.hashing import chain_keys, chain_seed
+
+    reuse = engine.core.scheduler.prefix_reuse
+    return chain_keys(chain_seed(reuse.config.fingerprint, b"\0\0\0\0"), prompt, 128)
