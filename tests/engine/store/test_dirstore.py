@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import time
 
 import pytest
 
@@ -367,3 +368,23 @@ def test_a_write_replaces_an_expired_file(tmp_path) -> None:
     assert store.read(block) == payload_of(block.key)
     assert os.stat(store.path_of(block.key, 0)).st_mtime == pytest.approx(clock.now + 3 * DAY)
     store.check_integrity()
+
+
+def test_background_gc_worker_runs_when_woken(tmp_path) -> None:
+    from engine.kv_cache.store.tiers import BlockTiers, WriteItem
+
+    file_bytes = fmt.file_size(PAYLOAD)
+    store = make_store(tmp_path, max_bytes=10 * file_bytes, gc_interval_s=3600)
+    tiers = BlockTiers([store], start_gc=True)
+    try:
+        blocks = chain(12)
+        tiers.write_back("r", [WriteItem(b, payload_of(b.key)) for b in blocks], "chat")
+        assert tiers.flush(10)
+        deadline = time.monotonic() + 10
+        while store.stats().used_bytes > 8 * file_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)  # the write over the high watermark woke the worker
+        stats = store.stats()
+        assert stats.gc_runs >= 2 and stats.used_bytes <= 8 * file_bytes and stats.evicted >= 4
+        assert store.read(blocks[0]) is not None and store.read(blocks[11]) is None
+    finally:
+        tiers.close()
