@@ -282,3 +282,20 @@ def _keys(engine: AsyncEngine, prompt: list[int]) -> list[bytes]:
 
     reuse = engine.core.scheduler.prefix_reuse
     return chain_keys(chain_seed(reuse.config.fingerprint, b"\0\0\0\0"), prompt, 128)
+
+
+def test_blocks_found_in_the_shared_tier_are_promoted_to_the_local_one(
+    tiny_model_exact_kv, tmp_path
+) -> None:
+    prompt = _tokens(700, seed=7)
+    shared, local = str(tmp_path / "shared"), str(tmp_path / "local")
+    [(out_a, _)] = asyncio.run(_run(_engine(tiny_model_exact_kv, shared), [prompt]))
+    b = _engine(tiny_model_exact_kv, shared, kv_cache_dir=local)
+    [(out_b, cached_b)] = asyncio.run(_run(b, [prompt]))
+    assert cached_b == 640 and out_b == out_a
+    assert b.core.scheduler.prefix_reuse.stats().hit_tokens_by_tier == {"shared": 640}
+    assert len(_kvb_files(local)) == 5  # promoted while B served the request
+    c = _engine(tiny_model_exact_kv, None, kv_cache_dir=local)
+    [(out_c, cached_c)] = asyncio.run(_run(c, [prompt]))
+    assert cached_c == 640 and out_c == out_a
+    assert c.core.scheduler.prefix_reuse.stats().hit_tokens_by_tier == {"local": 640}
