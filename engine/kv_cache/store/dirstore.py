@@ -261,6 +261,7 @@ class DirBlockStore:
             try:
                 known = self.ops.stat(path).st_mtime
             except OSError:
+                self._forget(key)  # gone (another process's GC): the next write-back rewrites it
                 return False
             self._remember(key, known, now)
         if known <= now:
