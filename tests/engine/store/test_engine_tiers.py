@@ -271,7 +271,7 @@ def test_a_gpu_hit_refreshes_the_directory_copies(tiny_model_exact_kv, tmp_path)
     _tiers(b).stores[0].clock = _Later(6 * day)
     [(out_b, cached_b)] = asyncio.run(_run(b, [prompt]))
     assert cached_b == 0 and out_b == out_1
-    assert _tiers(b).stores[0].stats().expired == 1  # the chain's first block; reading stops
+    assert _tiers(b).stores[0].stats().expired >= 1  # a read, or the background GC, saw it
     # B recomputed the blocks and replaced the expired files (deadline 6 + 3 days).
     deadlines = [os.stat(store_a.path_of(k, i)).st_mtime for i, k in enumerate(_keys(a, prompt))]
     assert all(abs(d - (time.time() + 9 * day)) < 600 for d in deadlines)
