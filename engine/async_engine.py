@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +20,9 @@ import torch
 
 from engine.core import EngineCore, internal_error_message
 from engine.kv_cache import CacheConfig, KVCacheManager, PrefixCache
-from engine.model_runner import ModelRunner, build_prefix_reuse
+from engine.kv_cache.store.dirstore import DirStoreConfig
+from engine.kv_cache.store.ttl import DEFAULT_TTL_SPEC, TTLPolicy
+from engine.model_runner import DirTiersConfig, ModelRunner, build_prefix_reuse
 from engine.models import DeepseekV41ForCausalLM, load_model
 from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta
@@ -85,6 +88,12 @@ class EngineConfig:
     async_scheduling: schedule step N+1 while step N runs (`engine/overlap.py`; same tokens
         as without); None = only when the model is not on the CPU (a CPU forward keeps the
         host busy, so there is nothing to overlap it with).
+    kv_cache_dir / kv_cache_shared_dir: directory tiers under the GPU tier (a local SSD, a
+        mount shared by several servers; either, both or none), with byte budgets
+        `kv_cache_dir_bytes` / `kv_cache_shared_dir_bytes` (GC between 0.90 and 0.80 of them).
+        Need `enable_prefix_caching`.
+    kv_ttl: TTL per traffic class in the directory tiers (`agent=3d,chat=7d`).
+    kv_load_timeout_s: the longest a request waits in the queue for its directory blocks.
     """
 
     model: str = "default"
@@ -101,8 +110,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     swa_replay: str = "bounded"
     async_scheduling: bool | None = None
+    kv_cache_dir: str | None = None
+    kv_cache_dir_bytes: int = 64 << 30
+    kv_cache_shared_dir: str | None = None
+    kv_cache_shared_dir_bytes: int = 1 << 40
+    kv_ttl: str = DEFAULT_TTL_SPEC
+    kv_load_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
+        self.dir_tiers()  # raises ValueError for a bad directory-tier option
         if self.swa_replay not in ("bounded", "exact"):
             raise ValueError(f"swa_replay must be bounded or exact, not {self.swa_replay!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -115,6 +131,26 @@ class EngineConfig:
             raise ValueError(f"target_step_ms must be > 0, not {self.target_step_ms!r}")
         if self.activation_memory_bytes is not None and self.activation_memory_bytes <= 0:
             raise ValueError("activation_memory_bytes must be > 0")
+
+    def dir_tiers(self) -> DirTiersConfig | None:
+        """The directory tiers these options describe (None: none configured)."""
+        stores = []
+        for tier, root, budget in (
+            ("local", self.kv_cache_dir, self.kv_cache_dir_bytes),
+            ("shared", self.kv_cache_shared_dir, self.kv_cache_shared_dir_bytes),
+        ):
+            if root is not None:
+                stores.append(DirStoreConfig(root=root, tier=tier, max_bytes=budget))
+        policy = TTLPolicy.parse(self.kv_ttl)
+        if not stores:
+            return None
+        if not self.enable_prefix_caching:
+            raise ValueError("the KV cache directories need prefix caching enabled")
+        if not self.kv_load_timeout_s >= 0:
+            raise ValueError("kv_load_timeout_s must be >= 0")
+        if len({os.path.realpath(s.root) for s in stores}) < len(stores):
+            raise ValueError("--kv-cache-dir and --kv-cache-shared-dir must differ")
+        return DirTiersConfig(tuple(stores), policy, self.kv_load_timeout_s)
 
 
 class AsyncEngine:
@@ -180,7 +216,13 @@ class AsyncEngine:
             ),
             kv_manager,
             step_budget,
-            prefix_reuse=build_prefix_reuse(model, kv_manager, config.swa_replay),
+            prefix_reuse=build_prefix_reuse(
+                model,
+                kv_manager,
+                config.swa_replay,
+                state=runner.state,
+                dir_tiers=_log_dir_tiers(config.dir_tiers()),
+            ),
         )
         overlapped = config.async_scheduling
         if overlapped is None:
@@ -216,6 +258,9 @@ class AsyncEngine:
                 self._wakeup.set()
                 await self._task
             self._task = None
+        reuse = self.core.scheduler.prefix_reuse
+        if reuse is not None and reuse.store is not None:
+            await asyncio.to_thread(reuse.store.tiers.close)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -226,10 +271,12 @@ class AsyncEngine:
         request_id: str,
         constraint: CompiledConstraint | None = None,
         cache_salt: str | None = None,
+        traffic_class: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream the deltas of one user request (n choices, `Delta.index` tells which).
 
         cache_salt: the request shares prefix-cache blocks only with requests of the same salt.
+        traffic_class: the TTL class of its blocks in the directory tiers (None: `chat`).
 
         constraint: a compiled grammar every choice's output must follow (its stop token must
         be the model's EOS); the grammar, not `min_tokens`, decides when an output may end.
@@ -262,6 +309,7 @@ class AsyncEngine:
                 index=i,
                 constraint=constraint,
                 cache_salt=cache_salt,
+                traffic_class=traffic_class,
             )
             for i, rid in enumerate(ids)
         ]
@@ -383,6 +431,26 @@ class AsyncEngine:
                 continue
             self.step_count += 1
             self._dispatch(deltas)
+            if not deltas and self.core.scheduler.num_running == 0:
+                await asyncio.sleep(0.002)  # only requests waiting for KV: do not spin
+
+
+def _log_dir_tiers(tiers: DirTiersConfig | None) -> DirTiersConfig | None:
+    """Print the directory tiers' settings at start (budgets, watermarks, TTLs)."""
+    if tiers is not None:
+        for store in tiers.stores:
+            logger.info(
+                "KV cache %s directory %s: budget %.1f GiB, GC from %.0f%% down to %.0f%%, "
+                "free-space floor %.1f GiB",
+                store.tier,
+                store.root,
+                store.max_bytes / 2**30,
+                100 * store.high_watermark,
+                100 * store.low_watermark,
+                store.min_free_bytes / 2**30,
+            )
+        logger.info("KV cache TTLs: %s", tiers.policy.describe())
+    return tiers
 
 
 def _step_budget(model: DeepseekV41ForCausalLM, config: EngineConfig) -> StepBudget:

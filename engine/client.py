@@ -14,12 +14,13 @@ façade returns holds engine objects: snapshots are plain frozen dataclasses.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from engine.async_engine import AsyncEngine, EngineConfig
 from engine.core import EngineCore
+from engine.kv_cache.store.dirstore import DirStoreStats
 from engine.outputs import Delta
 from engine.sampling_params import SamplingParams
 
@@ -54,6 +55,9 @@ class PrefixCacheSnapshot:
     num_replayed_tokens: int
     num_evicted_blocks: int
     num_cached_blocks: int
+    hit_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)  # gpu, local, shared
+    dir_tiers: tuple[DirStoreStats, ...] = ()  # the directory tiers' counters
+    writes_dropped: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # tier → why
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ class EngineClient(Protocol):
         request_id: str,
         constraint: CompiledConstraint | None = None,
         cache_salt: str | None = None,
+        traffic_class: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream the deltas of one user request (see `AsyncEngine.generate`): raises
         `EngineClosedError` when shutting down, `EngineFailedError` after a failure, and
@@ -184,6 +189,8 @@ def rank_snapshot(core: EngineCore, rank: int = 0) -> RankSnapshot:
             reuse_stats.num_replayed_tokens,
             cache_stats.num_evicted,
             cache_stats.num_cached_blocks,
+            reuse_stats.hit_tokens_by_tier,
+            *_dir_tier_stats(reuse),
         )
     return RankSnapshot(
         rank=rank,
@@ -197,6 +204,13 @@ def rank_snapshot(core: EngineCore, rank: int = 0) -> RankSnapshot:
         num_kv_tokens=stats.num_used_blocks * kv.config.block_tokens,
         prefix_cache=prefix,
     )
+
+
+def _dir_tier_stats(reuse) -> tuple[tuple[DirStoreStats, ...], dict[str, dict[str, int]]]:
+    if reuse.store is None:
+        return (), {}
+    tiers = reuse.store.tiers
+    return tuple(store.stats() for store in tiers.stores), tiers.writes_dropped()
 
 
 def engine_info(core: EngineCore, num_ranks: int = 1) -> EngineInfo:
@@ -250,9 +264,15 @@ class InProcessEngine:
         request_id: str,
         constraint: CompiledConstraint | None = None,
         cache_salt: str | None = None,
+        traffic_class: str | None = None,
     ) -> AsyncIterator[Delta]:
         return self.async_engine.generate(
-            prompt_token_ids, params, request_id, constraint, cache_salt=cache_salt
+            prompt_token_ids,
+            params,
+            request_id,
+            constraint,
+            cache_salt=cache_salt,
+            traffic_class=traffic_class,
         )
 
     def check_request(

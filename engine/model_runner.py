@@ -18,16 +18,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.hashing import namespace_fingerprint
-from engine.kv_cache.reuse import PrefixReuse, PrefixReuseConfig
+from engine.kv_cache.reuse import PrefixReuse, PrefixReuseConfig, StoreTiers
+from engine.kv_cache.store.dirstore import DirBlockStore, DirStoreConfig
+from engine.kv_cache.store.tiers import BlockTiers
+from engine.kv_cache.store.ttl import TTLPolicy
 from engine.models import DeepseekV41ForCausalLM, StepBatch, ints_to_device
-from engine.models.deepseek_v41.state import write_token_history
+from engine.models.deepseek_v41.state import (
+    ModelState,
+    block_payload_len,
+    export_block,
+    import_block,
+    write_token_history,
+)
 from engine.outputs import (
     PLACEHOLDER_TOKEN_ID,
     ModelOutput,
@@ -44,11 +54,43 @@ if TYPE_CHECKING:
 LOGPROB_FLOOR = -9999.0
 
 
+@dataclass(frozen=True)
+class DirTiersConfig:
+    """The directory tiers to build (`engine/kv_cache/store/`): store configs fastest first,
+    the TTL policy, and how long a request may wait for its blocks."""
+
+    stores: tuple[DirStoreConfig, ...]
+    policy: TTLPolicy
+    load_timeout_s: float = 2.0
+
+
+class RunnerBlockPayloads:
+    """Pool blocks of a `ModelState` to and from bytes (`BlockPayloads` for `PrefixReuse`);
+    called on the engine thread between steps."""
+
+    def __init__(self, state: ModelState) -> None:
+        self.state = state
+        self.payload_len = block_payload_len(state)
+
+    def export(self, blocks: Sequence[int]) -> list[bytes]:
+        return [export_block(self.state, b) for b in blocks]
+
+    def load(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        for block, payload in zip(blocks, payloads, strict=True):
+            import_block(self.state, block, payload)
+
+
 def build_prefix_reuse(
-    model: DeepseekV41ForCausalLM, kv_manager: KVCacheManager, swa_replay: str
+    model: DeepseekV41ForCausalLM,
+    kv_manager: KVCacheManager,
+    swa_replay: str,
+    *,
+    state: ModelState | None = None,
+    dir_tiers: DirTiersConfig | None = None,
 ) -> PrefixReuse | None:
     """The scheduler's prefix-cache collaborator for this model (None when the manager has no
-    prefix cache): namespace fingerprint, replay length and Engram history from the model."""
+    prefix cache): namespace fingerprint, replay length and Engram history from the model;
+    with `dir_tiers` (and the runner's `state`) the directory tiers under the GPU tier."""
     if kv_manager.prefix_cache is None:
         return None
     cfg = model.config
@@ -57,13 +99,30 @@ def build_prefix_reuse(
         raise ValueError(
             f"a {replay}-token replay cannot rebuild a {cfg.sliding_window}-token window"
         )
+    namespace = model.prefix_cache_namespace(swa_replay)
     config = PrefixReuseConfig(
-        fingerprint=namespace_fingerprint(model.prefix_cache_namespace(swa_replay)),
+        fingerprint=namespace_fingerprint(namespace),
         replay_tokens=replay,
         num_history_tokens=cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0,
         block_tokens=kv_manager.config.block_tokens,
     )
-    return PrefixReuse(config, kv_manager)
+    store = None
+    if dir_tiers is not None and dir_tiers.stores:
+        if state is None:
+            raise ValueError("directory tiers need the runner's model state")
+        payloads = RunnerBlockPayloads(state)
+        stores = [
+            DirBlockStore(
+                store_config,
+                fingerprint=config.fingerprint,
+                namespace_fields=namespace,
+                payload_len=payloads.payload_len,
+                policy=dir_tiers.policy,
+            )
+            for store_config in dir_tiers.stores
+        ]
+        store = StoreTiers(BlockTiers(stores), payloads, dir_tiers.load_timeout_s)
+    return PrefixReuse(config, kv_manager, store)
 
 
 class ModelRunner:

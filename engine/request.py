@@ -62,6 +62,7 @@ class Request:
     # positions < num_reused_tokens are in shared cached blocks, computing restarted (replay) at
     # replay_start, and the first num_indexed_blocks blocks of the table are indexed or done.
     cache_salt: str | None = None
+    traffic_class: str | None = None  # the directory tiers' TTL class (None: chat)
     num_cached_tokens: int = 0
     num_reused_tokens: int = 0
     replay_start: int = 0

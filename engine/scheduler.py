@@ -19,6 +19,8 @@ Each step, in this order, while the token budget lasts:
   3. WAITING requests, in (priority, arrival) order, while `max_num_seqs`, free slots and free
      blocks allow; admission stops at the first request that does not fit (no overtaking, so a
      large request is not starved). Skipped in a step that preempted (memory is tight).
+     A request waiting for KV from a directory tier (`PrefixReuse.is_ready`) is passed over
+     until its blocks are loaded or its deadline passes.
 Running requests are visited best first, by the same (priority, arrival) order.
 
 Memory. Admission reserves blocks for every known token of the request (prompt + outputs so far)
@@ -448,7 +450,9 @@ class Scheduler:
         while (
             self._waiting and plan.budget_left > 0 and len(self._running) < self.config.max_num_seqs
         ):
-            request = self._waiting[0]
+            request = self._first_ready()
+            if request is None:
+                return
             hit = self.prefix_reuse.match(request) if self.prefix_reuse is not None else None
             num_new = plan.chunk_len(request, None if hit is None else hit.replay_start)
             # Reserve every known position, so the prefill never waits for blocks midway.
@@ -459,12 +463,17 @@ class Scheduler:
                 return
             if hit is not None:
                 self.prefix_reuse.apply(request, hit)  # computing restarts at its replay
-            self._waiting.pop(0)
+            self._waiting.remove(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             bisect.insort(self._running, request, key=self._order_key)
             plan.add(request, num_new)
+
+    def _first_ready(self) -> Request | None:
+        """The first waiting request not waiting for KV from a directory tier."""
+        reuse = self.prefix_reuse
+        return next((r for r in self._waiting if reuse is None or reuse.is_ready(r)), None)
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         chunks = []
@@ -553,6 +562,8 @@ class Scheduler:
             queue = self._running if request.status is RequestStatus.RUNNING else self._waiting
             queue.remove(request)
             self.kv_manager.free(request.request_id)
+            if self.prefix_reuse is not None:
+                self.prefix_reuse.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished_ids.append(request.request_id)

@@ -62,6 +62,8 @@ class RecipeConfig:
     context), always lowered to the context left; max_tokens_limit: the most a request may ask
     for (None: the package's bound, 393216): Chat and Responses answer 400 above it, Messages
     lowers it (as the package does).
+
+    traffic_classes: the values `traffic_class` may take (the `--kv-ttl` classes).
     """
 
     model_names: tuple[str, ...]
@@ -70,6 +72,7 @@ class RecipeConfig:
     vocab_size: int | None = None
     default_max_tokens: int | None = None
     max_tokens_limit: int | None = None
+    traffic_classes: tuple[str, ...] = ("agent", "chat")
 
     def __post_init__(self) -> None:
         if not self.model_names:
@@ -115,6 +118,7 @@ class PreparedRequest:
     prompt_cache_key: str | None = None
     cache_salt: str | None = None  # the vLLM extension: prefix-cache isolation (all APIs)
     is_thinking_shown: bool = True
+    traffic_class: str = "chat"  # the KV cache TTL class: `agent` when tools are declared
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -188,8 +192,14 @@ class Recipe:
         self._encoding = dr.DeepseekV41Encoding().with_special_tokens(tokenizer.special_tokens)
         self._vocab_size = config.vocab_size or tokenizer.full.get_vocab_size(True)
 
-    def prepare(self, protocol: Protocol, body: Any) -> PreparedRequest:
+    def prepare(
+        self, protocol: Protocol, body: Any, traffic_class_header: str | None = None
+    ) -> PreparedRequest:
         """Parse, validate, render and encode one request body (a JSON object as a dict).
+
+        traffic_class_header: the `X-Deepinfer-Traffic-Class` header; the body's
+        `traffic_class` field wins over it; without either, `agent` if the request declares
+        tools, else `chat`.
 
         Raises:
             RecipeError: 400 for anything the request gets wrong or asks for that is not
@@ -202,6 +212,7 @@ class Recipe:
         if protocol is Protocol.RESPONSES:
             _open_sealed_reasoning(body, self._sealer, protocol)
         cache_salt = _pop_cache_salt(body, protocol)
+        traffic_class = self._traffic_class(body, traffic_class_header, protocol)
         extras = _PREPROCESSORS[protocol](body, protocol)
         bias = body.pop("logit_bias", None)  # every protocol (an extension outside Chat)
         if bias is not None:
@@ -262,6 +273,7 @@ class Recipe:
             prompt_cache_key=extras.prompt_cache_key,
             cache_salt=cache_salt,
             is_thinking_shown=extras.thinking.is_shown,
+            traffic_class=traffic_class,
         )
         return with_sampling_fields(prepared, sampling_fields, protocol)
 
@@ -294,6 +306,21 @@ class Recipe:
         # A tool call also ends the reasoning (the model may go straight to one).
         ended_by = (self.tokenizer.dsml_token_id,) if parsing.parse_tool_calls else ()
         return ThinkingBudget(budget, self.tokenizer.thinking_end_token_id, ended_by)
+
+    def _traffic_class(self, body: dict[str, Any], header: str | None, protocol: Protocol) -> str:
+        """The request's KV cache TTL class (see `prepare`); 400 for an unknown one."""
+        value = body.pop("traffic_class", None)
+        source = "traffic_class"
+        if value is None and header is not None:
+            value, source = header, "X-Deepinfer-Traffic-Class"
+        if value is None:
+            return "agent" if body.get("tools") else "chat"
+        classes = self.config.traffic_classes
+        if not isinstance(value, str) or value not in classes:
+            raise RecipeError(
+                400, f"{source} must be one of {', '.join(classes)}", protocol, "traffic_class"
+            )
+        return value
 
     def _max_tokens(
         self, converted: dr.ConversationRequest, num_prompt_tokens: int, protocol: Protocol

@@ -87,6 +87,7 @@ _MODERATION = _unsupported("no moderation is run")
 # vLLM extensions both OpenAI protocols take.
 _OPENAI_EXTENSIONS: dict[str, FieldRule] = {
     "cache_salt": _impl(f"{_OURS}: prefix-cache isolation"),
+    "traffic_class": _impl(f"{_OURS}: the KV cache directories' TTL class"),
     "logit_bias": _impl(f"{_OURS}: checked against the vocabulary"),
     "thinking": _impl(f"{_PACKAGE} (Chat) / {_OURS} (Responses)"),
     "top_k": _impl(_SAMPLING),
@@ -246,6 +247,7 @@ MESSAGES_FIELDS: Mapping[str, FieldRule] = MappingProxyType(
         "fallbacks": _unsupported("there is one model and no fallback"),
         # Extensions (vLLM's, as on the OpenAI routes).
         "cache_salt": _OPENAI_EXTENSIONS["cache_salt"],
+        "traffic_class": _OPENAI_EXTENSIONS["traffic_class"],
         "logit_bias": _OPENAI_EXTENSIONS["logit_bias"],
         "json_whitespace": _JSON_WHITESPACE,
     }

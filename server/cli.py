@@ -60,6 +60,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """`1073741824`, `512M`, `64G`, `2T` (binary units) → bytes."""
+    number, unit = text.strip().upper().rstrip("IB") or "0", ""
+    if number[-1:] in _BYTE_UNITS:
+        number, unit = number[:-1], number[-1]
+    try:
+        value = int(float(number) * _BYTE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a byte size must be >= 1: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepinfer-server",
@@ -139,6 +156,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=_ENGINE_DEFAULTS.swa_replay,
         help="what a prefix-cache hit recomputes: one block (bounded, approximate) or as many "
         "as the sliding windows reach (exact: equals a full prefill)",
+    )
+    add(
+        "--kv-cache-dir",
+        default=None,
+        metavar="PATH",
+        help="a local directory (SSD) holding KV blocks under the GPU cache",
+    )
+    add(
+        "--kv-cache-dir-bytes",
+        type=_byte_size,
+        default=_ENGINE_DEFAULTS.kv_cache_dir_bytes,
+        help="byte budget of --kv-cache-dir (GC from 90%% down to 80%%; suffixes K, M, G, T)",
+    )
+    add(
+        "--kv-cache-shared-dir",
+        default=None,
+        metavar="PATH",
+        help="a directory on a filesystem shared by several servers (3FS, NFS, Lustre, "
+        "CephFS): a prompt prefilled by one is a cache hit on the others",
+    )
+    add(
+        "--kv-cache-shared-dir-bytes",
+        type=_byte_size,
+        default=_ENGINE_DEFAULTS.kv_cache_shared_dir_bytes,
+        help="byte budget of --kv-cache-shared-dir (suffixes K, M, G, T)",
+    )
+    add(
+        "--kv-ttl",
+        default=_ENGINE_DEFAULTS.kv_ttl,
+        help="how long a block lives in the KV cache directories after its last use, per "
+        "traffic class (`traffic_class` field / X-Deepinfer-Traffic-Class header; default "
+        "agent with tools, else chat)",
     )
     add(
         "--max-queued-requests",
@@ -252,6 +301,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         swa_replay=args.swa_replay,
         async_scheduling=args.async_scheduling,
+        kv_cache_dir=args.kv_cache_dir,
+        kv_cache_dir_bytes=args.kv_cache_dir_bytes,
+        kv_cache_shared_dir=args.kv_cache_shared_dir,
+        kv_cache_shared_dir_bytes=args.kv_cache_shared_dir_bytes,
+        kv_ttl=args.kv_ttl,
     )
     return ServerConfig(
         host=args.host,

@@ -16,6 +16,7 @@ rank "0"); prefix-cache counters add up every rank's totals.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -28,7 +29,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.client import EngineClient
+from engine.client import EngineClient, RankSnapshot
 
 PREFIX = "deepinfer:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -120,6 +121,7 @@ class ServerMetrics:
         }
         self._prefix_totals = dict.fromkeys(self.prefix_cache, 0)
         self.prefix_cache_blocks = gauge("prefix_cache_blocks", "Blocks indexed by the cache.")
+        self._tiers = _TierMetrics(reg, model_name)
         for metric in (
             self.num_requests_in_flight,
             self.prompt_tokens,
@@ -212,9 +214,80 @@ class ServerMetrics:
             self.prefix_cache_blocks.labels(self._model).set(
                 sum(c.num_cached_blocks for c in caches)
             )
+            self._tiers.refresh(ranks)
 
     def render(self, engine: EngineClient | None) -> bytes:
         """The Prometheus text exposition (engine gauges refreshed first when given)."""
         if engine is not None:
             self.refresh_engine_stats(engine)
         return generate_latest(self.registry)
+
+
+class _TierMetrics:
+    """Per-tier prefix-cache metrics (`cache.md` §2.7), summed over ranks: hit tokens of every
+    tier, and for the directory tiers (`local`, `shared`) blocks hit, bytes read / written,
+    read seconds (total; / hits = mean latency), corrupt blocks and skipped writes by reason,
+    GC evictions / expirations / runs and occupancy. Counters advance from the engine's
+    totals at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self._model = model_name
+        labels = ("model_name", "tier")
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(PREFIX + name, doc, (*labels, *extra), registry=registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=registry)
+
+        self.hit_tokens = counter("prefix_cache_hit_tokens", "Tokens restored, by tier.")
+        self.counters = {
+            "hits": counter("kv_tier_hit_blocks", "Blocks read from a directory tier."),
+            "bytes_read": counter("kv_tier_read_bytes", "Bytes read from a directory tier."),
+            "bytes_written": counter("kv_tier_written_bytes", "Bytes written to a dir tier."),
+            "read_seconds": counter("kv_tier_read_seconds", "Seconds spent in block reads."),
+            "evicted": counter("kv_tier_evicted_blocks", "Blocks deleted by GC for space."),
+            "expired": counter("kv_tier_expired_blocks", "Blocks found or deleted expired."),
+            "gc_runs": counter("kv_tier_gc_runs", "GC passes that held the lease."),
+        }
+        self.corrupt = counter(
+            "kv_corrupt_blocks", "Unusable block files (reads that missed), by reason.", "reason"
+        )
+        self.dropped = counter("kv_writes_dropped", "Blocks not written, by reason.", "reason")
+        self.used_bytes = gauge("kv_cache_bytes", "Bytes of a directory tier (last GC scan).")
+        self.num_blocks = gauge("kv_cache_blocks", "Blocks of a directory tier (last GC scan).")
+        self._totals: dict[tuple[object, ...], float] = {}
+
+    def refresh(self, ranks: Sequence[RankSnapshot]) -> None:
+        totals: dict[tuple[object, ...], float] = {}
+        gauges: dict[tuple[Gauge, str], float] = {}
+
+        def add(metric: Counter, labels: tuple[str, ...], value: float) -> None:
+            key = (metric, *labels)
+            totals[key] = totals.get(key, 0) + value
+
+        for snap in ranks:
+            cache = snap.prefix_cache
+            if cache is None:
+                continue
+            for tier, total in cache.hit_tokens_by_tier.items():
+                add(self.hit_tokens, (tier,), total)
+            for stats in cache.dir_tiers:
+                tier = stats.tier
+                for name, metric in self.counters.items():
+                    add(metric, (tier,), getattr(stats, name))
+                for reason, total in stats.corrupt.items():
+                    add(self.corrupt, (tier, reason), total)
+                dropped = {**stats.write_errors, **cache.writes_dropped.get(tier, {})}
+                for reason, total in dropped.items():
+                    add(self.dropped, (tier, reason), total)
+                for gauge, value in (
+                    (self.used_bytes, stats.used_bytes),
+                    (self.num_blocks, stats.num_blocks),
+                ):
+                    gauges[gauge, tier] = gauges.get((gauge, tier), 0) + value
+        for (metric, *labels), total in totals.items():
+            metric.labels(self._model, *labels).inc(total - self._totals.get((metric, *labels), 0))
+            self._totals[(metric, *labels)] = total
+        for (gauge, tier), value in gauges.items():
+            gauge.labels(self._model, tier).set(value)

@@ -39,6 +39,7 @@ class WireRequest:
     index: int
     constraint: WireConstraint | None
     cache_salt: str | None
+    traffic_class: str | None = None
 
 
 @dataclass(frozen=True)

@@ -285,6 +285,7 @@ class MultiProcessEngine:
         request_id: str,
         constraint: CompiledConstraint | None = None,
         cache_salt: str | None = None,
+        traffic_class: str | None = None,
     ) -> AsyncIterator[Delta]:
         if self._failure is not None:
             raise EngineFailedError(f"the engine failed: {self._failure}")
@@ -304,7 +305,9 @@ class MultiProcessEngine:
         for i, rid in enumerate(ids):
             seed = base_seed if params.n == 1 else (base_seed + i * _GOLDEN) & _SEED_MASK
             requests.append(
-                WireRequest(rid, list(prompt_token_ids), params, seed, i, wire, cache_salt)
+                WireRequest(
+                    rid, list(prompt_token_ids), params, seed, i, wire, cache_salt, traffic_class
+                )
             )
             self._tracks[rid] = _Track(rank, i, len(prompt_token_ids), stream)
         self._groups[request_id] = ids

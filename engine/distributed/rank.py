@@ -189,6 +189,7 @@ class RankEngine:
             index=wire.index,
             constraint=self._constraint(wire.constraint),
             cache_salt=wire.cache_salt,
+            traffic_class=wire.traffic_class,
         )
 
     def _constraint(self, wire: WireConstraint | None):

@@ -86,7 +86,7 @@ async def _prepare(
         if isinstance(body, dict) and defaults:
             body = {**defaults, **body}
         _check_model(request, body)
-        return recipe.prepare(protocol, body)
+        return recipe.prepare(protocol, body, request.headers.get("x-deepinfer-traffic-class"))
 
     return await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
 
@@ -145,6 +145,7 @@ class _Call:
             self.request_id,
             self.constraint,
             cache_salt=self.prepared.cache_salt,
+            traffic_class=self.prepared.traffic_class,
         )
         try:
             async for delta in stream:

@@ -59,6 +59,7 @@ EFFECTS: dict[Protocol, dict[str, tuple[Any, dict[str, Any]]]] = {
         "store": (True, {}),
         "service_tier": ("flex", {}),
         "cache_salt": ("salt", {}),
+        "traffic_class": ("agent", {}),
         "logit_bias": ({"5": 1}, {}),
         "thinking": ({"type": "disabled"}, {}),
         "top_k": (5, {}),
@@ -99,6 +100,7 @@ EFFECTS: dict[Protocol, dict[str, tuple[Any, dict[str, Any]]]] = {
         "truncation": ("auto", {}),
         "metadata": ({"k": "v"}, {}),
         "cache_salt": ("salt", {}),
+        "traffic_class": ("agent", {}),
         "logit_bias": ({"5": 1}, {}),
         "thinking": ({"type": "disabled"}, {}),
         "top_k": (5, {}),
@@ -126,6 +128,7 @@ EFFECTS: dict[Protocol, dict[str, tuple[Any, dict[str, Any]]]] = {
         "output_config": ({"effort": "low"}, MESSAGES_ON),
         "context_management": ({"edits": [{"type": "clear_tool_uses_20250919"}]}, {}),
         "cache_salt": ("salt", {}),
+        "traffic_class": ("agent", {}),
         "logit_bias": ({"5": 1}, {}),
         "json_whitespace": ("any", {"output_config": {"format": JSON_FORMAT}}),
     },
@@ -162,6 +165,7 @@ def snapshot(prepared) -> dict[str, Any]:
         if echo is None
         else {k: repr(getattr(echo, k)) for k in dir(echo) if not k.startswith("_")},
         "keys": (prepared.cache_salt, prepared.prompt_cache_key, prepared.reasoning_sealer),
+        "traffic_class": prepared.traffic_class,
     }
 
 
