@@ -33,10 +33,11 @@ def _deltas(chunks: list[dict], key: str) -> str:
 def thinking_off(default_server) -> Iterator[str]:
     """The live server as `--default-thinking off` runs it (its recipe swapped for the one that
     option builds, restored on exit); yields the base URL."""
-    url, app, engine = default_server
+    url, app, _ = default_server
     state = app.state.server
     saved = state.recipe
-    state.recipe = build_recipe(engine, dataclasses.replace(state.config, default_thinking=False))
+    off = dataclasses.replace(state.config, default_thinking=False)
+    state.recipe = build_recipe(state.engine, off)
     try:
         yield url
     finally:

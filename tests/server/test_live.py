@@ -27,11 +27,15 @@ def live(make_app):
 
 
 def _wait_until_idle(engine, timeout: float = 10.0) -> None:
+    """Wait until the engine (the server's `EngineClient`) holds nothing, then check its
+    scheduler's bookkeeping."""
     deadline = time.monotonic() + timeout
-    scheduler = engine.core.scheduler
-    while scheduler.num_running or scheduler.num_waiting:
+    while not all(rank.is_idle for rank in engine.snapshot().ranks):
         assert time.monotonic() < deadline, "the engine kept running the abandoned request"
         time.sleep(0.01)
+    scheduler = engine.async_engine.core.scheduler
+    scheduler.check_integrity()
+    assert scheduler.kv_manager.usage() == 0
 
 
 def test_live_routes(live):
@@ -121,8 +125,6 @@ def test_stream_disconnect_aborts_the_request(live):
                 break
     assert events["stream_closed"].wait(10), "the stream's generator was not closed"
     _wait_until_idle(engine)
-    engine.core.scheduler.check_integrity()
-    assert engine.core.scheduler.kv_manager.usage() == 0
     deadline = time.monotonic() + 5
     while app.state.server.admission.num_in_flight:  # the slot is released in the generator
         assert time.monotonic() < deadline
@@ -137,8 +139,6 @@ def test_non_streaming_disconnect_aborts_the_request(live):
         client.post(OPENAI_ROUTE, json=body, headers=BEARER, timeout=0.5)
     assert events["collect_cancelled"].wait(10), "the request was not cancelled"
     _wait_until_idle(engine)
-    engine.core.scheduler.check_integrity()
-    assert engine.core.scheduler.kv_manager.usage() == 0
     assert app.state.server.admission.num_in_flight == 0
     deadline = time.monotonic() + 5
     while 'finished_reason="abort"' not in client.get("/metrics").text:
