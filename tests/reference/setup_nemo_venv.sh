@@ -9,5 +9,8 @@ VENV=${VENV:-.venv-nemo}
 "$VENV/bin/pip" install --quiet torch==2.13.0
 "$VENV/bin/pip" install --quiet torch==2.13.0 transformers==5.18.0 pillow safetensors numpy tokenizers
 "$VENV/bin/pip" install --quiet --no-deps nemo_automodel==0.7.0
-TORCHDYNAMO_DISABLE=1 "$VENV/bin/python" -c \
-  "import nemo_automodel.components.models.deepseek_v41.model as m; print('NeMo V4.1 import OK')"
+# From outside the repo: transformers probes for Hugging Face's `kernels` package, and the
+# repo root on sys.path would give it ours (which needs Triton, absent from this venv).
+PY="$(cd "$VENV" && pwd)/bin/python"
+(cd / && TORCHDYNAMO_DISABLE=1 "$PY" -c \
+  "import nemo_automodel.components.models.deepseek_v41.model as m; print('NeMo V4.1 import OK')")
