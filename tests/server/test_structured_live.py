@@ -574,10 +574,11 @@ def test_strict_tool_string_limit_holds_in_responses_streaming(oai) -> None:
     }
     for name, answer in _run_concurrently(jobs).items():
         assert answer.finish == "completed", (name, answer)
-        [(tool, arguments)] = answer.tool_calls
-        assert tool == "find"
-        assert len(arguments["city"]) <= 10, arguments
-        jsonschema.validate(arguments, CITY_LIMITED)
+        assert answer.tool_calls, (name, answer)  # parallel calls allowed: check each
+        for tool, arguments in answer.tool_calls:
+            assert tool == "find"
+            assert len(arguments["city"]) <= 10, arguments
+            jsonschema.validate(arguments, CITY_LIMITED)
 
 
 def test_special_tokens_never_appear_inside_constrained_output(oai) -> None:

@@ -381,10 +381,14 @@ def test_background_gc_worker_runs_when_woken(tmp_path) -> None:
         tiers.write_back("r", [WriteItem(b, payload_of(b.key)) for b in blocks], "chat")
         assert tiers.flush(10)
         deadline = time.monotonic() + 10
-        while store.stats().used_bytes > 8 * file_bytes and time.monotonic() < deadline:
+        while store.stats().used_bytes > 9 * file_bytes and time.monotonic() < deadline:
             time.sleep(0.05)  # the write over the high watermark woke the worker
         stats = store.stats()
-        assert stats.gc_runs >= 2 and stats.used_bytes <= 8 * file_bytes and stats.evicted >= 4
-        assert store.read(blocks[0]) is not None and store.read(blocks[11]) is None
+        # GC brings the store under the low watermark (8 files) whenever a write passes the high
+        # one (9); writes racing the last run may refill it up to the high watermark, not past.
+        assert stats.gc_runs >= 2 and stats.used_bytes <= 9 * file_bytes and stats.evicted >= 3
+        assert store.read(blocks[0]) is not None  # leaves go first: the root stays
+        # (which leaves went depends on how the runs interleaved with the writes; the
+        # leaves-first order itself is tested deterministically above)
     finally:
         tiers.close()
