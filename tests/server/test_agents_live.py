@@ -191,8 +191,9 @@ def test_codex_function_call_items_feed_the_next_turn(default_server) -> None:
     )
     assert first.status_code == 200, first.text
     calls = [item for item in first.json()["output"] if item["type"] == "function_call"]
-    # (the random model may spend the remaining tokens on the whitespace the grammar allows)
-    assert [(c["name"], c["arguments"]) for c in calls] == [("get_goal", "{}")]
+    # (what the random model writes inside a non-strict call's arguments varies; the named
+    # choice fixes the call itself, which is what the next turn feeds back)
+    assert [c["name"] for c in calls] == ["get_goal"]
     results = [
         {"type": "function_call_output", "call_id": c["call_id"], "output": "ok"} for c in calls
     ]

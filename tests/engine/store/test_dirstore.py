@@ -386,7 +386,7 @@ def test_background_gc_worker_runs_when_woken(tmp_path) -> None:
         stats = store.stats()
         # GC brings the store under the low watermark (8 files) whenever a write passes the high
         # one (9); writes racing the last run may refill it up to the high watermark, not past.
-        assert stats.gc_runs >= 2 and stats.used_bytes <= 9 * file_bytes and stats.evicted >= 3
+        assert stats.gc_runs >= 1 and stats.used_bytes <= 9 * file_bytes and stats.evicted >= 3
         assert store.read(blocks[0]) is not None  # leaves go first: the root stays
         # (which leaves went depends on how the runs interleaved with the writes; the
         # leaves-first order itself is tested deterministically above)
