@@ -132,6 +132,11 @@ class EngineConfig:
         if self.activation_memory_bytes is not None and self.activation_memory_bytes <= 0:
             raise ValueError("activation_memory_bytes must be > 0")
 
+    @property
+    def traffic_classes(self) -> tuple[str, ...]:
+        """The traffic classes `kv_ttl` names (a request may ask for these only)."""
+        return TTLPolicy.parse(self.kv_ttl).classes
+
     def dir_tiers(self) -> DirTiersConfig | None:
         """The directory tiers these options describe (None: none configured)."""
         stores = []

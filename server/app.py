@@ -27,7 +27,6 @@ from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
 from engine.client import EngineClient, as_client, build_engine_client
-from engine.kv_cache.store.ttl import TTLPolicy
 from engine.structured import GrammarCompiler
 from recipe.convert import Recipe, RecipeConfig
 from recipe.errors import RecipeError
@@ -71,7 +70,7 @@ def build_recipe(engine: EngineClient, config: ServerConfig) -> Recipe:
             default_max_tokens=config.default_max_tokens,
             max_tokens_limit=config.max_tokens_limit,
             default_thinking_mode=config.default_thinking,
-            traffic_classes=TTLPolicy.parse(config.engine.kv_ttl).classes,
+            traffic_classes=config.engine.traffic_classes,
         ),
         ReasoningSealer.from_file(key_file) if key_file else None,
     )
