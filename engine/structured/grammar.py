@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import pydantic
 import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer
@@ -716,19 +717,50 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {_KIND_NAMES[spec.kind]}: {_clean_message(exc)}") from exc
 
 
+# xgrammar (0.2.9) spells a JSON string with minLength / maxLength as `"` c{m,n} `"` over the
+# character class below: raw control characters (a tab, U+0000) allowed, invalid JSON that
+# `json.loads` refuses, and no escapes. The replacement is the JSON string character of its own
+# unbounded strings: any character but a control one, `"` or `\`, or an escape, each one
+# character of the decoded string (what minLength / maxLength count).
+_XGR_BOUNDED_STRING_CHARACTER = r"(([^\"\\\r\n]))"
+_JSON_STRING_CHARACTER = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
+
+
+def _json_ebnf(json_format: st.JSONSchemaFormat) -> str:
+    """The EBNF of one JSON-schema format (any style), its bounded strings valid JSON."""
+    ebnf = str(xgr.Grammar.from_structural_tag(st.StructuralTag(format=json_format)))
+    return ebnf.replace(_XGR_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
+
+
+def _with_json_as_ebnf(node: object) -> object:
+    """`node` (a structural-tag format tree) with every JSON-schema format as its `_json_ebnf`."""
+    if isinstance(node, st.JSONSchemaFormat):
+        return st.GrammarFormat(grammar=_json_ebnf(node))
+    if isinstance(node, list):
+        return [_with_json_as_ebnf(item) for item in node]
+    if isinstance(node, pydantic.BaseModel):
+        fields = type(node).model_fields
+        return node.model_copy(update={k: _with_json_as_ebnf(getattr(node, k)) for k in fields})
+    return node
+
+
 def _compile_json(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
     if not spec.source:
         # json_object: any object, extra properties allowed.
         return compiler.compile_json_schema(
             _ANY_JSON_OBJECT, strict_mode=False, max_whitespace_cnt=spec.json_whitespace
         )
-    return compiler.compile_json_schema(spec.source, max_whitespace_cnt=spec.json_whitespace)
+    json_format = st.JSONSchemaFormat(
+        json_schema=json.loads(spec.source), max_whitespace_cnt=spec.json_whitespace
+    )
+    return compiler.compile_grammar(_json_ebnf(json_format))
 
 
 def _compile_structural_tag(
     compiler: xgr.GrammarCompiler, spec: GrammarSpec
 ) -> xgr.CompiledGrammar:
-    return compiler.compile_structural_tag(st.StructuralTag.model_validate_json(spec.source))
+    tag = st.StructuralTag.model_validate_json(spec.source)
+    return compiler.compile_structural_tag(_with_json_as_ebnf(tag))
 
 
 _COMPILE_BY_KIND = {

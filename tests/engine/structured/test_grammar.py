@@ -429,3 +429,45 @@ def test_accepted_keywords_are_enforced(
     spec = spec_for_constraint("json", json.dumps(schema))
     assert _accepts_text(compiler, spec, _ids(v41_tokenizer, good))
     assert not _accepts_text(compiler, spec, _ids(v41_tokenizer, bad))
+
+
+@pytest.mark.parametrize("where", ["answer", "answer-after-thinking", "tool-argument"])
+def test_length_bounded_json_strings_are_valid_json(
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer, where: str
+) -> None:
+    # xgrammar alone let a raw tab into a `maxLength` string (`{"note": ">\tdbmv"}`, which
+    # json.loads refuses) and allowed no escapes in it.
+    note = {
+        "type": "object",
+        "properties": {"note": {"type": "string", "minLength": 2, "maxLength": 4}},
+        "required": ["note"],
+        "additionalProperties": False,
+    }
+    if where == "tool-argument":
+        wrapper = {"type": "object", "properties": {"arg": note}, "required": ["arg"]}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": wrapper}}]
+        spec = spec_for_constraint("tool_call_required", json.dumps(tools))
+
+        def text(value: str) -> str:
+            return (
+                '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="arg" '
+                f'string="false">{value}</｜DSML｜ parameter>\n'
+                "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+            )
+    else:
+        thinking = where == "answer-after-thinking"
+        spec = spec_for_constraint("json", json.dumps(note), thinking=thinking)
+
+        def text(value: str) -> str:
+            return f"hm</think>{value}" if thinking else value
+
+    def accepts(value: str) -> bool:
+        return _accepts_text(compiler, spec, _ids(v41_tokenizer, text(value)))
+
+    assert accepts('{"note": "ab"}')
+    assert not accepts('{"note": "a\tb"}')  # a raw control character
+    assert not accepts('{"note": "a\x00"}')
+    assert accepts('{"note": "a\\tb"}')  # escapes count as one character each
+    assert accepts('{"note": "\\"\\\\\\u00e9x"}')
+    assert not accepts('{"note": "abcde"}')
+    assert not accepts('{"note": "a"}')
