@@ -1,0 +1,1 @@
+"""Speculative decoding with the DSpark drafter and scheduled verification (`dspark.md`)."""
