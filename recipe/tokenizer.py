@@ -109,7 +109,8 @@ class ModelTokenizer:
             ValueError: `text` is not valid Unicode (a lone surrogate).
         """
         check_text(text)
-        encoding = self.plain.encode(text, add_special_tokens=False) if text else None
+        # `encode_batch`: it releases the GIL (see `encode_prompt`)
+        encoding = self.plain.encode_batch([text], add_special_tokens=False)[0] if text else None
         ids = list(encoding.ids) if encoding else []
         tokens = list(encoding.tokens) if encoding else []
         if add_bos:

@@ -3,6 +3,7 @@ tokenize/detokenize, metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime
 from importlib import metadata
@@ -173,38 +174,55 @@ async def retrieve_model(
     return _model_card(name, engine.info.max_model_len)
 
 
-@router.post("/tokenize", responses=_ERRORS)
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
 async def tokenize(
     body: TokenizeRequest | ChatTokenizeRequest,
     state: Annotated[ServerState, Depends(get_state)],
     engine: Annotated[EngineClient, Depends(get_engine)],
     tokenizer: Annotated[Tokenizer, Depends(get_tokenizer)],
-) -> TokenizeResponse:
+) -> Response:
     model = resolve_model_name(state.config, body.model)
-    recipe = state.recipe
+    max_model_len = engine.info.max_model_len
+
+    def answer() -> bytes:
+        ids, strs = _tokenize(state.recipe, tokenizer, model, body)
+        response = TokenizeResponse(
+            count=len(ids),
+            max_model_len=max_model_len,
+            tokens=ids,
+            token_strs=strs if body.return_token_strs else None,
+        )
+        return response.model_dump_json().encode()
+
+    # Encoding (and serialising) a prompt of megabytes takes seconds: off the event loop.
+    return Response(await asyncio.to_thread(answer), media_type="application/json")
+
+
+def _tokenize(
+    recipe: Recipe | None,
+    tokenizer: Tokenizer,
+    model: str,
+    body: TokenizeRequest | ChatTokenizeRequest,
+) -> tuple[list[int], list[str] | None]:
+    """The ids (and token strings when asked) `/tokenize` answers with."""
     if isinstance(body, ChatTokenizeRequest):
         if recipe is None:
             raise APIError(ErrorKind.UNAVAILABLE, "this model has no chat template")
         ids = _chat_prompt_ids(recipe, model, body)
-        strs = [tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
-    elif recipe is not None:
+        return ids, [tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+    if recipe is not None:
         try:
-            ids, strs = recipe.tokenizer.encode_text(body.prompt, body.add_special_tokens)
+            return recipe.tokenizer.encode_text(body.prompt, body.add_special_tokens)
         except ValueError as exc:
             raise APIError(ErrorKind.INVALID_REQUEST, str(exc), param="prompt") from exc
-    else:  # a model without the chat template (`tiny`): its own tokenizer's rules
-        try:
-            check_text(body.prompt)
-        except ValueError as exc:
-            raise APIError(ErrorKind.INVALID_REQUEST, str(exc), param="prompt") from exc
-        encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        ids, strs = list(encoding.ids), list(encoding.tokens)
-    return TokenizeResponse(
-        count=len(ids),
-        max_model_len=engine.info.max_model_len,
-        tokens=ids,
-        token_strs=strs if body.return_token_strs else None,
-    )
+    # a model without the chat template (`tiny`): its own tokenizer's rules
+    try:
+        check_text(body.prompt)
+    except ValueError as exc:
+        raise APIError(ErrorKind.INVALID_REQUEST, str(exc), param="prompt") from exc
+    # `encode_batch` releases the GIL (`encode` does not), so the event loop runs meanwhile
+    [encoding] = tokenizer.encode_batch([body.prompt], add_special_tokens=body.add_special_tokens)
+    return list(encoding.ids), list(encoding.tokens)
 
 
 def _chat_prompt_ids(recipe: Recipe, model: str, body: ChatTokenizeRequest) -> list[int]:

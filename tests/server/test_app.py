@@ -217,8 +217,8 @@ def test_data_stream_ends_with_done(client):
 
 def test_tokenizer_dependency_can_be_swapped(make_app):
     class Fake:
-        def encode(self, text, add_special_tokens=True):
-            return type("E", (), {"ids": [1, 2], "tokens": ["a", "b"]})()
+        def encode_batch(self, texts, add_special_tokens=True):
+            return [type("E", (), {"ids": [1, 2], "tokens": ["a", "b"]})() for _ in texts]
 
     app, _ = make_app()
     app.dependency_overrides[get_tokenizer] = Fake

@@ -95,20 +95,26 @@ def test_chunked_oversize_body_is_413(default_server):
             assert_envelope(response, path, 413)
 
 
-def test_health_answers_while_a_large_request_is_prepared(default_server):
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [("/v1/chat/completions", 400), ("/tokenize", 200)],
+)
+def test_health_answers_while_a_large_request_is_prepared(default_server, path, status):
     url = default_server[0]
-    # ~2.4 MB of text: allowed by size, ~800k tokens to encode (seconds on the CPU), then a 400
-    # for the context length. Meanwhile /health must keep answering quickly.
-    body = {
-        "model": MODEL,
-        "max_tokens": 1,
-        "messages": [{"role": "user", "content": "hi " * 800_000}],
-    }
+    # ~2.4 MB of text: allowed by size, ~800k tokens to encode (seconds on the CPU); a chat
+    # request then gets a 400 for the context length. Meanwhile /health must keep answering.
+    body: dict = {"model": MODEL, "prompt": "hi " * 800_000, "return_token_strs": True}
+    if path != "/tokenize":
+        body = {
+            "model": MODEL,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi " * 800_000}],
+        }
     result: dict = {}
 
     def big() -> None:
         started = time.monotonic()
-        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        response = httpx.post(url + path, json=body, timeout=120)
         result["status"], result["took"] = response.status_code, time.monotonic() - started
 
     worker = threading.Thread(target=big)
@@ -122,10 +128,11 @@ def test_health_answers_while_a_large_request_is_prepared(default_server):
             latencies.append(time.monotonic() - started)
             time.sleep(0.05)
     worker.join()
-    assert result["status"] == 400, result  # over the context length, told so
+    assert result["status"] == status, result
     # A blocked event loop answers /health once, after the preparation: too few answers.
     assert len(latencies) >= 5, f"/health answered {len(latencies)} time(s): {latencies}"
-    assert max(latencies) < min(0.5, result["took"] / 2), (max(latencies), result["took"])
+    # (the Rust-to-Python list of 800k ids holds the GIL for a few hundred ms on a busy machine)
+    assert max(latencies) < min(1.0, result["took"] / 4), (max(latencies), result["took"])
 
 
 # ---- item 5: nesting, keep-alive after errors, request ids, one log line per error -----------
