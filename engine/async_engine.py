@@ -8,9 +8,9 @@ applied between steps (the scheduler is only ever touched by one thread at a tim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.choices import fan_out, stream_choices
 from engine.core import EngineCore, internal_error_message
 from engine.kv_cache import CacheConfig, KVCacheManager, PrefixCache
 from engine.kv_cache.store.dirstore import DirStoreConfig
@@ -48,9 +49,6 @@ DEFAULT_TARGET_STEP_MS = {"cpu": 2000.0, "cuda": 500.0}
 # Share of the memory free after loading (host RAM on the CPU, device memory on CUDA) that one
 # step's activations may use when EngineConfig.activation_memory_bytes is None.
 ACTIVATION_MEMORY_FRACTION = 0.5
-
-_SEED_MASK = (1 << 63) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
 
 
 class EngineClosedError(RuntimeError):
@@ -251,7 +249,7 @@ class AsyncEngine:
         self._accepting = False
         if not drain:
             for request_id in list(self._streams):
-                self._submit(lambda rid=request_id: self._abort_one(rid))
+                self._abort_later(request_id)
         self._stopping = True
         self._wakeup.set()
         if self._task is not None:
@@ -259,7 +257,7 @@ class AsyncEngine:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout)
             except TimeoutError:
                 for request_id in list(self._streams):
-                    self._submit(lambda rid=request_id: self._abort_one(rid))
+                    self._abort_later(request_id)
                 self._wakeup.set()
                 await self._task
             self._task = None
@@ -297,44 +295,41 @@ class AsyncEngine:
             raise EngineClosedError("the engine is shutting down")
         if constraint is not None:
             self._check_constraint(constraint, params)
-        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        choices = fan_out(request_id, params)
+        ids = [choice.request_id for choice in choices]
         if request_id in self._groups or any(rid in self._streams for rid in ids):
             raise ValueError(f"request id {request_id!r} is already running")
         queue: asyncio.Queue[Delta] = asyncio.Queue()
-        base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         now = time.monotonic()
         requests = [
             Request(
-                request_id=rid,
+                request_id=choice.request_id,
                 prompt_token_ids=list(prompt_token_ids),
                 params=params,
-                seed=base_seed if params.n == 1 else (base_seed + i * _GOLDEN) & _SEED_MASK,
+                seed=choice.seed,
                 arrival_time=now,
                 eos_token_id=self.eos_token_id,
-                index=i,
+                index=choice.index,
                 constraint=constraint,
                 cache_salt=cache_salt,
                 traffic_class=traffic_class,
             )
-            for i, rid in enumerate(ids)
+            for choice in choices
         ]
         for rid in ids:
             self._streams[rid] = queue
         self._groups[request_id] = ids
         self._submit(lambda: self._add_all(requests))
-        remaining = set(ids)
-        try:
-            while remaining:
-                delta = await queue.get()
-                if delta.finish_reason is not None:
-                    remaining.discard(delta.request_id)
-                yield delta
-        finally:
+
+        def release() -> None:
             self._groups.pop(request_id, None)
-            for rid in remaining:
-                self._submit(lambda rid=rid: self._abort_one(rid))
             for rid in ids:  # late deltas of aborted choices are dropped by _dispatch
                 self._streams.pop(rid, None)
+
+        stream = stream_choices(choices, queue, self._abort_later, release)
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                yield delta
 
     def check_request(
         self,
@@ -371,7 +366,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Cancel a request (or each choice `{id}-{i}` of an n > 1 request) at any stage."""
         for rid in self._groups.get(request_id, [request_id]):
-            self._submit(lambda rid=rid: self._abort_one(rid))
+            self._abort_later(rid)
 
     # ---- loop ---------------------------------------------------------------------------------
 
@@ -385,6 +380,9 @@ class AsyncEngine:
 
     def _abort_one(self, request_id: str) -> None:
         self.core.abort(request_id)
+
+    def _abort_later(self, request_id: str) -> None:
+        self._submit(lambda: self._abort_one(request_id))
 
     def _apply_pending(self) -> None:
         actions, self._pending = self._pending, []

@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 
 from engine import envs
 from engine.async_engine import EngineClosedError, EngineConfig, RequestRejectedError
+from engine.choices import fan_out, stream_choices
 from engine.client import (
     EngineFailedError,
     EngineInfo,
@@ -82,11 +83,6 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 300.0  # every rank must have connected by then (imports, CUDA init)
 ABORT_GRACE_S = 5.0  # on shutdown, aborted requests get this long to report their end
 BLOCK_TOKENS = 128
-
-# NOTE: the same seeds as `AsyncEngine.generate`, so that a seeded request samples the same
-# tokens whatever the number of ranks.
-_SEED_MASK = (1 << 63) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
 
 
 @dataclass
@@ -295,39 +291,44 @@ class MultiProcessEngine:
         if constraint is not None:
             check_constraint(self._info, constraint, params)
             wire = self._wire(constraint)
-        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        choices = fan_out(request_id, params)
+        ids = [choice.request_id for choice in choices]
         if request_id in self._groups or any(rid in self._tracks for rid in ids):
             raise ValueError(f"request id {request_id!r} is already running")
         rank = self._placer.place(PlacementRequest(len(prompt_token_ids), params.affinity_key))
-        base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         stream: asyncio.Queue[Delta] = asyncio.Queue()
         requests = []
-        for i, rid in enumerate(ids):
-            seed = base_seed if params.n == 1 else (base_seed + i * _GOLDEN) & _SEED_MASK
+        for choice in choices:
             requests.append(
                 WireRequest(
-                    rid, list(prompt_token_ids), params, seed, i, wire, cache_salt, traffic_class
+                    choice.request_id,
+                    list(prompt_token_ids),
+                    params,
+                    choice.seed,
+                    choice.index,
+                    wire,
+                    cache_salt,
+                    traffic_class,
                 )
             )
-            self._tracks[rid] = _Track(rank, i, len(prompt_token_ids), stream)
+            self._tracks[choice.request_id] = _Track(
+                rank, choice.index, len(prompt_token_ids), stream
+            )
         self._groups[request_id] = ids
         self._idle.clear()
         self._outboxes[rank].put(AddRequests(tuple(requests)))
-        remaining = set(ids)
-        try:
-            while remaining:
-                delta = await stream.get()
-                if delta.finish_reason is not None:
-                    remaining.discard(delta.request_id)
-                yield delta
-        finally:
+
+        def release() -> None:
             self._groups.pop(request_id, None)
-            for rid in remaining:
-                self._send_abort(rid)
             for rid in ids:  # late deltas of aborted choices are dropped by `_dispatch`
                 self._tracks.pop(rid, None)
             if not self._tracks:
                 self._idle.set()
+
+        choice_stream = stream_choices(choices, stream, self._send_abort, release)
+        async with contextlib.aclosing(choice_stream):
+            async for delta in choice_stream:
+                yield delta
 
     def check_request(
         self,
