@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.client import EngineInfo, RankSnapshot
+from engine.limits import RequestLimits
 from engine.outputs import Delta
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import GrammarSpec, MarkerGuard
@@ -73,8 +74,12 @@ class RankHello:
 
 @dataclass(frozen=True)
 class RankReady:
+    """A rank has loaded its shard: what it serves, the limits its scheduler enforces on each
+    request (the front end checks requests against them) and its first snapshot."""
+
     rank: int
     info: EngineInfo
+    limits: RequestLimits
     snapshot: RankSnapshot
 
 

@@ -70,6 +70,7 @@ from engine.distributed.messages import (
 )
 from engine.distributed.placement import DPPlacer, PlacementRequest, RankLoad
 from engine.distributed.rank import RankSpec, run_rank
+from engine.limits import RequestLimits
 from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta
 from engine.request import FinishReason
@@ -149,6 +150,7 @@ class MultiProcessEngine:
         ready = self._wait_ready()
         self._snapshots = [ready[r].snapshot for r in range(parallel.ep_size)]
         self._placer.update([_load(s) for s in self._snapshots])
+        self._limits = RequestLimits.strictest(ready[r].limits for r in range(parallel.ep_size))
         infos = [ready[r].info for r in range(parallel.ep_size)]
         return dataclasses.replace(
             infos[0],
@@ -336,22 +338,10 @@ class MultiProcessEngine:
         params: SamplingParams,
         constraint: CompiledConstraint | None = None,
     ) -> None:
-        """The context-limit and grammar checks of `AsyncEngine.check_request`.
-
-        NOTE: a request too large for a rank's KV pool or activation budget is refused by that
-        rank's scheduler instead (its stream ends with the reason): those limits live there.
-        """
-        num_prompt, max_tokens = len(prompt_token_ids), params.max_tokens
-        limit = self._info.max_model_len
-        reason = None
-        if num_prompt == 0:
-            reason = "the prompt is empty: at least one prompt token is required"
-        elif num_prompt + (max_tokens or 1) > limit:
-            reason = (
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens or 1}) exceeds "
-                f"the context length ({limit} tokens)"
-            )
-        elif constraint is not None:
+        """`AsyncEngine.check_request` against the strictest of the limits the ranks reported
+        at start (context length, KV pool, activation budget): the same rules and messages."""
+        reason = self._limits.rejection_reason(len(prompt_token_ids), params.max_tokens)
+        if reason is None and constraint is not None:
             try:
                 check_constraint(self._info, constraint, params)
             except ValueError as exc:

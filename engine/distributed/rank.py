@@ -77,7 +77,7 @@ def run_rank(spec: RankSpec) -> None:
     try:
         groups = init_groups(spec.rank)
         rank = RankEngine.build(spec, groups)
-        conn.send(RankReady(spec.rank.rank, rank.info, rank.snapshot()))
+        conn.send(RankReady(spec.rank.rank, rank.info, rank.core.scheduler.limits, rank.snapshot()))
         rank.serve(conn)
     except BaseException:  # noqa: BLE001 (reported to the API process, then exit)
         logger.exception("rank %d failed", spec.rank.rank)
