@@ -20,6 +20,12 @@ import torch
 
 from engine.choices import fan_out, stream_choices
 from engine.core import EngineCore, internal_error_message
+from engine.distributed.memory import (
+    check_memory,
+    free_memory_bytes,
+    held_weight_bytes,
+    plan_weights,
+)
 from engine.kv_cache import CacheConfig, KVCacheManager, PrefixCache
 from engine.kv_cache.store.dirstore import DirStoreConfig
 from engine.kv_cache.store.ttl import DEFAULT_TTL_SPEC, TTLPolicy
@@ -129,6 +135,12 @@ class EngineConfig:
             raise ValueError(f"target_step_ms must be > 0, not {self.target_step_ms!r}")
         if self.activation_memory_bytes is not None and self.activation_memory_bytes <= 0:
             raise ValueError("activation_memory_bytes must be > 0")
+
+    @property
+    def quantized_experts(self) -> bool:
+        """Routed experts stay MXFP4 (a quarter of the bytes; the grouped Triton kernel reads
+        them): on CUDA in bfloat16. Elsewhere they are dequantised to `dtype`."""
+        return torch.device(self.device).type == "cuda" and self.dtype == "bfloat16"
 
     @property
     def traffic_classes(self) -> tuple[str, ...]:
@@ -460,7 +472,7 @@ def _step_budget(model: DeepseekV41ForCausalLM, config: EngineConfig) -> StepBud
     """The memory budget and step-time target of `config` on `model`'s device."""
     cfg, device = model.config, model.device
     memory_bytes = config.activation_memory_bytes or int(
-        ACTIVATION_MEMORY_FRACTION * _free_memory_bytes(device)
+        ACTIVATION_MEMORY_FRACTION * free_memory_bytes(device)
     )
     target_ms = config.target_step_ms or DEFAULT_TARGET_STEP_MS.get(device.type, 2000.0)
     memory = activation_cost(
@@ -477,30 +489,22 @@ def _step_budget(model: DeepseekV41ForCausalLM, config: EngineConfig) -> StepBud
     return StepBudget(memory, memory_bytes, StepTimeModel(prior), target_ms / 1000.0)
 
 
-def _free_memory_bytes(device: torch.device) -> int:
-    """Memory free for activations now: the device's on CUDA, MemAvailable of the host else."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
-
-
 def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
-    """The configured model; on CUDA in bf16 the routed experts stay MXFP4 (a quarter of the
-    bytes, and the grouped Triton kernel reads them), elsewhere they are dequantised; on CUDA
-    the blocks' pure parts replay from CUDA graphs unless `cuda_graphs` is off."""
-    dtype = getattr(torch, config.dtype)
-    on_cuda = torch.device(config.device).type == "cuda"
+    """The configured model (`EngineConfig.quantized_experts` says how its routed experts are
+    held); on CUDA the blocks' pure parts replay from CUDA graphs unless `cuda_graphs` is off.
+    Raises `InsufficientMemoryError` before reading any tensor when the weights do not fit."""
+    path = resolve_model_source(config.model)
+    device = torch.device(config.device)
+    need = plan_weights(config, path, ep_size=1)
+    check_memory(need.total, free_memory_bytes(device), str(device))
     model = load_model(
-        resolve_model_source(config.model),
+        path,
         device=config.device,
-        dtype=dtype,
-        quantized_experts=on_cuda and dtype == torch.bfloat16,
+        dtype=getattr(torch, config.dtype),
+        quantized_experts=config.quantized_experts,
     )
-    if on_cuda and config.cuda_graphs:
+    logger.info("the engine holds %s of weights", held_weight_bytes(model).describe())
+    if device.type == "cuda" and config.cuda_graphs:
         model.enable_cuda_graphs()
         model.capture_cuda_graphs(config.max_num_seqs)
     return model

@@ -1,7 +1,8 @@
 """What the API process and the engine ranks send each other (plain picklable dataclasses, no
 tensors), over one `multiprocessing.connection` per rank.
 
-    API → rank:  AddRequests, AbortRequests, SetGrammarVocabulary, Stop
+    API → rank:  RankSetup (once, the answer to RankHello), AddRequests, AbortRequests,
+                 SetGrammarVocabulary, Stop
     rank → API:  RankHello (on connecting), RankReady (once, after loading), StepResult
                  (after every step that ran or received something), RankFailed (then it exits)
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.async_engine import EngineConfig
 from engine.client import EngineInfo, RankSnapshot
 from engine.limits import RequestLimits
 from engine.outputs import Delta
@@ -41,6 +43,14 @@ class WireRequest:
     constraint: WireConstraint | None
     cache_salt: str | None
     traffic_class: str | None = None
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What the rank serves: node 0's engine config, `model` as the user gave it (each rank
+    resolves it on its own node). Every rank, on every node, gets the same one."""
+
+    engine: EngineConfig
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 from typing import TYPE_CHECKING
 
+import torch
 import torch.multiprocessing as mp
 
 from engine import envs
@@ -56,12 +57,14 @@ from engine.client import (
 )
 from engine.distributed.config import ParallelConfig
 from engine.distributed.groups import RankConfig, free_port
+from engine.distributed.memory import log_weight_plans
 from engine.distributed.messages import (
     AbortRequests,
     AddRequests,
     RankFailed,
     RankHello,
     RankReady,
+    RankSetup,
     SetGrammarVocabulary,
     StepResult,
     Stop,
@@ -111,7 +114,11 @@ class MultiProcessEngine:
             raise ValueError("the API server runs on node 0; other nodes run `serve_ranks`")
         self.parallel = parallel
         self._on_failure = on_failure
-        self._config = dataclasses.replace(config, model=str(resolve_model_source(config.model)))
+        # NOTE: a preset is generated here once, before the ranks start; every rank resolves
+        # `config.model` again on its own node (another node has its own cache folder).
+        path = resolve_model_source(config.model)
+        log_weight_plans(config, path, parallel.ep_size)  # ValueError: N does not divide
+        self._config = config
         self._tracks: dict[str, _Track] = {}
         self._groups: dict[str, list[str]] = {}
         self._placer = DPPlacer(parallel.ep_size)
@@ -142,7 +149,7 @@ class MultiProcessEngine:
         try:
             master_port = free_port() if single else parallel.master_port
             address = (parallel.master_addr, listener.address[1])
-            self._procs = spawn_ranks(self._config, parallel, master_port, address, authkey)
+            self._procs = spawn_ranks(self._config.device, parallel, master_port, address, authkey)
             self._conns, pids = self._accept(listener)
         finally:
             listener.close()
@@ -193,6 +200,7 @@ class MultiProcessEngine:
             hello = item.recv()
             if not isinstance(hello, RankHello) or hello.rank in conns:
                 raise EngineFailedError(f"unexpected first message from a rank: {hello!r}")
+            item.send(RankSetup(self._config))
             conns[hello.rank], pids[hello.rank] = item, hello.pid
         return conns, pids
 
@@ -482,18 +490,17 @@ def _shared_authkey() -> bytes:
 
 
 def spawn_ranks(
-    config: EngineConfig,
+    device: str,
     parallel: ParallelConfig,
     master_port: int,
     address: tuple[str, int],
     authkey: bytes,
 ) -> list[mp.Process]:
-    """Start this node's ranks (`parallel.local_ranks`), each connecting to `address`."""
+    """Start this node's ranks (`parallel.local_ranks`) on `device`'s type, each connecting to
+    the API process at `address` (which tells it what to serve)."""
     ctx = mp.get_context("spawn")
-    device_type = "cuda" if config.device.startswith("cuda") else "cpu"
+    device_type = torch.device(device).type
     if device_type == "cuda":
-        import torch
-
         visible = torch.cuda.device_count()
         if visible < parallel.ranks_per_node:
             raise ValueError(
@@ -513,10 +520,10 @@ def spawn_ranks(
                 local_rank=local_rank,
                 timeout_s=parallel.timeout_s,
             ),
-            engine=config,
             address=address,
             authkey=authkey,
             num_threads=num_threads,
+            num_local_ranks=parallel.ranks_per_node,
         )
         proc = ctx.Process(target=run_rank, args=(spec,), name=f"engine-rank-{rank}", daemon=True)
         proc.start()
@@ -524,17 +531,28 @@ def spawn_ranks(
     return procs
 
 
-def serve_ranks(config: EngineConfig, parallel: ParallelConfig) -> int:
-    """Run this node's ranks for the API server of node 0 (`--node-rank` > 0) until they exit;
-    SIGTERM / Ctrl-C kills them. Returns the exit status (1 when a rank failed)."""
+def serve_ranks(device: str, parallel: ParallelConfig) -> int:
+    """Run this node's ranks (`--node-rank` > 0) for the API server of node 0 until they exit.
+
+    The ranks connect to node 0's API process (retrying until it listens) and get what to
+    serve from it: only the device type and the parallel options are this node's own. They
+    exit when node 0 stops them, when node 0 is gone (their collectives fail within
+    `timeout_s`), or when this process gets SIGTERM / Ctrl-C (it kills them; node 0 then
+    fails and exits). Returns the exit status: 0 when every rank exited cleanly, else 1.
+    """
     import signal
 
     if parallel.node_rank == 0:
         raise ValueError("node 0 runs the API server (MultiProcessEngine), not serve_ranks")
-    config = dataclasses.replace(config, model=str(resolve_model_source(config.model)))
     address = (parallel.master_addr, parallel.engine_port)
     assert parallel.master_port is not None  # ParallelConfig requires it for several nodes
-    procs = spawn_ranks(config, parallel, parallel.master_port, address, _shared_authkey())
+    procs = spawn_ranks(device, parallel, parallel.master_port, address, _shared_authkey())
+    logger.info(
+        "node %d runs ranks %s: pids %s",
+        parallel.node_rank,
+        list(parallel.local_ranks),
+        [p.pid for p in procs],
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
