@@ -503,7 +503,7 @@ def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
         dtype=getattr(torch, config.dtype),
         quantized_experts=config.quantized_experts,
     )
-    logger.info("the engine holds %s of weights", held_weight_bytes(model).describe())
+    logger.info("the engine holds its weights: %s", held_weight_bytes(model).describe())
     if device.type == "cuda" and config.cuda_graphs:
         model.enable_cuda_graphs()
         model.capture_cuda_graphs(config.max_num_seqs)

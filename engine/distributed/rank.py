@@ -146,7 +146,7 @@ def load_rank_model(
         quantized_experts=config.quantized_experts,
         expert_parallel=ep,
     )
-    logger.info("holds %s of weights", held_weight_bytes(model).describe())
+    logger.info("holds its weights: %s", held_weight_bytes(model).describe())
     if device.type == "cuda" and config.cuda_graphs:
         model.enable_cuda_graphs()
         model.capture_cuda_graphs(config.max_num_seqs)
