@@ -19,7 +19,7 @@ from engine.async_engine import EngineConfig
 from engine.distributed.dispatch import ExpertPlacement
 from engine.distributed.memory import RELEASED_EP_SIZE, planned_weight_bytes
 from engine.models import load_checkpoint
-from engine.models.deepseek_v41.checkpoint_loader import routed_expert_filter
+from engine.models.deepseek_v41.checkpoint_loader import read_config, routed_expert_filter
 from engine.models.deepseek_v41.config import config_with
 from engine.models.embedded import resolve_model_source
 from server.app import create_app
@@ -63,8 +63,9 @@ def test_each_rank_prints_the_bytes_it_holds_and_sigterm_stops_every_rank(tmp_pa
             for r, b in re.findall(r"\[rank (\d)\] holds [^(]*\(([\d,]+) B\)", text)
         }
         loaded = {}
+        num_experts = read_config(path).n_routed_experts
         for rank in (0, 1):
-            owns = ExpertPlacement(8, 2, rank).local_experts
+            owns = ExpertPlacement(num_experts, 2, rank).local_experts
             tensors = load_checkpoint(
                 path, progress=False, include=routed_expert_filter(owns.__contains__)
             ).tensors
