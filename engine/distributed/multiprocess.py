@@ -7,9 +7,11 @@
       failure ◀── RankFailed / EOF ◀─────────────────────   a rank raised or died
 
 Transport: one `multiprocessing.connection` per rank over TCP (HMAC-authenticated with a
-per-server key), the rank connecting to the API process's listener. The same code serves ranks
-on this machine and on other nodes; pickled frozen dataclasses (`messages`), no tensors; a
-connection that ends tells at once that its rank died. One reader and one writer thread per
+per-server key), the rank connecting to the API process's listener and getting what to serve in
+reply to its hello (`RankSetup`: the engine config). The same code serves ranks on this machine
+and on other nodes (`serve_ranks` starts those; they need nothing but the parallel options).
+Messages are pickled frozen dataclasses (`messages`), no tensors; a connection that ends tells
+at once that its rank died. One reader and one writer thread per
 rank keep the event loop from ever blocking on a socket.
 
 Placement (`scaleout.md` §4.1, §6.2): every choice of a user request goes to the rank
