@@ -8,9 +8,9 @@ applied between steps (the scheduler is only ever touched by one thread at a tim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.choices import fan_out, stream_choices
 from engine.core import EngineCore, internal_error_message
+from engine.distributed.memory import (
+    check_memory,
+    free_memory_bytes,
+    held_weight_bytes,
+    plan_weights,
+)
 from engine.kv_cache import CacheConfig, KVCacheManager, PrefixCache
 from engine.kv_cache.store.dirstore import DirStoreConfig
 from engine.kv_cache.store.ttl import DEFAULT_TTL_SPEC, TTLPolicy
@@ -48,9 +55,6 @@ DEFAULT_TARGET_STEP_MS = {"cpu": 2000.0, "cuda": 500.0}
 # Share of the memory free after loading (host RAM on the CPU, device memory on CUDA) that one
 # step's activations may use when EngineConfig.activation_memory_bytes is None.
 ACTIVATION_MEMORY_FRACTION = 0.5
-
-_SEED_MASK = (1 << 63) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
 
 
 class EngineClosedError(RuntimeError):
@@ -131,6 +135,12 @@ class EngineConfig:
             raise ValueError(f"target_step_ms must be > 0, not {self.target_step_ms!r}")
         if self.activation_memory_bytes is not None and self.activation_memory_bytes <= 0:
             raise ValueError("activation_memory_bytes must be > 0")
+
+    @property
+    def quantized_experts(self) -> bool:
+        """Routed experts stay MXFP4 (a quarter of the bytes; the grouped Triton kernel reads
+        them): on CUDA in bfloat16. Elsewhere they are dequantised to `dtype`."""
+        return torch.device(self.device).type == "cuda" and self.dtype == "bfloat16"
 
     @property
     def traffic_classes(self) -> tuple[str, ...]:
@@ -251,7 +261,7 @@ class AsyncEngine:
         self._accepting = False
         if not drain:
             for request_id in list(self._streams):
-                self._submit(lambda rid=request_id: self._abort_one(rid))
+                self._abort_later(request_id)
         self._stopping = True
         self._wakeup.set()
         if self._task is not None:
@@ -259,7 +269,7 @@ class AsyncEngine:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout)
             except TimeoutError:
                 for request_id in list(self._streams):
-                    self._submit(lambda rid=request_id: self._abort_one(rid))
+                    self._abort_later(request_id)
                 self._wakeup.set()
                 await self._task
             self._task = None
@@ -297,44 +307,41 @@ class AsyncEngine:
             raise EngineClosedError("the engine is shutting down")
         if constraint is not None:
             self._check_constraint(constraint, params)
-        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        choices = fan_out(request_id, params)
+        ids = [choice.request_id for choice in choices]
         if request_id in self._groups or any(rid in self._streams for rid in ids):
             raise ValueError(f"request id {request_id!r} is already running")
         queue: asyncio.Queue[Delta] = asyncio.Queue()
-        base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         now = time.monotonic()
         requests = [
             Request(
-                request_id=rid,
+                request_id=choice.request_id,
                 prompt_token_ids=list(prompt_token_ids),
                 params=params,
-                seed=base_seed if params.n == 1 else (base_seed + i * _GOLDEN) & _SEED_MASK,
+                seed=choice.seed,
                 arrival_time=now,
                 eos_token_id=self.eos_token_id,
-                index=i,
+                index=choice.index,
                 constraint=constraint,
                 cache_salt=cache_salt,
                 traffic_class=traffic_class,
             )
-            for i, rid in enumerate(ids)
+            for choice in choices
         ]
         for rid in ids:
             self._streams[rid] = queue
         self._groups[request_id] = ids
         self._submit(lambda: self._add_all(requests))
-        remaining = set(ids)
-        try:
-            while remaining:
-                delta = await queue.get()
-                if delta.finish_reason is not None:
-                    remaining.discard(delta.request_id)
-                yield delta
-        finally:
+
+        def release() -> None:
             self._groups.pop(request_id, None)
-            for rid in remaining:
-                self._submit(lambda rid=rid: self._abort_one(rid))
             for rid in ids:  # late deltas of aborted choices are dropped by _dispatch
                 self._streams.pop(rid, None)
+
+        stream = stream_choices(choices, queue, self._abort_later, release)
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                yield delta
 
     def check_request(
         self,
@@ -371,7 +378,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Cancel a request (or each choice `{id}-{i}` of an n > 1 request) at any stage."""
         for rid in self._groups.get(request_id, [request_id]):
-            self._submit(lambda rid=rid: self._abort_one(rid))
+            self._abort_later(rid)
 
     # ---- loop ---------------------------------------------------------------------------------
 
@@ -385,6 +392,9 @@ class AsyncEngine:
 
     def _abort_one(self, request_id: str) -> None:
         self.core.abort(request_id)
+
+    def _abort_later(self, request_id: str) -> None:
+        self._submit(lambda: self._abort_one(request_id))
 
     def _apply_pending(self) -> None:
         actions, self._pending = self._pending, []
@@ -462,7 +472,7 @@ def _step_budget(model: DeepseekV41ForCausalLM, config: EngineConfig) -> StepBud
     """The memory budget and step-time target of `config` on `model`'s device."""
     cfg, device = model.config, model.device
     memory_bytes = config.activation_memory_bytes or int(
-        ACTIVATION_MEMORY_FRACTION * _free_memory_bytes(device)
+        ACTIVATION_MEMORY_FRACTION * free_memory_bytes(device)
     )
     target_ms = config.target_step_ms or DEFAULT_TARGET_STEP_MS.get(device.type, 2000.0)
     memory = activation_cost(
@@ -479,30 +489,22 @@ def _step_budget(model: DeepseekV41ForCausalLM, config: EngineConfig) -> StepBud
     return StepBudget(memory, memory_bytes, StepTimeModel(prior), target_ms / 1000.0)
 
 
-def _free_memory_bytes(device: torch.device) -> int:
-    """Memory free for activations now: the device's on CUDA, MemAvailable of the host else."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
-
-
 def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
-    """The configured model; on CUDA in bf16 the routed experts stay MXFP4 (a quarter of the
-    bytes, and the grouped Triton kernel reads them), elsewhere they are dequantised; on CUDA
-    the blocks' pure parts replay from CUDA graphs unless `cuda_graphs` is off."""
-    dtype = getattr(torch, config.dtype)
-    on_cuda = torch.device(config.device).type == "cuda"
+    """The configured model (`EngineConfig.quantized_experts` says how its routed experts are
+    held); on CUDA the blocks' pure parts replay from CUDA graphs unless `cuda_graphs` is off.
+    Raises `InsufficientMemoryError` before reading any tensor when the weights do not fit."""
+    path = resolve_model_source(config.model)
+    device = torch.device(config.device)
+    need = plan_weights(config, path, ep_size=1)
+    check_memory(need.total, free_memory_bytes(device), str(device))
     model = load_model(
-        resolve_model_source(config.model),
+        path,
         device=config.device,
-        dtype=dtype,
-        quantized_experts=on_cuda and dtype == torch.bfloat16,
+        dtype=getattr(torch, config.dtype),
+        quantized_experts=config.quantized_experts,
     )
-    if on_cuda and config.cuda_graphs:
+    logger.info("the engine holds its weights: %s", held_weight_bytes(model).describe())
+    if device.type == "cuda" and config.cuda_graphs:
         model.enable_cuda_graphs()
         model.capture_cuda_graphs(config.max_num_seqs)
     return model

@@ -305,8 +305,16 @@ def build_engine_client(
     """The engine of `config`, loaded: in process for one rank, else a `MultiProcessEngine`
     (spawns the ranks and waits until every rank has loaded its shard; blocking).
 
-    on_failure: called once, on the event loop, when the engine fails (the server exits)."""
+    on_failure: called once, on the event loop, when the engine fails (the server exits).
+
+    Logs the weights per rank (this checkpoint at its EP size, the released model at EP 8);
+    raises ValueError when the EP size does not divide the routed experts, and
+    `InsufficientMemoryError` when a rank's weights do not fit its device."""
     if parallel is None or parallel.ep_size == 1:
+        from engine.distributed.memory import log_weight_plans
+        from engine.models.embedded import resolve_model_source
+
+        log_weight_plans(config, resolve_model_source(config.model), ep_size=1)
         return InProcessEngine.from_config(config)
     from engine.distributed.multiprocess import MultiProcessEngine
 

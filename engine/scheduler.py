@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.reuse import PrefixReuse
+from engine.limits import RequestLimits
 from engine.outputs import (
     PLACEHOLDER_TOKEN_ID,
     Delta,
@@ -571,42 +572,23 @@ class Scheduler:
     def _rejection_reason(self, request: Request) -> str | None:
         return self.rejection_reason(request.num_prompt_tokens, request.params.max_tokens)
 
+    @property
+    def limits(self) -> RequestLimits:
+        """This scheduler's context limit, KV pool and activation bound (configuration)."""
+        pool = self.kv_manager.config
+        return RequestLimits(
+            self.config.max_model_len,
+            pool.block_tokens,
+            pool.num_blocks,
+            self.step_budget.max_context_len(),
+        )
+
     def rejection_reason(self, num_prompt: int, max_tokens: int | None) -> str | None:
         """Why a request of this prompt length and output limit can never run with this
-        context limit, pool and memory budget, or None. Pure: reads only configuration, so
-        the front end may ask before admitting a request (a 400 instead of a failed stream)."""
-        max_model_len = self.config.max_model_len
-        if num_prompt == 0:
-            return "the prompt is empty: at least one prompt token is required"
-        if max_tokens is None and num_prompt >= max_model_len:
-            return (
-                f"the prompt ({num_prompt} tokens) leaves no room to generate within the "
-                f"context length ({max_model_len} tokens)"
-            )
-        if max_tokens is not None and num_prompt + max_tokens > max_model_len:
-            return (
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"context length ({max_model_len} tokens)"
-            )
-        max_len = min(
-            max_model_len, num_prompt + max_tokens if max_tokens is not None else max_model_len
-        )
-        # NOTE: the last token of a request is sampled but never computed, hence `max_len - 1`.
-        num_blocks = self.kv_manager.num_blocks_needed(max_len - 1)
-        pool = self.kv_manager.config
-        if num_blocks > pool.num_blocks:
-            return (
-                f"the request may reach {max_len} tokens, which needs {num_blocks} KV blocks, "
-                f"but the whole cache holds {pool.num_blocks} blocks "
-                f"({pool.num_blocks * pool.block_tokens} tokens)"
-            )
-        max_context = self.step_budget.max_context_len()
-        if max_context is not None and max_len - 1 > max_context:
-            return (
-                f"the request may reach {max_len} tokens, but a step over more than "
-                f"{max_context} tokens of context exceeds the activation memory budget"
-            )
-        return None
+        context limit, pool and memory budget, or None (`RequestLimits.rejection_reason`).
+        Pure: reads only configuration, so the front end may ask before admitting a request
+        (a 400 instead of a failed stream)."""
+        return self.limits.rejection_reason(num_prompt, max_tokens)
 
 
 def _token_range(request: Request, start: int, end: int) -> tuple[int, ...]:

@@ -348,7 +348,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     if config.parallel.node_rank > 0:
         from engine.distributed.multiprocess import serve_ranks
 
-        raise SystemExit(serve_ranks(config.engine, config.parallel))
+        given = _node_options_given(parser, args)
+        if given:
+            parser.error(
+                f"node {config.parallel.node_rank} serves what node 0 tells it (its model and "
+                "engine options); pass only --device and the multi-GPU options here, not "
+                + ", ".join(given)
+            )
+        raise SystemExit(serve_ranks(config.engine.device, config.parallel))
+    if config.parallel.ep_size > 1:
+        from engine.distributed.memory import check_ep_size
+
+        try:
+            check_ep_size(config.engine, config.parallel.ep_size)
+        except ValueError as exc:
+            parser.error(str(exc))
     sock = _bind_or_exit(config.host, config.port)
     # The model load and a first checkpoint generation report their steps on stderr.
     host, port = sock.getsockname()[:2]
@@ -377,6 +391,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(1)
     if not server.started:
         raise SystemExit(3)  # uvicorn's startup failure status
+
+
+_NODE_OPTIONS = frozenset(
+    {"device", "ep", "nnodes", "node_rank", "master_addr", "master_port", "dist_timeout"}
+)
+
+
+def _node_options_given(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The options other than `_NODE_OPTIONS` set away from their defaults (a node > 0 gets
+    them from node 0, so setting them there would be ignored)."""
+    return [
+        "--" + dest.replace("_", "-")
+        for dest, value in vars(args).items()
+        if dest not in _NODE_OPTIONS and value != parser.get_default(dest)
+    ]
 
 
 def _bind_or_exit(host: str, port: int) -> socket.socket:

@@ -1,7 +1,8 @@
 """What the API process and the engine ranks send each other (plain picklable dataclasses, no
 tensors), over one `multiprocessing.connection` per rank.
 
-    API → rank:  AddRequests, AbortRequests, SetGrammarVocabulary, Stop
+    API → rank:  RankSetup (once, the answer to RankHello), AddRequests, AbortRequests,
+                 SetGrammarVocabulary, Stop
     rank → API:  RankHello (on connecting), RankReady (once, after loading), StepResult
                  (after every step that ran or received something), RankFailed (then it exits)
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.async_engine import EngineConfig
 from engine.client import EngineInfo, RankSnapshot
+from engine.limits import RequestLimits
 from engine.outputs import Delta
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import GrammarSpec, MarkerGuard
@@ -40,6 +43,14 @@ class WireRequest:
     constraint: WireConstraint | None
     cache_salt: str | None
     traffic_class: str | None = None
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What the rank serves: node 0's engine config, `model` as the user gave it (each rank
+    resolves it on its own node). Every rank, on every node, gets the same one."""
+
+    engine: EngineConfig
 
 
 @dataclass(frozen=True)
@@ -73,8 +84,12 @@ class RankHello:
 
 @dataclass(frozen=True)
 class RankReady:
+    """A rank has loaded its shard: what it serves, the limits its scheduler enforces on each
+    request (the front end checks requests against them) and its first snapshot."""
+
     rank: int
     info: EngineInfo
+    limits: RequestLimits
     snapshot: RankSnapshot
 
 

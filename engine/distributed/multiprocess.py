@@ -7,9 +7,11 @@
       failure ◀── RankFailed / EOF ◀─────────────────────   a rank raised or died
 
 Transport: one `multiprocessing.connection` per rank over TCP (HMAC-authenticated with a
-per-server key), the rank connecting to the API process's listener. The same code serves ranks
-on this machine and on other nodes; pickled frozen dataclasses (`messages`), no tensors; a
-connection that ends tells at once that its rank died. One reader and one writer thread per
+per-server key), the rank connecting to the API process's listener and getting what to serve in
+reply to its hello (`RankSetup`: the engine config). The same code serves ranks on this machine
+and on other nodes (`serve_ranks` starts those; they need nothing but the parallel options).
+Messages are pickled frozen dataclasses (`messages`), no tensors; a connection that ends tells
+at once that its rank died. One reader and one writer thread per
 rank keep the event loop from ever blocking on a socket.
 
 Placement (`scaleout.md` §4.1, §6.2): every choice of a user request goes to the rank
@@ -42,10 +44,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 from typing import TYPE_CHECKING
 
+import torch
 import torch.multiprocessing as mp
 
 from engine import envs
 from engine.async_engine import EngineClosedError, EngineConfig, RequestRejectedError
+from engine.choices import fan_out, stream_choices
 from engine.client import (
     EngineFailedError,
     EngineInfo,
@@ -55,12 +59,14 @@ from engine.client import (
 )
 from engine.distributed.config import ParallelConfig
 from engine.distributed.groups import RankConfig, free_port
+from engine.distributed.memory import log_weight_plans
 from engine.distributed.messages import (
     AbortRequests,
     AddRequests,
     RankFailed,
     RankHello,
     RankReady,
+    RankSetup,
     SetGrammarVocabulary,
     StepResult,
     Stop,
@@ -69,6 +75,7 @@ from engine.distributed.messages import (
 )
 from engine.distributed.placement import DPPlacer, PlacementRequest, RankLoad
 from engine.distributed.rank import RankSpec, run_rank
+from engine.limits import RequestLimits
 from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta
 from engine.request import FinishReason
@@ -82,11 +89,6 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 300.0  # every rank must have connected by then (imports, CUDA init)
 ABORT_GRACE_S = 5.0  # on shutdown, aborted requests get this long to report their end
 BLOCK_TOKENS = 128
-
-# NOTE: the same seeds as `AsyncEngine.generate`, so that a seeded request samples the same
-# tokens whatever the number of ranks.
-_SEED_MASK = (1 << 63) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
 
 
 @dataclass
@@ -114,7 +116,11 @@ class MultiProcessEngine:
             raise ValueError("the API server runs on node 0; other nodes run `serve_ranks`")
         self.parallel = parallel
         self._on_failure = on_failure
-        self._config = dataclasses.replace(config, model=str(resolve_model_source(config.model)))
+        # NOTE: a preset is generated here once, before the ranks start; every rank resolves
+        # `config.model` again on its own node (another node has its own cache folder).
+        path = resolve_model_source(config.model)
+        log_weight_plans(config, path, parallel.ep_size)  # ValueError: N does not divide
+        self._config = config
         self._tracks: dict[str, _Track] = {}
         self._groups: dict[str, list[str]] = {}
         self._placer = DPPlacer(parallel.ep_size)
@@ -145,7 +151,7 @@ class MultiProcessEngine:
         try:
             master_port = free_port() if single else parallel.master_port
             address = (parallel.master_addr, listener.address[1])
-            self._procs = spawn_ranks(self._config, parallel, master_port, address, authkey)
+            self._procs = spawn_ranks(self._config.device, parallel, master_port, address, authkey)
             self._conns, pids = self._accept(listener)
         finally:
             listener.close()
@@ -153,6 +159,7 @@ class MultiProcessEngine:
         ready = self._wait_ready()
         self._snapshots = [ready[r].snapshot for r in range(parallel.ep_size)]
         self._placer.update([_load(s) for s in self._snapshots])
+        self._limits = RequestLimits.strictest(ready[r].limits for r in range(parallel.ep_size))
         infos = [ready[r].info for r in range(parallel.ep_size)]
         return dataclasses.replace(
             infos[0],
@@ -195,6 +202,7 @@ class MultiProcessEngine:
             hello = item.recv()
             if not isinstance(hello, RankHello) or hello.rank in conns:
                 raise EngineFailedError(f"unexpected first message from a rank: {hello!r}")
+            item.send(RankSetup(self._config))
             conns[hello.rank], pids[hello.rank] = item, hello.pid
         return conns, pids
 
@@ -295,39 +303,44 @@ class MultiProcessEngine:
         if constraint is not None:
             check_constraint(self._info, constraint, params)
             wire = self._wire(constraint)
-        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        choices = fan_out(request_id, params)
+        ids = [choice.request_id for choice in choices]
         if request_id in self._groups or any(rid in self._tracks for rid in ids):
             raise ValueError(f"request id {request_id!r} is already running")
         rank = self._placer.place(PlacementRequest(len(prompt_token_ids), params.affinity_key))
-        base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         stream: asyncio.Queue[Delta] = asyncio.Queue()
         requests = []
-        for i, rid in enumerate(ids):
-            seed = base_seed if params.n == 1 else (base_seed + i * _GOLDEN) & _SEED_MASK
+        for choice in choices:
             requests.append(
                 WireRequest(
-                    rid, list(prompt_token_ids), params, seed, i, wire, cache_salt, traffic_class
+                    choice.request_id,
+                    list(prompt_token_ids),
+                    params,
+                    choice.seed,
+                    choice.index,
+                    wire,
+                    cache_salt,
+                    traffic_class,
                 )
             )
-            self._tracks[rid] = _Track(rank, i, len(prompt_token_ids), stream)
+            self._tracks[choice.request_id] = _Track(
+                rank, choice.index, len(prompt_token_ids), stream
+            )
         self._groups[request_id] = ids
         self._idle.clear()
         self._outboxes[rank].put(AddRequests(tuple(requests)))
-        remaining = set(ids)
-        try:
-            while remaining:
-                delta = await stream.get()
-                if delta.finish_reason is not None:
-                    remaining.discard(delta.request_id)
-                yield delta
-        finally:
+
+        def release() -> None:
             self._groups.pop(request_id, None)
-            for rid in remaining:
-                self._send_abort(rid)
             for rid in ids:  # late deltas of aborted choices are dropped by `_dispatch`
                 self._tracks.pop(rid, None)
             if not self._tracks:
                 self._idle.set()
+
+        choice_stream = stream_choices(choices, stream, self._send_abort, release)
+        async with contextlib.aclosing(choice_stream):
+            async for delta in choice_stream:
+                yield delta
 
     def check_request(
         self,
@@ -335,22 +348,10 @@ class MultiProcessEngine:
         params: SamplingParams,
         constraint: CompiledConstraint | None = None,
     ) -> None:
-        """The context-limit and grammar checks of `AsyncEngine.check_request`.
-
-        NOTE: a request too large for a rank's KV pool or activation budget is refused by that
-        rank's scheduler instead (its stream ends with the reason): those limits live there.
-        """
-        num_prompt, max_tokens = len(prompt_token_ids), params.max_tokens
-        limit = self._info.max_model_len
-        reason = None
-        if num_prompt == 0:
-            reason = "the prompt is empty: at least one prompt token is required"
-        elif num_prompt + (max_tokens or 1) > limit:
-            reason = (
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens or 1}) exceeds "
-                f"the context length ({limit} tokens)"
-            )
-        elif constraint is not None:
+        """`AsyncEngine.check_request` against the strictest of the limits the ranks reported
+        at start (context length, KV pool, activation budget): the same rules and messages."""
+        reason = self._limits.rejection_reason(len(prompt_token_ids), params.max_tokens)
+        if reason is None and constraint is not None:
             try:
                 check_constraint(self._info, constraint, params)
             except ValueError as exc:
@@ -491,18 +492,17 @@ def _shared_authkey() -> bytes:
 
 
 def spawn_ranks(
-    config: EngineConfig,
+    device: str,
     parallel: ParallelConfig,
     master_port: int,
     address: tuple[str, int],
     authkey: bytes,
 ) -> list[mp.Process]:
-    """Start this node's ranks (`parallel.local_ranks`), each connecting to `address`."""
+    """Start this node's ranks (`parallel.local_ranks`) on `device`'s type, each connecting to
+    the API process at `address` (which tells it what to serve)."""
     ctx = mp.get_context("spawn")
-    device_type = "cuda" if config.device.startswith("cuda") else "cpu"
+    device_type = torch.device(device).type
     if device_type == "cuda":
-        import torch
-
         visible = torch.cuda.device_count()
         if visible < parallel.ranks_per_node:
             raise ValueError(
@@ -522,10 +522,10 @@ def spawn_ranks(
                 local_rank=local_rank,
                 timeout_s=parallel.timeout_s,
             ),
-            engine=config,
             address=address,
             authkey=authkey,
             num_threads=num_threads,
+            num_local_ranks=parallel.ranks_per_node,
         )
         proc = ctx.Process(target=run_rank, args=(spec,), name=f"engine-rank-{rank}", daemon=True)
         proc.start()
@@ -533,17 +533,28 @@ def spawn_ranks(
     return procs
 
 
-def serve_ranks(config: EngineConfig, parallel: ParallelConfig) -> int:
-    """Run this node's ranks for the API server of node 0 (`--node-rank` > 0) until they exit;
-    SIGTERM / Ctrl-C kills them. Returns the exit status (1 when a rank failed)."""
+def serve_ranks(device: str, parallel: ParallelConfig) -> int:
+    """Run this node's ranks (`--node-rank` > 0) for the API server of node 0 until they exit.
+
+    The ranks connect to node 0's API process (retrying until it listens) and get what to
+    serve from it: only the device type and the parallel options are this node's own. They
+    exit when node 0 stops them, when node 0 is gone (their collectives fail within
+    `timeout_s`), or when this process gets SIGTERM / Ctrl-C (it kills them; node 0 then
+    fails and exits). Returns the exit status: 0 when every rank exited cleanly, else 1.
+    """
     import signal
 
     if parallel.node_rank == 0:
         raise ValueError("node 0 runs the API server (MultiProcessEngine), not serve_ranks")
-    config = dataclasses.replace(config, model=str(resolve_model_source(config.model)))
     address = (parallel.master_addr, parallel.engine_port)
     assert parallel.master_port is not None  # ParallelConfig requires it for several nodes
-    procs = spawn_ranks(config, parallel, parallel.master_port, address, _shared_authkey())
+    procs = spawn_ranks(device, parallel, parallel.master_port, address, _shared_authkey())
+    logger.info(
+        "node %d runs ranks %s: pids %s",
+        parallel.node_rank,
+        list(parallel.local_ranks),
+        [p.pid for p in procs],
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,8 +1,10 @@
 """One engine rank: a process that loads its shard and steps its own `EngineCore` in lockstep.
 
     run_rank(spec)          the process entry (torch.multiprocessing spawn target)
-      connect to the API process (`spec.address`, HMAC `spec.authkey`), say `RankHello`
-      join torch.distributed (gloo on CPU, NCCL on CUDA), load this rank's experts
+      connect to the API process (`spec.address`, HMAC `spec.authkey`; retried while node 0
+      is not up yet), say `RankHello`, receive what to serve (`RankSetup`)
+      join torch.distributed (gloo on CPU, NCCL on CUDA); check the weights fit the device
+      (`memory`), load this rank's experts and log the bytes it holds
       build the core as `AsyncEngine.from_model` does, wrap its runner (`LockstepRunner`)
       send `RankReady`; then loop:
           apply the API's messages (add, abort, grammar vocabulary, stop)
@@ -35,12 +37,19 @@ from engine.distributed.coordinator import StepCoordinator, gloo_int_gather
 from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.groups import RankConfig, RankGroups, init_groups
 from engine.distributed.lockstep import LockstepRunner
+from engine.distributed.memory import (
+    check_memory,
+    free_memory_bytes,
+    held_weight_bytes,
+    plan_weights,
+)
 from engine.distributed.messages import (
     AbortRequests,
     AddRequests,
     RankFailed,
     RankHello,
     RankReady,
+    RankSetup,
     SetGrammarVocabulary,
     StepResult,
     Stop,
@@ -48,36 +57,45 @@ from engine.distributed.messages import (
     WireRequest,
 )
 from engine.models import DeepseekV41ForCausalLM, load_model
+from engine.models.embedded import resolve_model_source
 from engine.request import Request
 
 logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 300.0  # how long a rank retries reaching the API process (node 0)
 
 
 @dataclass(frozen=True)
 class RankSpec:
     """Everything a rank process needs (picklable: it crosses the spawn).
 
-    engine: the engine config with `model` resolved to a checkpoint folder.
+    address / authkey: the API process's listener (on node 0) and its HMAC key.
     num_threads: torch CPU threads of this rank.
+    num_local_ranks: the ranks of this node (they share its host memory).
+
+    What to serve (the engine config) comes from the API process (`RankSetup`).
     """
 
     rank: RankConfig
-    engine: EngineConfig
     address: tuple[str, int]
     authkey: bytes
     num_threads: int
+    num_local_ranks: int = 1
 
 
 def run_rank(spec: RankSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"INFO:     [rank {spec.rank.rank}] %(message)s")
     torch.set_num_threads(spec.num_threads)
-    conn = Client(spec.address, authkey=spec.authkey)
+    conn = connect(spec.address, spec.authkey)
     conn.send(RankHello(spec.rank.rank, os.getpid()))
     try:
+        setup = conn.recv()
+        if not isinstance(setup, RankSetup):
+            raise TypeError(f"expected RankSetup first, got {type(setup).__name__}")
         groups = init_groups(spec.rank)
-        rank = RankEngine.build(spec, groups)
-        conn.send(RankReady(spec.rank.rank, rank.info, rank.snapshot()))
+        rank = RankEngine.build(spec, setup.engine, groups)
+        conn.send(RankReady(spec.rank.rank, rank.info, rank.core.scheduler.limits, rank.snapshot()))
         rank.serve(conn)
     except BaseException:  # noqa: BLE001 (reported to the API process, then exit)
         logger.exception("rank %d failed", spec.rank.rank)
@@ -91,19 +109,45 @@ def run_rank(spec: RankSpec) -> None:
     torch.distributed.destroy_process_group()
 
 
-def load_rank_model(config: EngineConfig, ep: ExpertParallel) -> DeepseekV41ForCausalLM:
+def connect(address: tuple[str, int], authkey: bytes) -> Connection:
+    """The connection to the API process, retried while it is not listening yet (another
+    node's API may start after this node's ranks), for up to `CONNECT_TIMEOUT_S`."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        try:
+            return Client(address, authkey=authkey)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def load_rank_model(
+    config: EngineConfig, ep: ExpertParallel, num_local_ranks: int
+) -> DeepseekV41ForCausalLM:
     """This rank's model: dense parts, attention and DSpark whole, its routed experts only
-    (the same choices as the in-process engine's `_load`)."""
-    dtype = getattr(torch, config.dtype)
-    on_cuda = torch.device(config.device).type == "cuda"
+    (the same choices as the in-process engine's `_load`).
+
+    Raises `InsufficientMemoryError` before reading any tensor when the weights do not fit
+    the device (CPU ranks: this node's ranks together in the host's memory).
+    """
+    path = resolve_model_source(config.model)
+    device = torch.device(config.device)
+    need = plan_weights(config, path, ep.size)
+    if device.type == "cpu":
+        # NOTE: the node's ranks check at about the same time, before any has loaded much.
+        check_memory(need.total, free_memory_bytes(device), "the host", num_local_ranks)
+    else:
+        check_memory(need.total, free_memory_bytes(device), f"{device} (EP rank {ep.rank})")
     model = load_model(
-        config.model,
+        path,
         device=config.device,
-        dtype=dtype,
-        quantized_experts=on_cuda and dtype == torch.bfloat16,
+        dtype=getattr(torch, config.dtype),
+        quantized_experts=config.quantized_experts,
         expert_parallel=ep,
     )
-    if on_cuda and config.cuda_graphs:
+    logger.info("holds its weights: %s", held_weight_bytes(model).describe())
+    if device.type == "cuda" and config.cuda_graphs:
         model.enable_cuda_graphs()
         model.capture_cuda_graphs(config.max_num_seqs)
     return model
@@ -121,13 +165,18 @@ class RankEngine:
         self._tokenizer_info = None  # xgrammar.TokenizerInfo, from SetGrammarVocabulary
 
     @classmethod
-    def build(cls, spec: RankSpec, groups: RankGroups) -> RankEngine:
+    def build(cls, spec: RankSpec, engine: EngineConfig, groups: RankGroups) -> RankEngine:
+        """The rank of `engine` (node 0's config) on this rank's device."""
+        device_type = torch.device(engine.device).type
+        if device_type != spec.rank.device_type:
+            raise ValueError(
+                f"node 0 serves on {device_type} but this rank was started for "
+                f"{spec.rank.device_type} (--device on this node)"
+            )
         # NOTE: ranks step synchronously: `LockstepRunner` agrees on each step in `execute`
         # (async scheduling's launch/sample/collect phases are not lockstepped yet).
-        config = dataclasses.replace(
-            spec.engine, device=str(spec.rank.device), async_scheduling=False
-        )
-        model = load_rank_model(config, ExpertParallel.from_groups(groups))
+        config = dataclasses.replace(engine, device=str(spec.rank.device), async_scheduling=False)
+        model = load_rank_model(config, ExpertParallel.from_groups(groups), spec.num_local_ranks)
         # NOTE: AsyncEngine is only the builder here (scheduler, KV, runner, step budget as in
         # process); its loop never runs: `serve` drives the core.
         engine = AsyncEngine.from_model(model, config)

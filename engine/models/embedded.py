@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import time
 from pathlib import Path
@@ -28,9 +29,18 @@ def ensure_embedded_checkpoint(preset: str = "default", cache_dir: Path | None =
     interrupted generation is redone on the next call.
     """
     folder = (cache_dir or envs.cache_dir()) / f"{preset}-seed{EMBEDDED_SEED}"
-    if not (folder / "config.json").is_file():
-        logger.info("generating the `%s` checkpoint once (random weights) into %s", preset, folder)
-        started = time.monotonic()
-        write_random_checkpoint(preset, folder, seed=EMBEDDED_SEED)
-        logger.info("`%s` checkpoint ready in %.0f s", preset, time.monotonic() - started)
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # NOTE: processes that start together (the engine ranks of one node) write it once: the
+    # first takes the lock and writes, the others wait and find it complete.
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "config.json").is_file():
+            logger.info(
+                "generating the `%s` checkpoint once (random weights) into %s", preset, folder
+            )
+            started = time.monotonic()
+            write_random_checkpoint(preset, folder, seed=EMBEDDED_SEED)
+            logger.info("`%s` checkpoint ready in %.0f s", preset, time.monotonic() - started)
     return folder

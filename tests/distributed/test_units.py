@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,76 @@ def test_parallel_config_validation() -> None:
     )
     got = config_from_args(args).parallel
     assert (got.ep_size, got.nnodes, got.node_rank, got.master_port) == (8, 2, 1, 29600)
+
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_planned_weight_bytes_equal_what_each_rank_loads(tiny_checkpoint: Path, ep_size) -> None:
+    from engine.distributed.memory import held_weight_bytes, planned_weight_bytes
+    from engine.models.deepseek_v41.checkpoint_loader import read_config
+
+    plan = planned_weight_bytes(read_config(tiny_checkpoint), ep_size, torch.float32)
+    for rank in range(ep_size):
+        ep = ExpertParallel(rank, ep_size) if ep_size > 1 else None
+        model = load_model(tiny_checkpoint, progress=False, expert_parallel=ep)
+        assert held_weight_bytes(model) == plan
+        owns = ExpertPlacement(8, ep_size, rank).local_experts
+        tensors = load_checkpoint(
+            tiny_checkpoint, progress=False, include=routed_expert_filter(owns.__contains__)
+        ).tensors
+        assert plan.total == sum(t.numel() * t.element_size() for t in tensors.values())
+        experts = sum(
+            t.numel() * t.element_size()
+            for n, t in tensors.items()
+            if ".ffn.experts." in n and n.startswith("layers.")
+        )
+        assert plan.part("experts") == experts
+
+
+def test_released_model_per_rank_at_ep8_comes_from_its_inventory() -> None:
+    from engine.distributed.memory import planned_weight_bytes
+    from engine.models.deepseek_v41.config import config_with
+
+    cfg = config_with()
+    mxfp4 = planned_weight_bytes(cfg, 8, torch.bfloat16, quantized_experts=True)
+    # 48 of 384 experts per layer, 40 layers, each (w1, w3: [2304, 2560/2] + w2: [5120, 1152/2]
+    # int8, one e8m0 scale per 32 values): scaleout.md §1.1's 18,800,640 B per expert.
+    assert mxfp4.part("experts") == 48 * 40 * 18_800_640
+    dense = planned_weight_bytes(cfg, 8, torch.bfloat16)
+    assert dense.part("experts") == 48 * 40 * 3 * 2304 * 5120 * 2  # dequantised to bf16
+    assert dense.part("engram") == mxfp4.part("engram") > 0  # FP8 rows, replicated per rank
+    with pytest.raises(ValueError, match="cannot be split over 5 EP ranks"):
+        planned_weight_bytes(cfg, 5, torch.bfloat16)
+
+
+def test_weights_that_do_not_fit_say_how_much_is_needed() -> None:
+    from engine.distributed.memory import InsufficientMemoryError, check_memory
+
+    check_memory(3 << 30, 8 << 30, "cuda:0", num_ranks=2)
+    with pytest.raises(
+        InsufficientMemoryError,
+        match=r"has 5.00 GiB free, but the weights need 2 ranks × 3.00 GiB = 6.00 GiB",
+    ):
+        check_memory(3 << 30, 5 << 30, "the host", num_ranks=2)
+
+
+def test_a_non_dividing_ep_size_is_refused_before_any_rank_starts() -> None:
+    from engine.async_engine import EngineConfig
+    from engine.client import build_engine_client
+    from engine.distributed.config import ParallelConfig
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="--ep 3 cannot serve .*8 routed experts cannot be split"):
+        build_engine_client(EngineConfig(model="tiny"), ParallelConfig(ep_size=3))
+    assert time.monotonic() - started < 5  # refused from config.json: nothing was spawned
+
+
+def test_the_cli_refuses_a_non_dividing_ep_size_and_engine_options_on_other_nodes() -> None:
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", "tiny", "--ep", "3", "--device", "cpu"])
+    assert exited.value.code == 2
+    worker = ["--nnodes", "2", "--node-rank", "1", "--ep", "2", "--master-port", "29600"]
+    with pytest.raises(SystemExit) as exited:
+        main([*worker, "--model", "tiny", "--max-num-seqs", "4"])
+    assert exited.value.code == 2

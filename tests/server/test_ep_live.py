@@ -8,10 +8,8 @@ One server serves the module; the last test kills one of its ranks.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import DEFAULT_ENGINE, free_port
+from tests.server.ep_servers import launch, logged_pids, stop, wait_gone, wait_healthy
 
-STARTUP_TIMEOUT_S = 240.0
 DIST_TIMEOUT_S = 10.0  # the server's --dist-timeout
 MODEL = "DeepSeek-V4.1-Flash"
 PROMPTS = [
@@ -35,25 +33,6 @@ PROMPTS = [
     "ep test: one word for the sea",
     "ep test: a prime number",
 ]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped by its parent) is gone too
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
 
 
 class EPServer:
@@ -77,40 +56,22 @@ def ep_server(default_server, tmp_path_factory) -> EPServer:
     port = free_port()
     log = tmp_path_factory.mktemp("ep2") / "server.log"
     cfg = DEFAULT_ENGINE
-    argv = [
-        *(sys.executable, "-m", "server", "--model", str(checkpoint), "--device", "cpu"),
+    args = [
+        *("--model", str(checkpoint), "--device", "cpu"),
         *("--ep", "2", "--port", str(port), "--dist-timeout", str(DIST_TIMEOUT_S)),
         *("--max-num-seqs", str(cfg.max_num_seqs), "--kv-cache-tokens", str(cfg.kv_cache_tokens)),
         *("--max-model-len", str(cfg.max_model_len), "--swa-replay", "exact"),
     ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=os.getcwd())
+    proc = launch(args, log)
     url = f"http://127.0.0.1:{port}"
     rank_pids: list[int] = []
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"the server exited:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no startup:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        found = re.search(r"engine ranks connected: pids \[([0-9, ]+)\]", log.read_text())
-        assert found, log.read_text()[-3000:]
-        rank_pids = [int(p) for p in found.group(1).split(",")]
+        wait_healthy(proc, url, log)
+        rank_pids = logged_pids(log)
         yield EPServer(proc, url, log, rank_pids)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        assert not _wait_gone([proc.pid, *rank_pids], 10), "a process outlived the server"
+        stop(proc)
+        assert not wait_gone([proc.pid, *rank_pids], 10), "a process outlived the server"
 
 
 def _client(url: str, timeout: float = 120.0) -> openai.OpenAI:
@@ -208,4 +169,4 @@ def test_killing_a_rank_fails_requests_and_health_then_the_server_exits(ep_serve
         time.sleep(0.1)
     assert 503 in statuses and 200 not in statuses, statuses
     assert ep_server.proc.wait(timeout=30) == 1
-    assert not _wait_gone([ep_server.proc.pid, *ep_server.rank_pids], 10)
+    assert not wait_gone([ep_server.proc.pid, *ep_server.rank_pids], 10)

@@ -21,6 +21,7 @@ dequantise): `tensors` holds them under their stored names.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -295,6 +296,37 @@ def _materialise(
     if spec.kind == "mxfp4":
         return {spec.name: mxfp4_dequantize(weight, scale, dtype=target)}
     raise CheckpointError(f"{spec.name}: unknown storage kind {spec.kind!r}")
+
+
+# Safetensors dtype strings of the stored kinds → the torch dtype a tensor is read as.
+STORED_TORCH_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I8": torch.int8,
+}
+
+
+def loaded_sizes(
+    spec: TensorSpec, fp8_block: int, dtype: torch.dtype, stored_kinds: tuple[str, ...] = ()
+) -> dict[torch.dtype, int]:
+    """Bytes by dtype of the `LoadedCheckpoint.tensors` entries `_materialise` makes of `spec`
+    (reads nothing: sizing a model before loading it)."""
+    if spec.kind == "fp8_rows" or spec.kind in stored_kinds:
+        sizes: dict[torch.dtype, int] = {}
+        stored_dtypes = spec.stored_dtypes()
+        for name, shape in spec.stored_shapes(fp8_block).items():
+            stored = STORED_TORCH_DTYPES[stored_dtypes[name]]
+            sizes[stored] = sizes.get(stored, 0) + math.prod(shape) * stored.itemsize
+        return sizes
+    target = torch.float32 if keeps_fp32(spec.name) else dtype
+    return {target: math.prod(spec.shape) * target.itemsize}
+
+
+def is_routed_expert(name: str) -> bool:
+    """A target layer's routed-expert weight (split over EP ranks; DSpark's are not)."""
+    return _ROUTED_EXPERT.match(name) is not None
 
 
 def load_checkpoint(
