@@ -17,6 +17,8 @@ from engine.models.deepseek_v41.state import BLOCK_TOKENS, write_token_history
 from engine.sampling_params import SamplingParams
 from tests.engine.engine_checks import assert_all_released
 
+MODES = ("bounded", "exact")
+
 
 def _tokens(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
@@ -343,6 +345,40 @@ def test_whole_prompt_in_cache_replays_and_samples_the_same(tiny_model_exact_kv)
     assert engine.core.scheduler.prefix_reuse.stats().num_replayed_tokens == 128
     assert engine.core.runner.replay_rows == ReplayRows(128, 128, 0)
     assert_all_released(engine)
+
+
+def test_an_exact_mode_engine_never_reads_blocks_a_bounded_engine_wrote(
+    tiny_model, tmp_path
+) -> None:
+    """The replay mode is in the namespace fingerprint (`hashing.py`): blocks written by a
+    bounded-replay engine (whose global KV after a hit carries the approximation) live in
+    another namespace of a shared directory than an exact engine's, so only an engine of
+    the same mode hits them."""
+    from engine.kv_cache.hashing import namespace_fingerprint
+
+    fingerprints = {m: namespace_fingerprint(tiny_model.prefix_cache_namespace(m)) for m in MODES}
+    assert fingerprints["bounded"] != fingerprints["exact"]
+    prompt = _tokens(700, seed=14)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def cached(mode: str) -> int:
+        engine = _engine(tiny_model, swa_replay=mode, kv_cache_shared_dir=str(tmp_path))
+
+        async def run() -> int:
+            await engine.start()
+            try:
+                _, num_cached = await _generate(engine, prompt, params, "r")
+                tiers = engine.core.scheduler.prefix_reuse.store.tiers
+                assert await asyncio.to_thread(tiers.flush, 30)
+                return num_cached
+            finally:
+                await engine.shutdown()
+
+        return asyncio.run(run())
+
+    assert cached("bounded") == 0  # writes 5 blocks
+    assert cached("exact") == 0  # another namespace: a miss (and writes its own)
+    assert cached("bounded") == 640 and cached("exact") == 640
 
 
 @pytest.mark.gpu
