@@ -43,7 +43,7 @@ MODES = ("exact", "bounded-encoder", "bounded")
 @dataclass
 class Hit:
     """One mode's hit step of one turn: its logits, the rows each stack computed, and the
-    step itself (idempotent for timing: it rewrites only its own blocks and ring rows)."""
+    step itself (repeatable for timing: it rewrites only its own blocks, rings and history)."""
 
     logits: torch.Tensor
     encoder_rows: int
@@ -123,6 +123,16 @@ def full_prefill(model, prompt: list[int]) -> Hit:
     return Hit(step(), len(prompt), len(prompt), step)
 
 
+def _replay(runner: Runner, prompt, start, slot, blocks, hit, decoder_floor) -> torch.Tensor:
+    """One hit step as the engine runs it: the token history before the replay (Engram's
+    look-back; a step overwrites its slot's ring), then `[start, len(prompt))`."""
+    history = max(0, start - 3)
+    write_token_history(runner.state, slot, history, prompt[history:start])
+    return runner.step(
+        prompt[start:], start, slot, blocks, floor=start, reused=hit, decoder_floor=decoder_floor
+    )
+
+
 def run_mode(model, mode: str, prompts: list[list[int]]) -> list[Hit | None]:
     """The conversation under one mode: None for turn 1 (a miss), a `Hit` for the others."""
     replay = model.replay_tokens("exact" if mode == "exact" else "bounded")
@@ -136,20 +146,9 @@ def run_mode(model, mode: str, prompts: list[list[int]]) -> list[Hit | None]:
         start, end = max(0, hit - replay), len(prompt)
         blocks = blocks[: hit // BLOCK_TOKENS]
         blocks += runner.fresh_blocks(-(-end // BLOCK_TOKENS) - len(blocks))
-        slot = turn % 2
-        history = max(0, start - 3)
-        write_token_history(runner.state, slot, history, prompt[history:start])
         decoder_floor = max(start, end - tail) if tail else None
-
         hit_step = functools.partial(
-            runner.step,
-            prompt[start:],
-            start,
-            slot,
-            blocks,
-            floor=start,
-            reused=hit,
-            decoder_floor=decoder_floor,
+            _replay, runner, prompt, start, turn % 2, blocks, hit, decoder_floor
         )
         decoder_start = start if decoder_floor is None else decoder_floor
         out.append(Hit(hit_step(), end - start, end - decoder_start, hit_step))
