@@ -15,7 +15,7 @@ façade returns holds engine objects: snapshots are plain frozen dataclasses.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from engine.async_engine import AsyncEngine, EngineConfig
@@ -58,6 +58,10 @@ class PrefixCacheSnapshot:
     hit_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)  # gpu, local, shared
     dir_tiers: tuple[DirStoreStats, ...] = ()  # the directory tiers' counters
     writes_dropped: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # tier → why
+    # Replayed rows by layer stack (`ModelRunner.replay_rows`): cached positions recomputed
+    # through the `encoder` and the `decoder` layers, and replaying rows that skipped the
+    # decoder (`decoder_skipped`, decoder bounded replay).
+    replayed_rows: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,7 @@ def rank_snapshot(core: EngineCore, rank: int = 0) -> RankSnapshot:
             cache_stats.num_cached_blocks,
             reuse_stats.hit_tokens_by_tier,
             *_dir_tier_stats(reuse),
+            asdict(core.runner.replay_rows),
         )
     return RankSnapshot(
         rank=rank,

@@ -95,16 +95,19 @@ def build_prefix_reuse(
         return None
     cfg = model.config
     replay = model.replay_tokens(swa_replay)
-    if replay < cfg.sliding_window - 1:
-        raise ValueError(
-            f"a {replay}-token replay cannot rebuild a {cfg.sliding_window}-token window"
-        )
+    decoder_tail = model.decoder_tail_tokens(swa_replay)
+    for rows in (replay, decoder_tail or replay):
+        if rows < cfg.sliding_window - 1:
+            raise ValueError(
+                f"a {rows}-row replay cannot rebuild a {cfg.sliding_window}-token window"
+            )
     namespace = model.prefix_cache_namespace(swa_replay)
     config = PrefixReuseConfig(
         fingerprint=namespace_fingerprint(namespace),
         replay_tokens=replay,
         num_history_tokens=cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0,
         block_tokens=kv_manager.config.block_tokens,
+        decoder_tail_tokens=decoder_tail,
     )
     store = None
     if dir_tiers is not None and dir_tiers.stores:
@@ -125,6 +128,44 @@ def build_prefix_reuse(
     return PrefixReuse(config, kv_manager, store)
 
 
+@dataclass(frozen=True)
+class ReplayRows:
+    """Rows the runner computed for prefix-cache replays since start, by layer stack
+    (`model.md` §1.3): cached positions (below the hit) recomputed through the encoder
+    layers and through the decoder layers, and rows of replaying chunks that skipped the
+    decoder (decoder bounded replay, `model.md` §7.1)."""
+
+    encoder: int = 0
+    decoder: int = 0
+    decoder_skipped: int = 0
+
+    def add(self, chunk: ScheduledChunk) -> ReplayRows:
+        """These counts plus those of one scheduled chunk (itself when it does not replay)."""
+        restore = chunk.restore
+        if restore is None:
+            return self
+        start = chunk.start_position
+        end = start + len(chunk.token_ids)
+        first_decoder = max(start, _decoder_floor(chunk))
+        cached_end = min(end, restore.num_reused_tokens)
+        return ReplayRows(
+            self.encoder + max(0, cached_end - start),
+            self.decoder + max(0, cached_end - first_decoder),
+            self.decoder_skipped + first_decoder - start,
+        )
+
+
+def _decoder_floor(chunk: ScheduledChunk) -> int:
+    """The position a chunk's decoder layers start at and floor their windows at."""
+    restore = chunk.restore
+    if restore is None:
+        return 0
+    if not restore.decoder_tail:
+        return restore.window_floor
+    end = chunk.start_position + len(chunk.token_ids)
+    return max(restore.window_floor, end - restore.decoder_tail)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -142,6 +183,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.overlap_grammar_mask = overlap_grammar_mask
         self.grammar: GrammarTracker | None = None
+        self.replay_rows = ReplayRows()  # advanced by every step that replays
 
     def release(self, request_ids: list[str]) -> None:
         """Forget what the runner holds for finished requests (their grammar matchers)."""
@@ -172,6 +214,7 @@ class ModelRunner:
         sampled_rows = [starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sampling is not None]
         dev = self.device
         replaying = any(c.restore is not None for c in chunks)
+        decoder_tail = any(c.restore is not None and c.restore.decoder_tail for c in chunks)
         token_ids = ints_to_device(flat, dev)
         holes = [i for i, t in enumerate(flat) if t == PLACEHOLDER_TOKEN_ID]
         if holes:
@@ -189,6 +232,7 @@ class ModelRunner:
             reuse_ends=[c.restore.num_reused_tokens if c.restore else 0 for c in chunks]
             if replaying
             else None,
+            decoder_floors=[_decoder_floor(c) for c in chunks] if decoder_tail else None,
         )
 
     def invalid_chunks(self, output: SchedulerOutput) -> dict[str, str]:
@@ -240,6 +284,8 @@ class ModelRunner:
         if output.is_empty:
             return step
         batch = self.build_batch(output, previous)
+        for chunk in output.chunks:
+            self.replay_rows = self.replay_rows.add(chunk)
         infos = [c.sampling for c in step.sampled_chunks]
         grammar = self._grammar_for(infos)
         if grammar is not None and not step.needs_host_tokens:

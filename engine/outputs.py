@@ -46,11 +46,15 @@ class PrefixRestore:
     (the rings hold another sequence's rows there). `history_token_ids` are the tokens at
     positions `[window_floor − len, window_floor)`, for the token history (Engram) of the first
     replayed rows; the runner writes them when the chunk starts at `window_floor`.
+    `decoder_tail` > 0: decoder bounded replay (`model.md` §7.1): only the chunk's last
+    `decoder_tail` rows run the decoder layers, their decoder windows floored at the first of
+    them (0: every row runs every layer).
     """
 
     window_floor: int
     num_reused_tokens: int
     history_token_ids: tuple[int, ...] = ()
+    decoder_tail: int = 0
 
 
 @dataclass(frozen=True)

@@ -154,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--swa-replay",
         choices=["bounded", "exact"],
         default=_ENGINE_DEFAULTS.swa_replay,
-        help="what a prefix-cache hit recomputes: one block (bounded, approximate) or as many "
-        "as the sliding windows reach (exact: equals a full prefill)",
+        help="what a prefix-cache hit recomputes: one block, with the decoder layers on the "
+        "last 128 rows only (bounded, approximate) or as many blocks as the sliding windows "
+        "reach, through every layer (exact: equals a full prefill)",
     )
     add(
         "--kv-cache-dir",

@@ -120,6 +120,17 @@ class ServerMetrics:
             "evicted": counter("prefix_cache_evicted_blocks", "Cached blocks evicted."),
         }
         self._prefix_totals = dict.fromkeys(self.prefix_cache, 0)
+        self.replayed_rows = Counter(
+            PREFIX + "prefix_cache_replayed_rows",
+            "Cached positions recomputed on prefix hits, by layer stack (encoder, decoder).",
+            (*labels, "stack"),
+            registry=reg,
+        )
+        self.decoder_skipped_rows = counter(
+            "prefix_cache_decoder_skipped_rows",
+            "Rows of replaying prefills that skipped the decoder layers (bounded replay).",
+        )
+        self._row_totals = {"encoder": 0, "decoder": 0, "decoder_skipped": 0}
         self.prefix_cache_blocks = gauge("prefix_cache_blocks", "Blocks indexed by the cache.")
         self._tiers = _TierMetrics(reg, model_name)
         for metric in (
@@ -214,6 +225,15 @@ class ServerMetrics:
             self.prefix_cache_blocks.labels(self._model).set(
                 sum(c.num_cached_blocks for c in caches)
             )
+            rows = {k: sum(c.replayed_rows.get(k, 0) for c in caches) for k in self._row_totals}
+            for stack in ("encoder", "decoder"):
+                self.replayed_rows.labels(self._model, stack).inc(
+                    rows[stack] - self._row_totals[stack]
+                )
+            self.decoder_skipped_rows.labels(self._model).inc(
+                rows["decoder_skipped"] - self._row_totals["decoder_skipped"]
+            )
+            self._row_totals = rows
             self._tiers.refresh(ranks)
 
     def render(self, engine: EngineClient | None) -> bytes:

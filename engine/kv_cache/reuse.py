@@ -14,7 +14,9 @@ The replayed rows rebuild what blocks do not hold (the SWA windows of every laye
 the cached global KV, write no global KV, and see no window row below `window_floor`. With
 `R >= num_layers × (window − 1)` every window row at P equals a full prefill's (a layer's row
 at p depends on the rows of the layer below in (p − window, p]); that is `exact` replay. The
-`bounded` replay of V4.1 (R = 128) truncates the windows of the first replayed rows.
+`bounded` replay of V4.1 (R = 128) truncates the windows of the first replayed rows, and runs
+the decoder layers on only the last `decoder_tail_tokens` rows of each replaying chunk
+(decoder bounded replay, `model.md` §7.1; the runner floors their decoder windows there).
 
 Directory tiers (`engine/kv_cache/store/`, optional): on a GPU-tier miss `is_ready` starts a
 lookup of the rest of the chain on a reader thread and holds the request in the queue ("waiting
@@ -51,12 +53,14 @@ class PrefixReuseConfig:
     """fingerprint: the namespace fingerprint (`hashing.namespace_fingerprint`), 32 bytes.
     replay_tokens: cached positions recomputed before each hit (R above; ≥ 1).
     num_history_tokens: token ids before the replay the model needs (Engram n-gram − 1).
-    block_tokens: positions per block (the manager's)."""
+    block_tokens: positions per block (the manager's).
+    decoder_tail_tokens: rows of a replaying chunk that run the decoder (0 = all)."""
 
     fingerprint: bytes
     replay_tokens: int
     num_history_tokens: int = 0
     block_tokens: int = 128
+    decoder_tail_tokens: int = 0
 
     def __post_init__(self) -> None:
         if len(self.fingerprint) != KEY_BYTES:
@@ -65,6 +69,8 @@ class PrefixReuseConfig:
             raise ValueError(
                 "PrefixReuseConfig: replay_tokens >= 1, num_history_tokens >= 0, block_tokens >= 1"
             )
+        if self.decoder_tail_tokens < 0:
+            raise ValueError("PrefixReuseConfig: decoder_tail_tokens >= 0")
 
 
 class BlockPayloads(Protocol):
@@ -251,7 +257,9 @@ class PrefixReuse:
         if start_position == floor:
             first = max(0, floor - self.config.num_history_tokens)
             history = tuple(request.all_token_ids[first:floor])
-        return PrefixRestore(floor, request.num_reused_tokens, history)
+        return PrefixRestore(
+            floor, request.num_reused_tokens, history, self.config.decoder_tail_tokens
+        )
 
     def commit(self, request: Request) -> None:
         """Index the request's blocks whose positions are now all computed, and queue its new

@@ -50,13 +50,29 @@ def test_metrics_count_prefix_cache_hits(oai, default_server) -> None:
         families = text_string_to_metric_families(text)
         return sum(s.value for f in families for s in f.samples if s.name == name)
 
+    def rows(stack: str) -> float:
+        text = httpx.get(default_server[0] + "/metrics").text
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        name = "deepinfer:prefix_cache_replayed_rows_total"
+        return sum(s.value for s in samples if s.name == name and s.labels["stack"] == stack)
+
     before = value("deepinfer:prefix_cache_hits_total")
+    rows_before = (rows("encoder"), rows("decoder"))
+    skipped_before = value("deepinfer:prefix_cache_decoder_skipped_rows_total")
     body = {"model": MODEL, "messages": [{"role": "user", "content": _long_text()}]}
     for _ in range(2):
-        oai.chat.completions.create(**body, max_tokens=2, extra_body=NO_THINKING)
+        out = oai.chat.completions.create(**body, max_tokens=2, extra_body=NO_THINKING)
     assert value("deepinfer:prefix_cache_hits_total") - before >= 256
     assert value("deepinfer:prefix_cache_queries_total") > 0
     assert value("deepinfer:prefix_cache_blocks") > 0
+    # The hit at P (bounded replay, the default) replays [P − 128, S): 128 cached rows through
+    # the encoder; the decoder runs only the last 128 rows, so the S − P new rows before them
+    # skip it and only 128 − (S − P) cached rows go through it.
+    encoder = rows("encoder") - rows_before[0]
+    decoder = rows("decoder") - rows_before[1]
+    skipped = value("deepinfer:prefix_cache_decoder_skipped_rows_total") - skipped_before
+    new_rows = out.usage.prompt_tokens - out.usage.prompt_tokens_details.cached_tokens
+    assert (encoder, decoder, skipped) == (128, 128 - new_rows, new_rows)
 
 
 def test_cache_salt_isolates_requests(oai) -> None:

@@ -45,6 +45,9 @@ class StepContext:
     selection: dict[int, Tensor] = field(default_factory=dict)  # ratio → [T, K] (−1 = none)
     candidates: Tensor | None = None  # [B, T_max, J_max] bool, from the candidate source
     record: dict[str, Any] | None = None
+    # The KV sources already wrote this step's rows (the decoder part of a decoder bounded
+    # replay: the boundary source wrote every row of the whole step, `StepBatch.decoder_part`).
+    sources_written: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -187,8 +190,8 @@ class Attention(nn.Module):
         self, x: Tensor, qa: Tensor, q: Tensor, window_rows: Tensor, ctx: StepContext
     ) -> Tensor:
         """Store this step's rows (window, KV source), select, attend: [T, H, hd] in x's dtype."""
-        if self.is_source:
-            self._write_source(x, ctx)
+        if self.is_source and not ctx.sources_written:
+            self.write_source(x, ctx)
         if self.is_index:
             self._select(x, qa, ctx)
         if self._attends_in_kernel(q, ctx):
@@ -355,7 +358,9 @@ class Attention(nn.Module):
 
     # ---- KV source ----------------------------------------------------------------------------
 
-    def _write_source(self, x: Tensor, ctx: StepContext) -> None:
+    def write_source(self, x: Tensor, ctx: StepContext) -> None:
+        """Compress this step's attention inputs `x` into global KV + index keys (none below
+        `reuse_ends`: cached blocks are shared and read-only)."""
         lat, group_pos, token_idx = self.compressor(x, ctx, self.layer_id)
         batch = ctx.batch
         if batch.reuse_end_tensor is not None:  # cached blocks are shared and read-only

@@ -99,11 +99,16 @@ class StepOutput:
     """logits: fp32 [L, vocab] for `batch.logits_indices` (all rows when None).
     hidden: the final collapsed hidden state before the norm [T, D] (DSpark confidence input).
     dspark_features: [T, 3·D] stream means of the residual entering the DSpark target layers.
+    rows: None when those T rows are the step's batch; under a decoder bounded replay
+        (`StepBatch.decoder_floors`) the batch of the rows the decoder computed
+        (`StepBatch.decoder_part`), which `hidden`, `dspark_features` and, without
+        `logits_indices`, `logits` hold.
     """
 
     logits: Tensor
     hidden: Tensor
     dspark_features: Tensor
+    rows: StepBatch | None = None
 
 
 class Block(nn.Module):
@@ -374,6 +379,19 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # ---- prefix cache -------------------------------------------------------------------------
 
+    def decoder_tail_tokens(self, mode: str) -> int:
+        """Rows of a replaying chunk that run the decoder layers (`model.md` §7.1; 0 = all).
+
+        `bounded`: the last max(128, window) rows of each chunk that replays cached positions
+        (decoder bounded replay), their decoder windows floored at the first of them; at
+        least a window, so the chunk after it finds every decoder row it reads. `exact`: 0.
+        Raises ValueError for another mode."""
+        if mode == "bounded":
+            return max(BLOCK_TOKENS, self.config.sliding_window)
+        if mode == "exact":
+            return 0
+        raise ValueError(f"swa replay mode must be 'bounded' or 'exact', not {mode!r}")
+
     def replay_tokens(self, mode: str) -> int:
         """Cached positions a prefix-cache hit recomputes before its boundary (`cache.md` §1.5).
 
@@ -446,11 +464,13 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def run_layers(
         self, batch: StepBatch, state: ModelState, record: dict[str, Any] | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, StepBatch | None]:
         """Embedding through the last block. Returns (residual [T, N, D], last FFN pre, DSpark
-        features [T, 3·D])."""
+        features [T, 3·D], None) — or, with `batch.decoder_floors`, the same for the rows the
+        decoder computed and their batch (`_enter_decoder`)."""
         cfg = self.config
         ctx = StepContext(batch=batch, state=state, codecs=self.codecs, record=record)
+        rows = None
         lookback = self._lookback(batch, state) if cfg.engram_layer_ids else None
         is_image = batch.token_ids == cfg.image_token_id
         emb = self.embed(batch.token_ids)
@@ -471,13 +491,36 @@ class DeepseekV41ForCausalLM(nn.Module):
                     cfg.image_token_id,
                 )
                 residual = block.engram(residual, ids, is_image)
+            if lid == cfg.ced_boundary and batch.decoder_floors is not None:
+                residual, pre_prev, ctx, kept = self._enter_decoder(block, residual, pre_prev, ctx)
+                rows, features = ctx.batch, [f[kept] for f in features]
             if lid in cfg.dspark_target_layer_ids:
                 features.append(residual.float().mean(1))
             residual, pre_prev = block(residual, pre_prev, ctx)
             if record is not None:
                 record[f"layers.{lid}.residual"] = residual
         self._record_tokens(batch, state)
-        return residual, pre_prev, torch.cat(features, -1)
+        return residual, pre_prev, torch.cat(features, -1), rows
+
+    def _enter_decoder(
+        self, boundary: Block, residual: Tensor, pre_prev: Tensor | None, ctx: StepContext
+    ) -> tuple[Tensor, Tensor | None, StepContext, Tensor]:
+        """Decoder bounded replay at the CED boundary (`model.md` §7.1): the boundary's KV
+        source writes the global KV + index keys of every row of the step (the decoder's
+        shared KV is a function of the encoder output only, so it stays exact), then the
+        decoder layers continue on `StepBatch.decoder_part` alone. Returns the residual, the
+        previous `pre`, the context of that part and the flat indices of its rows."""
+        x_attn = boundary.attn_norm(mhc_combine(residual, pre_prev))
+        boundary.attn.write_source(x_attn, ctx)
+        part, kept = ctx.batch.decoder_part()
+        part_ctx = StepContext(
+            batch=part,
+            state=ctx.state,
+            codecs=ctx.codecs,
+            record=ctx.record,
+            sources_written=True,
+        )
+        return residual[kept], None if pre_prev is None else pre_prev[kept], part_ctx, kept
 
     def enable_cuda_graphs(self, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
         """Replay each block's pure parts (`Block.attention_in`: mHC site, norm, projections,
@@ -534,11 +577,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         self, batch: StepBatch, state: ModelState, record: dict[str, Any] | None = None
     ) -> StepOutput:
         """Incremental forward of `batch`, extending `state` in place (see `StepBatch`)."""
-        residual, pre_prev, features = self.run_layers(batch, state, record)
+        residual, pre_prev, features, part = self.run_layers(batch, state, record)
         hidden = mhc_combine(residual, pre_prev)
-        rows = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
+        indices = (part or batch).logits_indices
+        rows = hidden if indices is None else hidden[indices]
         logits = self.norm(rows).float() @ self.head.weight.float().t()
-        return StepOutput(logits=logits, hidden=hidden, dspark_features=features)
+        return StepOutput(logits=logits, hidden=hidden, dspark_features=features, rows=part)
 
     @torch.inference_mode()
     def zero_token_step(self) -> None:

@@ -68,6 +68,11 @@ class StepBatch:
     `window_floors[b]`: sequence b's window reads see no row below this position (its ring
     holds another sequence's rows there); `reuse_ends[b]`: positions below it are in shared,
     read-only cached blocks, so the KV sources write no global KV or index key there.
+
+    Decoder bounded replay (None = every row runs every layer; `model.md` §7.1):
+    `decoder_floors[b]`: sequence b's decoder layers (the CED boundary on) compute only its
+    positions ≥ this floor (at least its last one), and their window reads see no row below
+    it; the boundary's KV source still writes the global KV of every row (`decoder_part`).
     """
 
     token_ids: Tensor  # int64 [T]
@@ -78,6 +83,7 @@ class StepBatch:
     logits_indices: Tensor | None = None
     window_floors: list[int] | None = None  # host ints, B
     reuse_ends: list[int] | None = None  # host ints, B
+    decoder_floors: list[int] | None = None  # host ints, B
     # Derived device-side indices, filled by `prepare`.
     positions: Tensor = field(init=False)
     seq_of_token: Tensor = field(init=False)
@@ -94,6 +100,11 @@ class StepBatch:
         self.lengths = [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
         if any(n <= 0 for n in self.lengths):
             raise ValueError("every sequence in a step needs at least one new token")
+        if self.decoder_floors is not None and any(
+            f > p + n - 1
+            for f, p, n in zip(self.decoder_floors, self.start_positions, self.lengths, strict=True)
+        ):
+            raise ValueError("a decoder floor lies past its sequence's last new position")
         lengths = ints_to_device(self.lengths, device)
         # output_size from the host: otherwise CUDA reads the sum of lengths back (a host wait).
         self.seq_of_token = torch.repeat_interleave(
@@ -151,6 +162,43 @@ class StepBatch:
                 )
             self._token_indices[key] = ints_to_device(chosen, self.token_ids.device)
         return self._token_indices[key]
+
+    def decoder_part(self) -> tuple[StepBatch, Tensor]:
+        """The rows the decoder layers compute under `decoder_floors` (which must be set): a
+        batch of each sequence's positions from max(start, floor) on, its window floors at
+        `decoder_floors`, its logit rows renumbered (they must be kept rows: a chunk's last
+        row always is); and the flat indices of those rows here.
+
+        Built from host ints (no device read-back); token ids and logit rows are gathered on
+        the device. The part computes no KV source: its caller wrote them for every row."""
+        if self.decoder_floors is None:
+            raise ValueError("decoder_part needs decoder_floors")
+        kept, starts, start_positions = [], [0], []
+        floors = self.decoder_floors
+        seqs = zip(self.starts, self.start_positions, self.lengths, floors, strict=False)
+        for first, start, n, floor in seqs:
+            skip = max(0, floor - start)
+            kept.extend(range(first + skip, first + n))
+            starts.append(starts[-1] + n - skip)
+            start_positions.append(start + skip)
+        device = self.token_ids.device
+        rows = ints_to_device(kept, device)
+        logits_indices = None
+        if self.logits_indices is not None:
+            renumber = torch.full((self.num_tokens,), -1, dtype=torch.long, device=device)
+            renumber[rows] = torch.arange(len(kept), device=device)
+            logits_indices = renumber[self.logits_indices]
+        part = StepBatch(
+            token_ids=self.token_ids[rows],
+            starts=starts,
+            start_positions=start_positions,
+            slots=self.slots,
+            block_tables=self.block_tables,
+            logits_indices=logits_indices,
+            window_floors=list(floors),
+            reuse_ends=self.reuse_ends,
+        )
+        return part, rows
 
     def pad(self, flat: Tensor, fill: float = 0.0) -> Tensor:
         """[T, ...] → [B, T_max, ...] with `fill` in padding rows."""
