@@ -52,7 +52,8 @@ CURRENT = [
 
 def rows_of(survivals, caps=None):
     caps = caps or [G] * len(survivals)
-    return [PlanRow(cap=c, survivals=tuple(s)) for c, s in zip(caps, survivals.tolist())]
+    pairs = zip(caps, survivals.tolist(), strict=True)
+    return [PlanRow(cap=c, survivals=tuple(s)) for c, s in pairs]
 
 
 @pytest.mark.parametrize(
@@ -78,7 +79,7 @@ def test_the_budget_is_the_global_argmax_over_every_budget_with_padded_costs():
     """Evaluating Θ only at tier edges loses nothing: no budget beats the planner's choice."""
     rng = random.Random(0)
     tiers = graph_tiers(600)
-    for trial in range(200):
+    for _ in range(200):
         n = rng.randint(1, 96)
         table = linear_table(tiers, rng.uniform(2, 20), rng.uniform(0.002, 0.2))
         rows = []
@@ -186,9 +187,9 @@ def test_a_drafts_admission_never_depends_on_itself():
         r = int(torch.randint(0, n, (1,), generator=gen))
         k = int(torch.randint(0, G, (1,), generator=gen))
         changed = surv.clone()
-        changed[r, k + 1 :] = surv[r, k] * torch.rand(G - k - 1, generator=gen).sort(
-            descending=True
-        ).values
+        changed[r, k + 1 :] = (
+            surv[r, k] * torch.rand(G - k - 1, generator=gen).sort(descending=True).values
+        )
         again = allocate(changed, caps, budget)
         assert (lengths[r] > k) == (again[r] > k)
 
@@ -282,12 +283,10 @@ def test_allocate_takes_the_top_slots_and_every_request_gets_a_prefix():
         budget = int(torch.randint(0, n * G + 2, (1,), generator=gen))
         lengths = allocate(surv, caps, budget)
         slots = sorted(
-            (
-                (-float(surv[r, k]), k, r)
-                for r in range(n)
-                for k in range(int(caps[r]))
-                if surv[r, k] >= 1e-6
-            )
+            (-float(surv[r, k]), k, r)
+            for r in range(n)
+            for k in range(int(caps[r]))
+            if surv[r, k] >= 1e-6
         )[:budget]
         taken = {(r, k) for _, k, r in slots}
         assert taken == {(r, k) for r in range(n) for k in range(int(lengths[r]))}
