@@ -137,15 +137,31 @@ def _running_max(values: Sequence[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class ProfileConfig:
+    """How `profile_step_times` measures: `repeats` timed calls per point after `warmup`
+    untimed ones; verify tiers timed at ⌈m / rows_per_request⌉ requests; no point uses more
+    than `max_requests` requests (None: the largest tier)."""
+
+    repeats: int = 5
+    warmup: int = 1
+    rows_per_request: float = 3.5
+    max_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.warmup < 0 or self.rows_per_request < 1:
+            raise ValueError("repeats ≥ 1, warmup ≥ 0 and rows_per_request ≥ 1")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError("max_requests must be ≥ 1")
+
+
 def profile_step_times(
     run_draft: Callable[[int], object],
     run_verify: Callable[[int, int], object],
     tiers: Sequence[int],
     draft_buckets: Sequence[int] | None = None,
+    config: ProfileConfig | None = None,
     *,
-    repeats: int = 5,
-    warmup: int = 1,
-    rows_per_request: float = 3.5,
     sync: Callable[[], object] = lambda: None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepTimeTable:
@@ -167,19 +183,20 @@ def profile_step_times(
         raise ValueError("need at least one positive tier and draft bucket")
 
     def median_ms(call: Callable[[], object]) -> float:
-        for _ in range(warmup):
+        for _ in range(config.warmup):
             call()
         sync()
         times = []
-        for _ in range(repeats):
+        for _ in range(config.repeats):
             start = clock()
             call()
             sync()
             times.append((clock() - start) * 1e3)
         return statistics.median(times)
 
+    limit = config.max_requests or tiers[-1]
     middle = tiers[len(tiers) // 2]
-    few, many = max(1, math.ceil(middle / 6)), middle
+    few, many = min(limit, max(1, math.ceil(middle / 6))), min(limit, middle)
     alpha = 0.0
     if many > few:
         slow = median_ms(lambda: run_verify(middle, many))
@@ -187,7 +204,7 @@ def profile_step_times(
         alpha = max(0.0, (slow - fast) / (many - few))
     verify = []
     for m in tiers:
-        n = max(1, math.ceil(m / rows_per_request))
+        n = min(limit, max(1, math.ceil(m / config.rows_per_request)))
         verify.append(max(0.0, median_ms(lambda m=m, n=n: run_verify(m, n)) - alpha * n))
     draft = [median_ms(lambda n=n: run_draft(n)) for n in buckets]
     return StepTimeTable(
