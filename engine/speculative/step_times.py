@@ -171,12 +171,13 @@ def profile_step_times(
     run_verify(m, n): one target verify forward of m rows spread over n requests.
     Each callable may launch asynchronously; `sync()` waits for the device (torch.cuda.
     synchronize on CUDA) and is called before and after every timed call. `clock()` returns
-    seconds. Each point is the median of `repeats` calls after `warmup` untimed ones.
+    seconds. Each point is the median of `config.repeats` calls after the warm-up ones.
 
     T_verify(m) is timed at n = ⌈m / rows_per_request⌉ requests (a realistic mix of verify
     lengths, not the fewest requests m/6), minus α·n; α is the slope between n = ⌈m/6⌉ and n = m
     requests at the middle tier (≥ 0). Both curves are made monotone by running maxima.
     """
+    config = config or ProfileConfig()
     tiers = tuple(sorted(set(int(t) for t in tiers)))
     buckets = tuple(sorted(set(int(b) for b in (draft_buckets or tiers))))
     if not tiers or not buckets or tiers[0] < 1 or buckets[0] < 1:

@@ -52,6 +52,8 @@ def test_graph_tiers_follow_the_design_grid():
 def test_profiling_recovers_known_costs():
     tiers = graph_tiers(96)
     device = VirtualDevice(tiers)
+    default = profile_step_times(device.run_draft, device.run_verify, tiers, clock=device.clock)
+    assert default.draft_buckets == tiers and default.alpha_ms == pytest.approx(0.03)
     table = profile_step_times(
         device.run_draft,
         device.run_verify,
