@@ -68,7 +68,7 @@ def test_profiling_recovers_known_costs():
     # T(N, M) = T_draft(N) + T_verify(M) + α·N, step-shaped by tier
     assert table.step_ms(8, 20) == pytest.approx(1.16 + 5.24 + 0.24)
     assert table.step_ms(8, 17) == table.step_ms(8, 24)
-    assert table.step_ms(5, 24) == table.step_ms(8, 24) - 3 * 0.03
+    assert table.step_ms(5, 24) == pytest.approx(table.step_ms(8, 24) - 3 * 0.03)
 
 
 def test_the_table_is_monotone_and_extrapolates_linearly():
