@@ -498,7 +498,7 @@ def cmd_measure(args: argparse.Namespace) -> dict:
     buckets = tuple(sorted({*args.seqs, *(t for t in tiers if t <= max_n)}))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     key = TableKey(device_name, config_hash(cfg), tiers, buckets, args.context)
-    profile_cfg = ProfileConfig(repeats=2 if args.small else 5, max_requests=max_n)
+    profile_cfg = ProfileConfig(repeats=1 if args.small else 5, max_requests=max_n)
 
     def profile() -> StepTimeTable:
         return profile_step_times(
