@@ -388,3 +388,14 @@ class ScheduledPlanner:
             predicted_ms=table.step_ms(n, tier),
             reason="scheduled",
         )
+
+
+def scheduled_planner(
+    model, num_speculative_tokens: int | None = None, **options
+) -> ScheduledPlanner:
+    """The scheduled planner for `model`, its step-time table cached or profiled at start-up
+    (eager mode: no table, verify-all). See `engine.speculative.profiling.
+    build_scheduled_planner` for the options (max_requests, context_len, cache_dir, config)."""
+    from engine.speculative.profiling import build_scheduled_planner  # imports the model
+
+    return build_scheduled_planner(model, num_speculative_tokens, **options)

@@ -7,8 +7,9 @@ import logging
 import math
 
 import pytest
-import torch
 
+from engine.speculative.planner import PlanRow, ScheduledPlanner, scheduled_planner
+from engine.speculative.profiling import ModelForwards
 from engine.speculative.step_times import (
     ProfileConfig,
     StepTimeTable,
@@ -96,48 +97,42 @@ def test_the_table_is_monotone_and_extrapolates_linearly():
 
 
 def test_profiling_the_tiny_model_with_real_forwards(tiny_model):
-    """Real draft and verify forwards of the `tiny` model on the CPU: the table is built,
-    monotone, and more rows never predict a faster step."""
-    model = tiny_model
-    slots, context = 8, 24
-    state = model.allocate_state(slots, slots)
-    table_ids = torch.arange(slots).view(slots, 1)
-    prompt = torch.randint(3, 500, (slots * context,))
-    starts = [i * context for i in range(slots + 1)]
-    from engine.models import StepBatch
-
-    def batch(lengths):
-        n = len(lengths)
-        offsets = [0]
-        for length in lengths:
-            offsets.append(offsets[-1] + length)
-        return StepBatch(
-            token_ids=torch.randint(3, 500, (offsets[-1],)),
-            starts=offsets,
-            start_positions=[context] * n,
-            slots=torch.arange(n),
-            block_tables=table_ids[:n],
-        )
-
-    with torch.inference_mode():
-        model.forward_step(
-            StepBatch(prompt, starts, [0] * slots, torch.arange(slots), table_ids), state
-        )
-
-        def run_verify(m, n):
-            lengths = [m // n + (i < m % n) for i in range(n)]
-            model.forward_step(batch(lengths), state).logits.argmax(-1)
-
-        def run_draft(n):
-            anchors = torch.randint(3, 500, (n,))
-            model.draft(anchors, torch.full((n,), context), torch.arange(n), state)
-
-        table = profile_step_times(
-            run_draft, run_verify, (8, 16, 24), (1, 4, 8), ProfileConfig(2, 1, 3.5, slots)
-        )
+    """Real draft and verify forwards of the `tiny` model on the CPU (`ModelForwards`): the
+    table is built, monotone, and more rows never predict a faster step."""
+    forwards = ModelForwards(tiny_model, max_requests=8, context_len=24)
+    table = profile_step_times(
+        forwards.run_draft, forwards.run_verify, (8, 16, 24), (1, 4, 8),
+        ProfileConfig(2, 1, 3.5, 8), sync=forwards.sync,
+    )  # fmt: skip
     assert len(table.verify_ms) == 3 and table.verify_ms[0] > 0 and table.draft_ms[0] > 0
     assert table.step_ms(8, 24) >= table.step_ms(8, 8) >= table.step_ms(1, 8) > 0
     assert math.isfinite(table.alpha_ms)
+
+
+def test_in_eager_mode_the_scheduled_planner_has_no_table_and_verifies_all(tiny_model, caplog):
+    """§3.6: eager mode (the CPU: no CUDA graphs) → no table → verify-all, one warning."""
+    planner = scheduled_planner(tiny_model)
+    assert isinstance(planner, ScheduledPlanner) and planner.table is None
+    assert planner.num_speculative_tokens == tiny_model.config.dspark_block_size
+    rows = [PlanRow(cap=5, survivals=(0.01,) * 5)] * 4
+    with caplog.at_level(logging.WARNING):
+        assert planner.plan(rows, 0).is_verify_all and planner.budget(rows, 0) == 20
+    assert sum("no step-time table" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_table_is_profiled_once_then_loaded(tiny_checkpoint, tmp_path):
+    from engine.models import load_model
+
+    model = load_model(tiny_checkpoint, device="cuda")
+    model.enable_cuda_graphs()
+    first = scheduled_planner(model, max_requests=8, context_len=256, cache_dir=tmp_path)
+    assert first.table is not None and first.table.verify_tiers[-1] >= 48
+    files = list(tmp_path.glob("step_times_*.json"))
+    assert len(files) == 1
+    mtime = files[0].stat().st_mtime_ns
+    again = scheduled_planner(model, max_requests=8, context_len=256, cache_dir=tmp_path)
+    assert again.table == first.table and files[0].stat().st_mtime_ns == mtime
 
 
 def key(**changes) -> TableKey:
