@@ -13,7 +13,8 @@ One `ResponseBridge` per user request. It owns one package `StreamProcessor` per
   `reasoning_sealer` (once complete; null when `include` did not ask for it, not the package's
   `"{id}-{n}"` placeholder), and the response object echoes `prompt_cache_key`.
 * Messages `thinking.display: "omitted"` (`PreparedRequest.is_thinking_shown`): thinking blocks
-  keep their start, signature and stop but no `thinking_delta`, and their text is empty.
+  keep their start, signature and stop but no `thinking_delta`, and their text is empty; the
+  signature seals the text, so a block sent back restores its reasoning.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class _Choice:
         self.tool_logprobs: list[dict[str, Any]] = []  # Chat: entries of tool-call tokens
         self.num_unsent_tool_logprobs = 0  # the tail of `tool_logprobs` no chunk carried yet
         self.cut_calls = CutToolCalls(prepared.protocol)  # a call cut by the output limit
+        self.hidden_thinking: dict[int, str] = {}  # omitted thinking text by content block
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,7 @@ class ResponseBridge:
         if self.prepared.protocol is Protocol.RESPONSES:
             _finish_response_object(body, self.prepared)
         if not self.prepared.is_thinking_shown:
-            _omit_thinking_text(body)
+            _omit_thinking_text(body, self.prepared)
         if self.prepared.protocol is not Protocol.CHAT:
             return body
         body["choices"] = [
@@ -312,7 +314,7 @@ class ResponseBridge:
                 if data.get("usage") is not None:
                     choice.usage = data["usage"]
                 data["usage"] = None
-            if not self.prepared.is_thinking_shown and _is_thinking_delta(data):
+            if not self.prepared.is_thinking_shown and _hide_thinking(data, choice, self.prepared):
                 continue
             events.append(StreamEvent(name, data))
         return events
@@ -384,15 +386,28 @@ def _seal_reasoning(item: dict[str, Any], prepared: PreparedRequest) -> None:
     item["encrypted_content"] = sealer.seal(text)
 
 
-def _is_thinking_delta(data: dict[str, Any]) -> bool:
-    delta = data.get("delta")
-    return data.get("type") == "content_block_delta" and delta.get("type") == "thinking_delta"
+def _hide_thinking(data: dict[str, Any], choice: _Choice, prepared: PreparedRequest) -> bool:
+    """Messages `display: "omitted"` streaming: True for a thinking delta, which is dropped
+    (its text kept on the choice); a thinking block's signature then seals that text."""
+    if data.get("type") != "content_block_delta":
+        return False
+    delta = data["delta"]
+    index = data.get("index")
+    if delta.get("type") == "thinking_delta":
+        choice.hidden_thinking[index] = choice.hidden_thinking.get(index, "") + delta["thinking"]
+        return True
+    if delta.get("type") == "signature_delta" and prepared.reasoning_sealer is not None:
+        delta["signature"] = prepared.reasoning_sealer.seal(choice.hidden_thinking.pop(index, ""))
+    return False
 
 
-def _omit_thinking_text(body: dict[str, Any]) -> None:
-    """Empty the text of a Messages body's thinking blocks (their signature stays)."""
+def _omit_thinking_text(body: dict[str, Any], prepared: PreparedRequest) -> None:
+    """Empty the text of a Messages body's thinking blocks; their signature seals it, so the
+    reasoning comes back when the client returns the block (`convert._open_sealed_thinking`)."""
     for block in body.get("content") or ():
         if block.get("type") == "thinking":
+            if prepared.reasoning_sealer is not None:
+                block["signature"] = prepared.reasoning_sealer.seal(block["thinking"])
             block["thinking"] = ""
 
 

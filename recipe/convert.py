@@ -98,7 +98,8 @@ class PreparedRequest:
     is_thinking_shown: False when the reasoning is generated but its text is not returned
     (Messages `thinking.display: "omitted"`: thinking blocks with empty text and a signature);
     reasoning_sealer: Responses asking for `reasoning.encrypted_content` (the bridge seals each
-    reasoning item with it), else None; prompt_cache_key: Responses, echoed in the response.
+    reasoning item with it) and Messages with omitted thinking (it seals each thinking block's
+    text into its signature), else None; prompt_cache_key: Responses, echoed in the response.
     """
 
     protocol: Protocol
@@ -211,6 +212,8 @@ class Recipe:
         sampling_fields = take_fields(protocol, body)  # unknown fields are a 400
         if protocol is Protocol.RESPONSES:
             _open_sealed_reasoning(body, self._sealer, protocol)
+        if protocol is Protocol.MESSAGES:
+            _open_sealed_thinking(body, self._sealer)
         cache_salt = _pop_cache_salt(body, protocol)
         traffic_class = self._traffic_class(body, traffic_class_header, protocol)
         extras = _PREPROCESSORS[protocol](body, protocol)
@@ -269,7 +272,11 @@ class Recipe:
             grammar=grammar_spec(constraint, conversation, parsing, options, protocol),
             echo=echo,
             namespace_tool_map=namespace_map,
-            reasoning_sealer=self._sealer if extras.include_encrypted_reasoning else None,
+            reasoning_sealer=(
+                self._sealer
+                if extras.include_encrypted_reasoning or not extras.thinking.is_shown
+                else None
+            ),
             prompt_cache_key=extras.prompt_cache_key,
             cache_salt=cache_salt,
             is_thinking_shown=extras.thinking.is_shown,
@@ -740,6 +747,30 @@ def _open_sealed_reasoning(
                 param,
             ) from exc
         item["content"] = [{"type": "reasoning_text", "text": text}]
+
+
+def _open_sealed_thinking(body: dict[str, Any], sealer: ReasoningSealer) -> None:
+    """Thinking blocks returned with `display: "omitted"` get their reasoning back.
+
+    Such a block comes back with empty `thinking` and the signature this server gave it, which
+    seals the reasoning; the opened text fills the block, so the prompt renders the reasoning
+    as it was generated (kept in history when tools are declared, `recipe.md` §2). A signature
+    that does not open (a shown block's, or another server's) leaves the block as it is: the
+    reasoning was already in its text, or is lost as with any client that drops it.
+    """
+    for message in body.get("messages") or ():
+        if not isinstance(message, dict) or message.get("role") != "assistant":
+            continue
+        for block in message.get("content") or ():
+            if not isinstance(block, dict) or block.get("type") != "thinking":
+                continue
+            signature = block.get("signature")
+            if block.get("thinking") or not isinstance(signature, str):
+                continue
+            try:
+                block["thinking"] = sealer.unseal(signature)
+            except SealError:
+                continue
 
 
 def _preprocess_messages(body: dict[str, Any], protocol: Protocol) -> _Extras:

@@ -118,3 +118,39 @@ def test_chat_template_kwargs_turn_thinking_off(oai, default_server) -> None:
 @pytest.mark.parametrize(("flag", "expected"), [([], True), (["--default-thinking", "off"], False)])
 def test_default_thinking_option(flag, expected) -> None:
     assert config_from_args(build_parser().parse_args(flag)).default_thinking is expected
+
+
+def test_omitted_thinking_comes_back_through_its_signature(claude) -> None:
+    # With tools, the recipe keeps each assistant turn's reasoning in the history. An omitted
+    # block returns empty text: its signature must bring the reasoning back, so the next
+    # turn's prompt is the one a client that kept the text would send.
+    tools = [{"name": "look", "input_schema": {"type": "object", "properties": {}}}]
+    common = {"model": MODEL, "max_tokens": 12, "tools": tools}
+
+    def next_turn_input_tokens(display: str, stream: bool) -> int:
+        thinking = {"type": "enabled", "budget_tokens": 8, "display": display}
+        # (thinking mode samples at temperature 1: a bias makes both runs write the same)
+        greedy = {"thinking": thinking, "logit_bias": {"1000": 100}}
+        if stream:
+            with claude.messages.stream(messages=USER, extra_body=greedy, **common) as events:
+                first = events.get_final_message()
+        else:
+            first = claude.messages.create(messages=USER, extra_body=greedy, **common)
+        assert first.content[0].type == "thinking"
+        assert bool(first.content[0].thinking) == (display == "summarized")
+        history = [
+            *USER,
+            {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+            {"role": "user", "content": "Go on."},
+        ]
+        tokens = claude.messages.count_tokens(
+            model=MODEL,
+            messages=history,
+            tools=tools,
+            extra_body={"thinking": thinking, "max_tokens": 12},
+        )
+        return tokens.input_tokens
+
+    shown = next_turn_input_tokens("summarized", stream=False)
+    assert next_turn_input_tokens("omitted", stream=False) == shown
+    assert next_turn_input_tokens("omitted", stream=True) == shown
