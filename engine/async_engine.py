@@ -465,12 +465,11 @@ def _host_bytes(config: EngineConfig) -> int:
     budget = config.host_kv_cache_bytes
     if budget is None:
         budget = default_host_bytes()
+        how = f"default: {DEFAULT_HOST_FRACTION:.0%} of the memory available at start"
+    else:
+        how = "--host-kv-cache-bytes"
     logger.info(
-        "KV cache host tier: %s (--host-kv-cache-bytes%s)",
-        f"{budget / 2**30:.2f} GiB" if budget else "off",
-        ""
-        if config.host_kv_cache_bytes is not None
-        else f", default {DEFAULT_HOST_FRACTION:.0%} of the memory available at start",
+        "KV cache host tier: %s (%s)", f"{budget / 2**30:.2f} GiB" if budget else "off", how
     )
     return budget
 
