@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.async_engine import AsyncEngine, EngineConfig
-from engine.kv_cache import CacheConfig, KVCacheManager, PrefixCache
+from engine.kv_cache import KVCacheManager, PrefixCache
 from engine.kv_cache.hashing import chain_keys, chain_seed, combine_salts
 from engine.kv_cache.host import DONE, HostBlockPool, HostPoolConfig
 from engine.kv_cache.reuse import HostTier, PrefixReuse, PrefixReuseConfig
