@@ -37,7 +37,7 @@ from engine.kv_cache.store.format import padded_len
 # The default budget: this share of the memory available at start (MemAvailable), split
 # between the engine ranks of the machine.
 DEFAULT_HOST_FRACTION = 0.2
-_CHUNK_BYTES = 64 << 20
+_CHUNK_BYTES = 16 << 20
 
 
 class CopyHandle(Protocol):
@@ -204,7 +204,12 @@ class HostBlockPool:
             taken.append(key)
         if not taken:
             return
-        handle = copy(indices, views)
+        try:
+            handle = copy(indices, views)
+        except BaseException:
+            for key in taken:
+                self._release(key)
+            raise
         self._count(f"{source}->host", len(taken))
         self._fills.append((handle, taken))
         self.poll()
