@@ -407,3 +407,49 @@ def test_tiny_engine_corrupt_host_slot_is_a_miss_never_wrong_output(
     assert again == reference
     assert reuse.stats().host.num_corrupt == 1
     assert_all_released(engine)
+
+
+# ---------------------------------------------------------------------------- with directories
+
+
+def test_a_directory_hit_lands_in_the_host_tier_too(tiny_model_exact_kv, tmp_path) -> None:
+    """Promotion: blocks read from the shared directory are copied into host slots as well as
+    GPU blocks, so once the GPU evicts them the next hit needs no directory read."""
+    a, b, c = (_tokens(700, seed=s) for s in (11, 12, 13))
+    writer = _engine(tiny_model_exact_kv, kv_cache_shared_dir=str(tmp_path))
+    asyncio.run(_run(writer, [a]))  # shutdown flushes the write-back
+    reader = _engine(tiny_model_exact_kv, kv_cache_shared_dir=str(tmp_path))
+    reuse = reader.core.scheduler.prefix_reuse
+    results = asyncio.run(_run(reader, [a, b, c, a]))
+    assert results[0][1] == 640 and results[-1][1] == 640
+    assert results[0][0] == results[-1][0]
+    by_tier = reuse.stats().hit_tokens_by_tier
+    assert by_tier["shared"] == 640  # read once
+    assert by_tier["host"] >= 384  # the second time from the host tier
+    assert reuse.stats().host.copied_bytes["shared->host"] == 5 * reuse.host.pool.payload_len
+    assert reuse.store.tiers.stores[0].stats().hits == 5
+
+
+def test_a_host_hit_refreshes_the_directory_copies(tiny_model_exact_kv, tmp_path) -> None:
+    """A hit in any tier extends the directory copies' deadlines (`cache.md` §2.4): a day
+    later, a's blocks hit in the GPU and host tiers, and every one of its files is touched."""
+    import os
+    import time
+
+    a, b, c = (_tokens(700, seed=s) for s in (11, 12, 13))
+    engine = _engine(tiny_model_exact_kv, kv_cache_shared_dir=str(tmp_path))
+    store = engine.core.scheduler.prefix_reuse.store.tiers.stores[0]
+    reuse = engine.core.scheduler.prefix_reuse
+    keys = chain_keys(chain_seed(reuse.config.fingerprint, combine_salts(None)), a, 128)
+    deadlines: list[list[float]] = []
+
+    def between(i: int) -> None:
+        if i == 3:  # a's files are written; then it is a day later
+            assert reuse.store.tiers.flush(30)
+            deadlines.append([os.stat(store.path_of(k, d)).st_mtime for d, k in enumerate(keys)])
+            store.clock = lambda: time.time() + 86400
+
+    asyncio.run(_run(engine, [a, b, c, a], between=between))
+    assert reuse.stats().hit_tokens_by_tier.get("host", 0) >= 384
+    later = [os.stat(store.path_of(k, d)).st_mtime for d, k in enumerate(keys)]
+    assert all(new >= old + 86000 for old, new in zip(deadlines[0], later, strict=True))
