@@ -453,3 +453,32 @@ def test_a_host_hit_refreshes_the_directory_copies(tiny_model_exact_kv, tmp_path
     assert reuse.stats().hit_tokens_by_tier.get("host", 0) >= 384
     later = [os.stat(store.path_of(k, d)).st_mtime for d, k in enumerate(keys)]
     assert all(new >= old + 86000 for old, new in zip(deadlines[0], later, strict=True))
+
+
+@pytest.mark.gpu
+def test_cuda_saves_and_restores_on_streams_without_waiting() -> None:
+    """On CUDA: a save issued on the side stream holds the bytes the pool had when it was
+    issued, even though the compute stream overwrites those blocks right after (it waits for
+    the gather only); a restore lands before later compute-stream work; pinned slots."""
+    from benchmarks.host_tier import released_state
+    from engine.model_runner import RunnerBlockPayloads
+
+    state, layout = released_state(16, "cuda")
+    payloads = RunnerBlockPayloads(state, layout)
+    config = HostPoolConfig(8 * padded_len(layout.payload_len), layout.payload_len, True)
+    pool = HostBlockPool(config)
+    keys = [_key(i) for i in range(4)]
+    expected = layout.gather(state, [0, 1, 2, 3]).cpu()
+    pool.put(keys, lambda idx, slots: payloads.save(list(idx), slots), "gpu")
+    for tensor in (*state.global_kv.values(), *state.index_keys.values()):
+        tensor[:4].fill_(7)  # compute-stream writes into the saved blocks
+    pool.wait()
+    views = pool.read(keys)
+    assert len(views) == 4 and all(torch.equal(v, e) for v, e in zip(views, expected, strict=True))
+    handle = payloads.restore(views, [8, 9, 10, 11])
+    pool.pin(keys, handle)
+    restored = layout.gather(state, [8, 9, 10, 11]).cpu()  # compute stream: after the restore
+    assert torch.equal(restored, expected)
+    handle.wait()
+    pool.poll()
+    pool.check_integrity()
