@@ -188,8 +188,10 @@ class HostBlockPool:
         Mutates: takes a slot for each missing key (evicting LRU keys when none is free; a key
         that finds no slot is dropped, counted, and so are the keys after it) and calls
         `copy(indices into keys, slot payload views)` to issue the copies into them; the keys
-        are filling until the handle it returns is done (`poll`).
+        are filling until the handle it returns is done (`poll`). The keys already held become
+        the most recently used first, so making room never evicts the segment's own parents.
         """
+        self.touch(keys)
         indices, views, taken = [], [], []
         for i, key in enumerate(keys):
             if key in self._entries:
