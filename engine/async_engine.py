@@ -27,6 +27,7 @@ from engine.distributed.memory import (
     plan_weights,
 )
 from engine.kv_cache import CacheConfig, KVCacheManager, PrefixCache
+from engine.kv_cache.host import DEFAULT_HOST_FRACTION, default_host_bytes
 from engine.kv_cache.store.dirstore import DirStoreConfig
 from engine.kv_cache.store.ttl import DEFAULT_TTL_SPEC, TTLPolicy
 from engine.model_runner import DirTiersConfig, ModelRunner, build_prefix_reuse
@@ -98,6 +99,9 @@ class EngineConfig:
         Need `enable_prefix_caching`.
     kv_ttl: TTL per traffic class in the directory tiers (`agent=3d,chat=7d`).
     kv_load_timeout_s: the longest a request waits in the queue for its directory blocks.
+    host_kv_cache_bytes: the host tier's budget (`engine/kv_cache/host.py`: blocks of the GPU
+        tier copied to host memory, pinned on CUDA, LRU); 0 = no host tier; None =
+        `DEFAULT_HOST_FRACTION` of the memory available at start. Needs prefix caching.
     """
 
     model: str = "default"
@@ -120,8 +124,11 @@ class EngineConfig:
     kv_cache_shared_dir_bytes: int = 1 << 40
     kv_ttl: str = DEFAULT_TTL_SPEC
     kv_load_timeout_s: float = 2.0
+    host_kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.host_kv_cache_bytes is not None and self.host_kv_cache_bytes < 0:
+            raise ValueError("host_kv_cache_bytes must be >= 0")
         self.dir_tiers()  # raises ValueError for a bad directory-tier option
         if self.swa_replay not in ("bounded", "exact"):
             raise ValueError(f"swa_replay must be bounded or exact, not {self.swa_replay!r}")
@@ -237,6 +244,7 @@ class AsyncEngine:
                 config.swa_replay,
                 state=runner.state,
                 dir_tiers=_log_dir_tiers(config.dir_tiers()),
+                host_bytes=_host_bytes(config),
             ),
         )
         overlapped = config.async_scheduling
@@ -274,8 +282,8 @@ class AsyncEngine:
                 await self._task
             self._task = None
         reuse = self.core.scheduler.prefix_reuse
-        if reuse is not None and reuse.store is not None:
-            await asyncio.to_thread(reuse.store.tiers.close)
+        if reuse is not None:
+            await asyncio.to_thread(reuse.close)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -448,6 +456,22 @@ class AsyncEngine:
             self._dispatch(deltas)
             if not deltas and self.core.scheduler.num_running == 0:
                 await asyncio.sleep(0.002)  # only requests waiting for KV: do not spin
+
+
+def _host_bytes(config: EngineConfig) -> int:
+    """The host tier's budget (0: none), printed."""
+    if not config.enable_prefix_caching:
+        return 0
+    budget = config.host_kv_cache_bytes
+    if budget is None:
+        budget = default_host_bytes()
+        how = f"default: {DEFAULT_HOST_FRACTION:.0%} of the memory available at start"
+    else:
+        how = "--host-kv-cache-bytes"
+    logger.info(
+        "KV cache host tier: %s (%s)", f"{budget / 2**30:.2f} GiB" if budget else "off", how
+    )
+    return budget
 
 
 def _log_dir_tiers(tiers: DirTiersConfig | None) -> DirTiersConfig | None:

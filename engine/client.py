@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from engine.async_engine import AsyncEngine, EngineConfig
 from engine.core import EngineCore
+from engine.kv_cache.host import HostPoolStats
 from engine.kv_cache.store.dirstore import DirStoreStats
 from engine.outputs import Delta
 from engine.sampling_params import SamplingParams
@@ -55,13 +56,14 @@ class PrefixCacheSnapshot:
     num_replayed_tokens: int
     num_evicted_blocks: int
     num_cached_blocks: int
-    hit_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)  # gpu, local, shared
+    hit_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)  # gpu, host, local, …
     dir_tiers: tuple[DirStoreStats, ...] = ()  # the directory tiers' counters
     writes_dropped: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # tier → why
     # Replayed rows by layer stack (`ModelRunner.replay_rows`): cached positions recomputed
     # through the `encoder` and the `decoder` layers, and replaying rows that skipped the
     # decoder (`decoder_skipped`, decoder bounded replay).
     replayed_rows: Mapping[str, int] = field(default_factory=dict)
+    host: HostPoolStats | None = None  # the host tier's counters (None: no host tier)
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,7 @@ def rank_snapshot(core: EngineCore, rank: int = 0) -> RankSnapshot:
             reuse_stats.hit_tokens_by_tier,
             *_dir_tier_stats(reuse),
             asdict(core.runner.replay_rows),
+            reuse_stats.host,
         )
     return RankSnapshot(
         rank=rank,

@@ -26,18 +26,14 @@ import torch
 
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.hashing import namespace_fingerprint
-from engine.kv_cache.reuse import PrefixReuse, PrefixReuseConfig, StoreTiers
+from engine.kv_cache.host import DONE, CopyHandle, HostBlockPool, HostPoolConfig
+from engine.kv_cache.reuse import HostTier, PrefixReuse, PrefixReuseConfig, StoreTiers
 from engine.kv_cache.store.dirstore import DirBlockStore, DirStoreConfig
 from engine.kv_cache.store.tiers import BlockTiers
 from engine.kv_cache.store.ttl import TTLPolicy
 from engine.models import DeepseekV41ForCausalLM, StepBatch, ints_to_device
-from engine.models.deepseek_v41.state import (
-    ModelState,
-    block_payload_len,
-    export_block,
-    import_block,
-    write_token_history,
-)
+from engine.models.deepseek_v41.block_layout import BlockLayout
+from engine.models.deepseek_v41.state import ModelState, write_token_history
 from engine.outputs import (
     PLACEHOLDER_TOKEN_ID,
     ModelOutput,
@@ -65,19 +61,75 @@ class DirTiersConfig:
 
 
 class RunnerBlockPayloads:
-    """Pool blocks of a `ModelState` to and from bytes (`BlockPayloads` for `PrefixReuse`);
-    called on the engine thread between steps."""
+    """Pool blocks of a `ModelState` in the canonical block layout (`BlockPayloads` for
+    `PrefixReuse`): to and from bytes (directory tiers) and host slots (host tier); called on
+    the engine thread between steps.
 
-    def __init__(self, state: ModelState) -> None:
+    On CUDA, `save` gathers the blocks and copies them to the host on a side stream that
+    first waits for the work queued so far; the compute stream waits only for the gather (a
+    device-side wait, so later pool writes never overtake it), not for the host copy.
+    `restore` copies and scatters on the compute stream, so the next step sees the blocks.
+    """
+
+    def __init__(self, state: ModelState, layout: BlockLayout) -> None:
         self.state = state
-        self.payload_len = block_payload_len(state)
+        self.layout = layout
+        self.payload_len = layout.payload_len
+        self.device = next(iter(state.global_kv.values())).device
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def export(self, blocks: Sequence[int]) -> list[bytes]:
-        return [export_block(self.state, b) for b in blocks]
+        if not blocks:
+            return []
+        rows = self.layout.gather(self.state, blocks).cpu()
+        return [row.numpy().tobytes() for row in rows]
 
     def load(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
         for block, payload in zip(blocks, payloads, strict=True):
-            import_block(self.state, block, payload)
+            self.layout.from_bytes(self.state, block, payload)
+
+    def save(self, blocks: Sequence[int], slots: Sequence[torch.Tensor]) -> CopyHandle:
+        if self._side is None:
+            for slot, row in zip(slots, self.layout.gather(self.state, blocks), strict=True):
+                slot.copy_(row)
+            return DONE
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            rows = self.layout.gather(self.state, blocks)
+            gathered = torch.cuda.Event()
+            gathered.record(self._side)
+            for slot, row in zip(slots, rows, strict=True):
+                slot.copy_(row, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        main.wait_event(gathered)
+        return _EventHandle(done)
+
+    def restore(self, slots: Sequence[torch.Tensor], blocks: Sequence[int]) -> CopyHandle:
+        if self._side is None:
+            self.layout.scatter(self.state, blocks, torch.stack(list(slots)))
+            return DONE
+        staging = torch.empty(len(slots), self.payload_len, dtype=torch.uint8, device=self.device)
+        for row, slot in zip(staging, slots, strict=True):
+            row.copy_(slot, non_blocking=True)
+        self.layout.scatter(self.state, blocks, staging)
+        done = torch.cuda.Event()
+        done.record()
+        return _EventHandle(done)
+
+
+class _EventHandle:
+    """A copy on a CUDA stream, done when its event is."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def is_done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
 
 
 def build_prefix_reuse(
@@ -87,10 +139,12 @@ def build_prefix_reuse(
     *,
     state: ModelState | None = None,
     dir_tiers: DirTiersConfig | None = None,
+    host_bytes: int = 0,
 ) -> PrefixReuse | None:
     """The scheduler's prefix-cache collaborator for this model (None when the manager has no
     prefix cache): namespace fingerprint, replay length and Engram history from the model;
-    with `dir_tiers` (and the runner's `state`) the directory tiers under the GPU tier."""
+    with the runner's `state`, a host tier of `host_bytes` (0: none) and the directory tiers
+    of `dir_tiers` under the GPU tier. Raises ValueError for a host budget below one block."""
     if kv_manager.prefix_cache is None:
         return None
     cfg = model.config
@@ -109,11 +163,18 @@ def build_prefix_reuse(
         block_tokens=kv_manager.config.block_tokens,
         decoder_tail_tokens=decoder_tail,
     )
-    store = None
+    store = host = None
+    wants_tiers = host_bytes > 0 or (dir_tiers is not None and bool(dir_tiers.stores))
+    if wants_tiers and state is None:
+        raise ValueError("host and directory tiers need the runner's model state")
+    if state is not None and wants_tiers:
+        codecs = model.codecs
+        payloads = RunnerBlockPayloads(state, BlockLayout.of(state, codecs.global_kv, codecs.index))
+    if host_bytes > 0:
+        pin = payloads.device.type == "cuda"
+        pool = HostBlockPool(HostPoolConfig(host_bytes, payloads.payload_len, pin_memory=pin))
+        host = HostTier(pool, payloads)
     if dir_tiers is not None and dir_tiers.stores:
-        if state is None:
-            raise ValueError("directory tiers need the runner's model state")
-        payloads = RunnerBlockPayloads(state)
         stores = [
             DirBlockStore(
                 store_config,
@@ -125,7 +186,7 @@ def build_prefix_reuse(
             for store_config in dir_tiers.stores
         ]
         store = StoreTiers(BlockTiers(stores), payloads, dir_tiers.load_timeout_s)
-    return PrefixReuse(config, kv_manager, store)
+    return PrefixReuse(config, kv_manager, store, host)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 
 from engine.async_engine import EngineConfig
 from engine.distributed.config import ParallelConfig
+from engine.kv_cache.host import default_host_bytes
 from server.config import ServerConfig
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -75,6 +76,11 @@ def _byte_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"a byte size must be >= 1: {text!r}")
     return value
+
+
+def _byte_size_or_zero(text: str) -> int:
+    """`_byte_size`, or 0 (off)."""
+    return 0 if text.strip() == "0" else _byte_size(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="what a prefix-cache hit recomputes: one block, with the decoder layers on the "
         "last 128 rows only (bounded, approximate) or as many blocks as the sliding windows "
         "reach, through every layer (exact: equals a full prefill)",
+    )
+    add(
+        "--host-kv-cache-bytes",
+        type=_byte_size_or_zero,
+        default=None,
+        help="host-memory tier of the prefix cache under the GPU one (pinned on CUDA, LRU; "
+        "suffixes K, M, G, T; 0 disables); default 20%% of the memory available at start, "
+        "split between this machine's ranks",
     )
     add(
         "--kv-cache-dir",
@@ -286,9 +300,31 @@ def _add_parallel_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _host_kv_cache_bytes(value: int | None, parallel: ParallelConfig) -> int | None:
+    """The host tier's budget per rank: the option, else (None) the engine's default, which
+    ranks sharing this machine split."""
+    if value is not None or parallel.ranks_per_node == 1:
+        return value
+    budget = default_host_bytes(parallel.ranks_per_node)
+    logger.info(
+        "KV cache host tier default split between %d ranks: %.2f GiB each",
+        parallel.ranks_per_node,
+        budget / 2**30,
+    )
+    return budget
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Build the configs; invalid combinations raise ValueError from their `__post_init__`."""
     max_num_seqs = args.max_num_seqs
+    parallel = ParallelConfig(
+        ep_size=args.ep,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        timeout_s=args.dist_timeout,
+    )
     engine = EngineConfig(
         model=args.model,
         device=resolve_device(args.device),
@@ -307,6 +343,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_cache_shared_dir=args.kv_cache_shared_dir,
         kv_cache_shared_dir_bytes=args.kv_cache_shared_dir_bytes,
         kv_ttl=args.kv_ttl,
+        host_kv_cache_bytes=_host_kv_cache_bytes(args.host_kv_cache_bytes, parallel),
     )
     return ServerConfig(
         host=args.host,
@@ -322,14 +359,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout_s=args.shutdown_timeout,
         default_thinking=args.default_thinking == "on",
         engine=engine,
-        parallel=ParallelConfig(
-            ep_size=args.ep,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
-            timeout_s=args.dist_timeout,
-        ),
+        parallel=parallel,
     )
 
 

@@ -245,9 +245,11 @@ class ServerMetrics:
 
 class _TierMetrics:
     """Per-tier prefix-cache metrics (`cache.md` §2.7), summed over ranks: hit tokens of every
-    tier, and for the directory tiers (`local`, `shared`) blocks hit, bytes read / written,
+    tier; for the directory tiers (`local`, `shared`) blocks hit, bytes read / written,
     read seconds (total; / hits = mean latency), corrupt blocks and skipped writes by reason,
-    GC evictions / expirations / runs and occupancy. Counters advance from the engine's
+    GC evictions / expirations / runs and occupancy; for the host tier (`host`) blocks hit,
+    evicted, corrupt (`checksum`) and not stored (`no_free_slot`), occupancy and capacity, and
+    the bytes copied in and out (`kv_bytes{src,dst}`). Counters advance from the engine's
     totals at scrape time."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
@@ -262,11 +264,11 @@ class _TierMetrics:
 
         self.hit_tokens = counter("prefix_cache_hit_tokens", "Tokens restored, by tier.")
         self.counters = {
-            "hits": counter("kv_tier_hit_blocks", "Blocks read from a directory tier."),
+            "hits": counter("kv_tier_hit_blocks", "Blocks read from a host or directory tier."),
             "bytes_read": counter("kv_tier_read_bytes", "Bytes read from a directory tier."),
             "bytes_written": counter("kv_tier_written_bytes", "Bytes written to a dir tier."),
             "read_seconds": counter("kv_tier_read_seconds", "Seconds spent in block reads."),
-            "evicted": counter("kv_tier_evicted_blocks", "Blocks deleted by GC for space."),
+            "evicted": counter("kv_tier_evicted_blocks", "Blocks evicted for space (LRU, GC)."),
             "expired": counter("kv_tier_expired_blocks", "Blocks found or deleted expired."),
             "gc_runs": counter("kv_tier_gc_runs", "GC passes that held the lease."),
         }
@@ -274,8 +276,15 @@ class _TierMetrics:
             "kv_corrupt_blocks", "Unusable block files (reads that missed), by reason.", "reason"
         )
         self.dropped = counter("kv_writes_dropped", "Blocks not written, by reason.", "reason")
-        self.used_bytes = gauge("kv_cache_bytes", "Bytes of a directory tier (last GC scan).")
-        self.num_blocks = gauge("kv_cache_blocks", "Blocks of a directory tier (last GC scan).")
+        self.used_bytes = gauge("kv_cache_bytes", "Bytes held by a tier (dirs: last GC scan).")
+        self.num_blocks = gauge("kv_cache_blocks", "Blocks held by a tier (dirs: last GC scan).")
+        self.capacity = gauge("kv_cache_capacity_bytes", "Byte budget of the host tier.")
+        self.copied = Counter(
+            PREFIX + "kv_bytes",
+            "Block payload bytes copied between tiers.",
+            ("model_name", "src", "dst"),
+            registry=registry,
+        )
         self._totals: dict[tuple[object, ...], float] = {}
 
     def refresh(self, ranks: Sequence[RankSnapshot]) -> None:
@@ -306,6 +315,20 @@ class _TierMetrics:
                     (self.num_blocks, stats.num_blocks),
                 ):
                     gauges[gauge, tier] = gauges.get((gauge, tier), 0) + value
+            host = cache.host
+            if host is not None:
+                add(self.counters["hits"], ("host",), host.num_hits)
+                add(self.counters["evicted"], ("host",), host.num_evicted)
+                add(self.corrupt, ("host", "checksum"), host.num_corrupt)
+                add(self.dropped, ("host", "no_free_slot"), host.num_dropped)
+                for route, total in host.copied_bytes.items():
+                    add(self.copied, tuple(route.split("->")), total)
+                for gauge, value in (
+                    (self.used_bytes, host.num_bytes),
+                    (self.num_blocks, host.num_blocks),
+                    (self.capacity, host.capacity_bytes),
+                ):
+                    gauges[gauge, "host"] = gauges.get((gauge, "host"), 0) + value
         for (metric, *labels), total in totals.items():
             metric.labels(self._model, *labels).inc(total - self._totals.get((metric, *labels), 0))
             self._totals[(metric, *labels)] = total

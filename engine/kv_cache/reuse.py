@@ -18,13 +18,24 @@ at p depends on the rows of the layer below in (p − window, p]); that is `exac
 the decoder layers on only the last `decoder_tail_tokens` rows of each replaying chunk
 (decoder bounded replay, `model.md` §7.1; the runner floors their decoder windows there).
 
-Directory tiers (`engine/kv_cache/store/`, optional): on a GPU-tier miss `is_ready` starts a
-lookup of the rest of the chain on a reader thread and holds the request in the queue ("waiting
-for KV") until the blocks are loaded or `load_timeout_s` passes; `match` then extends the GPU
-hit with the loaded prefix, and `apply` copies those payloads into the request's fresh pool
-blocks and indexes them, so from there on they are ordinary GPU-tier hits. Every full prompt
-block the request computes is written back (parent before child, on writer threads); blocks it
-hit are touched there (a hit in any tier keeps the directory copies alive).
+Lower tiers, each optional, looked up in order GPU → host → local dir → shared dir:
+
+* The host tier (`engine/kv_cache/host.py`) holds a copy of every block the GPU tier indexes
+  (write-through at `commit`, copied asynchronously), LRU, so a block evicted from the GPU
+  stays a hit. `match` extends the GPU hit with the host blocks that continue it; `apply`
+  checks their checksums (a corrupt slot ends the hit there), copies them into the request's
+  fresh pool blocks (ordered before the request's first step, the host never waits) and
+  indexes them.
+* The directory tiers (`engine/kv_cache/store/`): where the chain continues past GPU and host,
+  `is_ready` starts a lookup of the rest on a reader thread and holds the request in the queue
+  ("waiting for KV") until the blocks are loaded or `load_timeout_s` passes; `match` extends
+  the hit with the loaded prefix, and `apply` copies those payloads into the request's pool
+  blocks and into host slots (promotion) and indexes them.
+
+From there on they are ordinary GPU-tier hits. Every full prompt block the request computes is
+written back to the directory tiers (parent before child, on writer threads; a block in the
+host tier is written from its host bytes once its copy has landed); blocks it hit in the GPU or
+host tier are touched there (a hit in any tier keeps the directory copies alive).
 
 Corner cases (`cache.md` §1.6): a whole prompt in cache still computes its replay rows, the last
 of which yields the logits, so no block needs backing off; prompt logprobs do not exist in this
@@ -34,11 +45,13 @@ engine; a preempted request re-matches like a new one (its own blocks are usuall
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.kv_cache.hashing import KEY_BYTES, chain_seed, combine_salts, extend_chain
+from engine.kv_cache.host import CopyHandle, HostBlockPool, HostPoolStats
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.prefix import PrefixCache
 from engine.kv_cache.store.format import BlockIdentity
@@ -74,11 +87,30 @@ class PrefixReuseConfig:
 
 
 class BlockPayloads(Protocol):
-    """The runner's copy of pool blocks to and from bytes (`state.export_block`)."""
+    """The runner's copies of pool blocks in the canonical block layout (`cache.md` §1.3), to
+    and from bytes (the directory tiers) and host slots (the host tier)."""
 
     def export(self, blocks: Sequence[int]) -> list[bytes]: ...
 
     def load(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None: ...
+
+    def save(self, blocks: Sequence[int], slots: Sequence[Any]) -> CopyHandle:
+        """Copy pool blocks into host slot views (uint8 tensors), asynchronously where the
+        device allows; pool writes issued later never overtake the copy."""
+        ...
+
+    def restore(self, slots: Sequence[Any], blocks: Sequence[int]) -> CopyHandle:
+        """Copy host slot views into pool blocks, ordered before the next step; the slots must
+        stay unchanged until the handle is done."""
+        ...
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """The host tier as the reuse collaborator uses it: the pool and the runner's copies."""
+
+    pool: HostBlockPool
+    payloads: BlockPayloads
 
 
 @dataclass(frozen=True)
@@ -99,27 +131,31 @@ class StoreTiers:
 class CacheHit:
     """The blocks a request reuses and where its computing restarts (both 0 on a miss).
 
-    blocks: GPU-tier blocks (shared). loaded: payloads of the next blocks of the chain, read
-    from the directory tiers (`apply` copies them into the request's own blocks);
-    `loaded_tiers` names the tier of each. num_cached_tokens covers both."""
+    blocks: GPU-tier blocks (shared). num_host_blocks: the next blocks of the chain, in the
+    host tier. loaded: payloads of the blocks after those, read from the directory tiers
+    (`apply` copies host and loaded blocks into the request's own blocks); `loaded_tiers`
+    names the tier of each. num_cached_tokens covers all three (`apply` may shorten the hit
+    when a host slot turns out corrupt)."""
 
     blocks: tuple[int, ...]
     num_cached_tokens: int  # P
     replay_start: int  # P − R
     loaded: tuple[bytes, ...] = ()
     loaded_tiers: tuple[str, ...] = ()
+    num_host_blocks: int = 0
 
 
 @dataclass(frozen=True)
 class PrefixReuseStats:
     """Counters since start, in tokens: prompt (and preempted output) tokens looked up, tokens
     restored from cached blocks, cached tokens recomputed by replay; restored tokens by the
-    tier they came from (`gpu`, `local`, `shared`)."""
+    tier they came from (`gpu`, `host`, `local`, `shared`); the host pool's own counters."""
 
     num_queried_tokens: int
     num_hit_tokens: int
     num_replayed_tokens: int
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    host: HostPoolStats | None = None
 
 
 @dataclass
@@ -131,6 +167,20 @@ class _Lookup:
     deadline: float
 
 
+@dataclass
+class _PendingWrite:
+    """A write-back segment waiting for host copies to land: per block, the payload to write
+    (None: touch only) or `_FROM_HOST` (its host bytes)."""
+
+    chain: str
+    blocks: list[BlockIdentity]
+    payloads: list[bytes | object | None]
+    traffic_class: str
+
+
+_FROM_HOST = object()
+
+
 class PrefixReuse:
     """Match, apply and index; one instance per scheduler (it shares the manager's cache)."""
 
@@ -139,8 +189,9 @@ class PrefixReuse:
         config: PrefixReuseConfig,
         kv_manager: KVCacheManager,
         store: StoreTiers | None = None,
+        host: HostTier | None = None,
     ) -> None:
-        """store: the directory tiers under the GPU tier (None: the GPU tier only)."""
+        """store: the directory tiers (None: none). host: the host tier (None: none)."""
         if kv_manager.prefix_cache is None:
             raise ValueError("the KVCacheManager has no PrefixCache attached")
         if kv_manager.config.block_tokens != config.block_tokens:
@@ -149,6 +200,8 @@ class PrefixReuse:
         self.kv_manager = kv_manager
         self.cache: PrefixCache = kv_manager.prefix_cache
         self.store = store
+        self.host = host
+        self._pending_writes: deque[_PendingWrite] = deque()
         self._num_queried = 0
         self._num_hit = 0
         self._num_replayed = 0
@@ -168,19 +221,20 @@ class PrefixReuse:
         a directory lookup (the request is then waiting for KV); it is ready once the lookup
         is done or its deadline passed. Nothing here waits on I/O."""
         rid = request.request_id
+        self.poll()
         if self.store is None or rid in self._settled:
             return True
         lookup = self._lookups.get(rid)
         if lookup is None:
             keys = self._keys(request)
-            num_gpu = len(self.cache.match(keys))
-            if num_gpu >= len(keys):
+            num_fast = self._num_fast(keys)
+            if num_fast >= len(keys):
                 self._settled.add(rid)
                 return True
-            blocks = self._identities(request, num_gpu, len(keys))
+            blocks = self._identities(request, num_fast, len(keys))
             job = self.store.tiers.start_load(blocks, _traffic_class(request))
             deadline = self.store.clock() + self.store.load_timeout_s
-            self._lookups[rid] = _Lookup(job, num_gpu, deadline)
+            self._lookups[rid] = _Lookup(job, num_fast, deadline)
             return False
         if lookup.job.done.is_set() or self.store.clock() >= lookup.deadline:
             lookup.job.cancel()  # at the deadline: keep the prefix loaded so far
@@ -190,7 +244,8 @@ class PrefixReuse:
 
     def match(self, request: Request) -> CacheHit:
         """The longest cached chain of the request's tokens (prompt + outputs so far): GPU
-        blocks, extended by the blocks its directory lookup loaded where they continue them.
+        blocks, then host blocks, then the blocks its directory lookup loaded, each where it
+        continues the one before.
 
         Mutates only the request's lazily extended `block_keys`. The hit may cover every token:
         the replay starts before P, so at least its rows are computed and the last one yields
@@ -198,52 +253,87 @@ class PrefixReuse:
         """
         keys = self._keys(request)
         blocks = self.cache.match(keys)
+        num_host = 0 if self.host is None else self.host.pool.match(keys[len(blocks) :])
+        num_fast = len(blocks) + num_host
         loaded: list[bytes] = []
         tiers: list[str] = []
         lookup = self._lookups.get(request.request_id)
-        if lookup is not None and lookup.first <= len(blocks):
-            skip = len(blocks) - lookup.first  # GPU blocks that appeared meanwhile
+        if lookup is not None and lookup.first <= num_fast:
+            skip = num_fast - lookup.first  # GPU or host blocks that appeared meanwhile
             loaded = lookup.job.payloads()[skip:]
             tiers = lookup.job.tiers()[skip : skip + len(loaded)]
-        num_cached = (len(blocks) + len(loaded)) * self.config.block_tokens
+        num_cached = (num_fast + len(loaded)) * self.config.block_tokens
         return CacheHit(
             blocks=tuple(blocks),
             num_cached_tokens=num_cached,
             replay_start=max(0, num_cached - self.config.replay_tokens),
             loaded=tuple(loaded),
             loaded_tiers=tuple(tiers),
+            num_host_blocks=num_host,
         )
 
     def apply(self, request: Request, hit: CacheHit) -> None:
         """The request was admitted holding `hit.blocks` (and fresh blocks after them): copy
-        `hit.loaded` into its next blocks and index them, touch (or write back) its GPU hit
-        blocks in the directory tiers, and start computing at the replay.
+        its host blocks, then `hit.loaded`, into its next blocks and index them (loaded blocks
+        also enter the host tier), refresh its GPU and host hit blocks in the lower tiers, and
+        start computing at the replay.
 
-        Mutates the request (`num_computed_tokens` and the reuse fields), the cache and the
-        counters."""
+        A host slot that fails its checksum ends the hit there (the blocks after it are
+        computed). Mutates the request (`num_computed_tokens` and the reuse fields), the
+        caches and the counters."""
         self.release(request)
+        keys = self._keys(request)
+        table = self.kv_manager.block_table(request.request_id)
         num_gpu = len(hit.blocks)
-        if hit.loaded:
+        num_host = self._restore_from_host(keys, table, num_gpu, hit.num_host_blocks)
+        first = num_gpu + num_host
+        loaded = hit.loaded if num_host == hit.num_host_blocks else ()
+        if loaded:
             assert self.store is not None
-            keys = self._keys(request)
-            table = self.kv_manager.block_table(request.request_id)
-            targets = table[num_gpu : num_gpu + len(hit.loaded)]
-            self.store.payloads.load(targets, hit.loaded)
-            for index, block in enumerate(targets, start=num_gpu):
+            targets = table[first : first + len(loaded)]
+            self.store.payloads.load(targets, loaded)
+            for index, block in enumerate(targets, start=first):
                 self.cache.insert(keys[index], block)
-        request.num_reused_tokens = hit.num_cached_tokens
-        request.replay_start = hit.replay_start
-        request.num_computed_tokens = hit.replay_start
-        request.num_indexed_blocks = num_gpu + len(hit.loaded)
+            if self.host is not None:
+                for key, payload, tier in zip(keys[first:], loaded, hit.loaded_tiers, strict=False):
+                    self.host.pool.put_bytes(key, payload, tier)
+        num_cached = (first + len(loaded)) * self.config.block_tokens
+        replay_start = max(0, num_cached - self.config.replay_tokens)
+        request.num_reused_tokens = num_cached
+        request.replay_start = replay_start
+        request.num_computed_tokens = replay_start
+        request.num_indexed_blocks = first + len(loaded)
         if request.num_preemptions == 0:
-            request.num_cached_tokens = min(hit.num_cached_tokens, request.num_prompt_tokens)
+            request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
         self._num_queried += request.num_tokens
-        self._num_hit += hit.num_cached_tokens
-        self._num_replayed += hit.num_cached_tokens - hit.replay_start
-        for tier in ("gpu",) * num_gpu + hit.loaded_tiers:
+        self._num_hit += num_cached
+        self._num_replayed += num_cached - replay_start
+        by_tier = ("gpu",) * num_gpu + ("host",) * num_host + hit.loaded_tiers[: len(loaded)]
+        for tier in by_tier:
             self._hit_by_tier[tier] = self._hit_by_tier.get(tier, 0) + self.config.block_tokens
-        if self.store is not None and num_gpu:
-            self._write_back(request, 0, num_gpu, is_hit=True)
+        if self.host is not None:
+            self.host.pool.touch(keys[:num_gpu])  # a GPU hit keeps the host copy recent too
+        if self.store is not None and first:
+            self._write_back(request, 0, first, is_hit=True)
+
+    def _restore_from_host(
+        self, keys: Sequence[bytes], table: Sequence[int], first: int, num: int
+    ) -> int:
+        """Copy the host blocks of chain blocks `first .. first + num − 1` into the request's
+        pool blocks there and index them; returns how many were intact (a corrupt slot ends
+        the run)."""
+        if self.host is None or num == 0:
+            return 0
+        pool = self.host.pool
+        wanted = keys[first : first + num]
+        views = pool.read(wanted)
+        if not views:
+            return 0
+        targets = table[first : first + len(views)]
+        pool.pin(wanted[: len(views)], self.host.payloads.restore(views, targets))
+        for index, block in enumerate(targets, start=first):
+            self.cache.insert(keys[index], block)
+        return len(views)
 
     def restore_info(self, request: Request, start_position: int) -> PrefixRestore | None:
         """What a chunk starting at `start_position` must know about the hit (None when it
@@ -267,6 +357,7 @@ class PrefixReuse:
 
         Mutates: new full blocks enter the cache (a block whose prefix another block already
         holds stays unindexed); `request.num_indexed_blocks` advances."""
+        self.poll()
         num_full = request.num_computed_tokens // self.config.block_tokens
         if num_full <= request.num_indexed_blocks:
             return
@@ -276,8 +367,47 @@ class PrefixReuse:
         for index in range(first, num_full):
             self.cache.insert(keys[index], block_table[index])
         request.num_indexed_blocks = num_full
+        if self.host is not None:
+            blocks = block_table[first:num_full]
+            payloads = self.host.payloads
+            self.host.pool.put(
+                keys[first:num_full],
+                lambda indices, slots: payloads.save([blocks[i] for i in indices], slots),
+                "gpu",
+            )
         if self.store is not None:
             self._write_back(request, first, num_full, is_hit=False)
+
+    def poll(self) -> None:
+        """Finish host copies that have landed and submit the write-backs that waited for
+        them (in order). Never waits; called at every admission and commit.
+        NOTE: on an idle engine, write-backs waiting for a copy wait for the next request
+        (or `close`)."""
+        if self.host is not None:
+            self.host.pool.poll()
+        while self._pending_writes:
+            pending = self._pending_writes[0]
+            items = []
+            for block, payload in zip(pending.blocks, pending.payloads, strict=True):
+                if payload is _FROM_HOST:
+                    assert self.host is not None
+                    if self.host.pool.is_filling(block.key):
+                        return  # its copy has not landed yet
+                    payload = self.host.pool.payload(block.key)  # None (evicted): touch only
+                assert payload is None or isinstance(payload, bytes)
+                items.append(WriteItem(block, payload))
+            assert self.store is not None
+            self.store.tiers.write_back(pending.chain, items, pending.traffic_class)
+            self._pending_writes.popleft()
+
+    def close(self) -> None:
+        """Shutdown: wait for the host copies in flight, submit the write-backs waiting for
+        them, then stop the directory tiers' threads (after their queued writes)."""
+        if self.host is not None:
+            self.host.pool.wait()
+            self.poll()
+        if self.store is not None:
+            self.store.tiers.close()
 
     def forget(self, request: Request) -> None:
         """The request lost its blocks (preempted): reset what described its admission."""
@@ -293,7 +423,11 @@ class PrefixReuse:
 
     def stats(self) -> PrefixReuseStats:
         return PrefixReuseStats(
-            self._num_queried, self._num_hit, self._num_replayed, dict(self._hit_by_tier)
+            self._num_queried,
+            self._num_hit,
+            self._num_replayed,
+            dict(self._hit_by_tier),
+            None if self.host is None else self.host.pool.stats(),
         )
 
     def check_request(self, request: Request) -> None:
@@ -308,6 +442,11 @@ class PrefixReuse:
                     f"PrefixReuse integrity: block {index} of {request.request_id!r} is cached "
                     "under another prefix's key"
                 )
+
+    def _num_fast(self, keys: Sequence[bytes]) -> int:
+        """Leading chain blocks in the GPU tier, then the host tier (no I/O)."""
+        num = len(self.cache.match(keys))
+        return num if self.host is None else num + self.host.pool.match(keys[num:])
 
     def _keys(self, request: Request) -> list[bytes]:
         return extend_chain(
@@ -341,11 +480,23 @@ class PrefixReuse:
         blocks = self._identities(request, first, end)
         table = self.kv_manager.block_table(request.request_id)
         tiers = self.store.tiers
-        exported = [i for i, b in enumerate(blocks) if not (is_hit and tiers.believes_present(b))]
+        host = None if self.host is None else self.host.pool
+        payloads: list[bytes | object | None] = [None] * len(blocks)
+        exported = []
+        for i, block in enumerate(blocks):
+            if is_hit and tiers.believes_present(block):
+                continue  # touched only
+            if host is not None and host.contains(block.key):
+                payloads[i] = _FROM_HOST
+            else:
+                exported.append(i)
         copies = self.store.payloads.export([table[first + i] for i in exported])
-        payloads = dict(zip(exported, copies, strict=True))
-        items = [WriteItem(b, payloads.get(i)) for i, b in enumerate(blocks)]
-        tiers.write_back(request.request_id, items, _traffic_class(request))
+        for i, payload in zip(exported, copies, strict=True):
+            payloads[i] = payload
+        self._pending_writes.append(
+            _PendingWrite(request.request_id, blocks, payloads, _traffic_class(request))
+        )
+        self.poll()
 
 
 def _traffic_class(request: Request) -> str:

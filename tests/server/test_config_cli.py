@@ -177,3 +177,16 @@ def test_cli_async_scheduling_flag():
     assert parsed() is None  # the engine decides by device
     assert parsed("--no-async-scheduling") is False
     assert parsed("--async-scheduling") is True
+
+
+def test_cli_host_tier_budget():
+    def parsed(*argv: str) -> int | None:
+        return config_from_args(build_parser().parse_args(list(argv))).engine.host_kv_cache_bytes
+
+    assert parsed() is None  # the engine's default: a share of the memory available at start
+    assert parsed("--host-kv-cache-bytes", "0") == 0  # no host tier
+    assert parsed("--host-kv-cache-bytes", "2G") == 2 << 30
+    split = parsed("--ep", "2")  # two ranks on this machine split the default
+    assert split is not None and split > 0
+    with pytest.raises(ValueError, match="host_kv_cache_bytes"):
+        EngineConfig(host_kv_cache_bytes=-1)

@@ -70,13 +70,22 @@ class BlockIdentity:
     token_ids: tuple[int, ...]
 
 
+def padded_len(payload_len: int) -> int:
+    """`payload_len` rounded up to whole 4 KiB pages: what a payload takes in a block file and
+    in a host-tier slot (`cache.md` §1.3: the same payload bytes in every tier)."""
+    return -(-payload_len // PAGE_BYTES) * PAGE_BYTES
+
+
 def file_size(payload_len: int) -> int:
     """Bytes of a block file whose payload has `payload_len` bytes."""
-    return HEADER_BYTES + -(-payload_len // PAGE_BYTES) * PAGE_BYTES
+    return HEADER_BYTES + padded_len(payload_len)
 
 
-def encode(block: BlockIdentity, payload: bytes, created_ns: int, writer_id: int) -> bytes:
-    """The file bytes of `block` with `payload`. Raises ValueError for malformed fields."""
+def encode(
+    block: BlockIdentity, payload: bytes | memoryview, created_ns: int, writer_id: int
+) -> bytes:
+    """The file bytes of `block` with `payload` (the canonical block payload, e.g. a host-tier
+    slot's bytes as they are). Raises ValueError for malformed fields."""
     if len(block.namespace) != 16 or len(block.key) != 32 or len(block.parent) != 32:
         raise ValueError("namespace must be 16 bytes, key and parent 32")
     if len(block.token_ids) > MAX_TOKENS:

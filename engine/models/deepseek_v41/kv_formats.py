@@ -409,6 +409,9 @@ class KVCodec:
     ``decode``: storage_dtype[..., row_width] -> float32[..., dim].
     ``decode(encode(x))`` is what attention must read (model.md §2.3). Both raise ValueError on a
     last dimension other than ``dim`` / ``row_width`` and TypeError on a wrong storage dtype.
+    ``row_sections``: the byte widths of a stored row's parts in order (data, then scales; one
+    part for exact storage); the prefix cache's block layout stores each part as its own
+    section (`cache.md` §1.3).
     """
 
     name: str
@@ -417,6 +420,7 @@ class KVCodec:
     row_width: int
     encode_fn: Callable[[Tensor], Tensor] = field(repr=False, compare=False)
     decode_fn: Callable[[Tensor], Tensor] = field(repr=False, compare=False)
+    row_sections: tuple[int, ...] = ()
 
     def encode(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.dim:
@@ -439,16 +443,27 @@ class _KVFormat:
     dequantize: Callable[..., Tensor]
     row_bytes: Callable[[int], int]
     nemo_kwargs: Mapping[str, bool]  # keyword arguments of quantize selecting the NeMo variant
+    scale_block: int  # elements per scale byte: a row is dim / 2 or dim data bytes, then scales
 
 
 _KV_FORMATS: Mapping[str, _KVFormat] = {
     "swa_mxfp8": _KVFormat(
-        swa_mxfp8_quantize, swa_mxfp8_dequantize, swa_mxfp8_row_bytes, {"nemo_floor": True}
+        swa_mxfp8_quantize,
+        swa_mxfp8_dequantize,
+        swa_mxfp8_row_bytes,
+        {"nemo_floor": True},
+        SWA_BLOCK,
     ),
     "global_fp4": _KVFormat(
-        global_fp4_quantize, global_fp4_dequantize, global_fp4_row_bytes, {"clamp_scale": False}
+        global_fp4_quantize,
+        global_fp4_dequantize,
+        global_fp4_row_bytes,
+        {"clamp_scale": False},
+        GLOBAL_BLOCK,
     ),
-    "index_fp4": _KVFormat(index_fp4_quantize, index_fp4_dequantize, index_fp4_row_bytes, {}),
+    "index_fp4": _KVFormat(
+        index_fp4_quantize, index_fp4_dequantize, index_fp4_row_bytes, {}, INDEX_BLOCK
+    ),
 }
 
 KV_KINDS = tuple(_KV_FORMATS)
@@ -477,13 +492,19 @@ def make_codec(kind: str, dim: int, quantize: bool = True, nemo_variant: bool = 
         raise ValueError(f"unknown KV kind {kind!r}; expected one of {KV_KINDS}")
     if not quantize:
         _check_dim(dim, 1)
-        return KVCodec(f"{kind}/exact", dim, torch.float32, dim, _to_float32, _to_float32)
+        exact = (dim * 4,)
+        return KVCodec(
+            f"{kind}/exact", dim, torch.float32, dim, _to_float32, _to_float32, row_sections=exact
+        )
     kwargs = fmt.nemo_kwargs if nemo_variant else {}
+    width = fmt.row_bytes(dim)
+    num_scales = dim // fmt.scale_block
     return KVCodec(
         name=f"{kind}/nemo" if nemo_variant else kind,
         dim=dim,
         storage_dtype=torch.uint8,
-        row_width=fmt.row_bytes(dim),
+        row_width=width,
         encode_fn=partial(fmt.quantize, **kwargs),
         decode_fn=fmt.dequantize,
+        row_sections=(width - num_scales, num_scales),
     )

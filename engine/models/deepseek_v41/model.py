@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from engine.distributed.dispatch import Dispatcher
 from engine.distributed.expert_parallel import ExpertParallel
 from engine.models.deepseek_v41.attention import Attention, KVCodecs, RMSNorm, StepContext
+from engine.models.deepseek_v41.block_layout import LAYOUT_NAME
 from engine.models.deepseek_v41.config import DeepseekV41Config
 from engine.models.deepseek_v41.dspark import DraftOutput, DSpark
 from engine.models.deepseek_v41.engram import Engram
@@ -432,6 +433,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "main": [codecs.global_kv.name, codecs.global_kv.row_width],
                 "index": [codecs.index.name, codecs.index.row_width],
                 "block": BLOCK_TOKENS,
+                "layout": LAYOUT_NAME,
             },
             "numerics": {
                 "settings": dataclasses.asdict(self.numerics),

@@ -253,34 +253,3 @@ def sequential_batch(
         slots=ints_to_device(list(slots), device),
         block_tables=block_tables.to(device),
     )
-
-
-def block_payload_len(state: ModelState) -> int:
-    """Bytes of one pool block's cached state: global KV then index keys of every KV source,
-    in source order (`cache.md` §1.1; the rows keep the pool's storage format)."""
-    tensors = [*state.global_kv.values(), *state.index_keys.values()]
-    return sum(t[0].numel() * t.element_size() for t in tensors)
-
-
-def export_block(state: ModelState, block: int) -> bytes:
-    """The payload of pool block `block` (see `block_payload_len`); a device → host copy."""
-    parts = [state.global_kv[s][block] for s in state.global_kv]
-    parts += [state.index_keys[s][block] for s in state.index_keys]
-    flat = torch.cat([p.contiguous().view(torch.uint8).reshape(-1) for p in parts])
-    return flat.cpu().numpy().tobytes()
-
-
-def import_block(state: ModelState, block: int, payload: bytes) -> None:
-    """Write a payload from `export_block` into pool block `block` (a host → device copy).
-    Raises ValueError for a payload of the wrong length."""
-    if len(payload) != block_payload_len(state):
-        raise ValueError(f"payload of {len(payload)} bytes, expected {block_payload_len(state)}")
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    offset = 0
-    targets = [state.global_kv[s][block] for s in state.global_kv]
-    targets += [state.index_keys[s][block] for s in state.index_keys]
-    for target in targets:
-        size = target.numel() * target.element_size()
-        rows = flat[offset : offset + size].view(target.dtype).view(target.shape)
-        target.copy_(rows.to(target.device))
-        offset += size
