@@ -2,6 +2,16 @@
 
 The tables stay FP8 (e4m3 + one ue8m0 scale per 32 columns of a row) and only the gathered rows
 are dequantised; a real table has ~384 M rows and must never be materialised.
+
+Two placements of a table (`engram_store.ENGRAM_PLACEMENTS`):
+
+    device  EngramTable      buffers on the model's device; gather + dequantise there
+    host    HostEngramTable  host tensors mapped from the checkpoint (one copy per node);
+                             rows gathered on the host into a staging buffer (pinned on CUDA),
+                             copied to the device on a side stream, dequantised there
+
+Both dequantise the same bytes with the same ops (`fp8_row_dequantize`), so they give the
+same bits.
 """
 
 from __future__ import annotations
@@ -23,6 +33,88 @@ class EngramTable(nn.Module):
 
     def lookup(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         return fp8_row_dequantize(self.weight, self.scale, ids, dtype=dtype)
+
+
+class HostEngramTable(nn.Module):
+    """A table held in host memory: `weight` uint8 [rows, dim], `scale` uint8 [rows, dim/32]
+    (the stored e4m3 / ue8m0 bytes), typically zero-copy views of the checkpoint's mapped file
+    (`engram_store.map_engram_tables`). Holds no buffer: `Module.to` leaves it on the host and
+    `state_dict` does not list it.
+
+    `prefetch(ids, device)` gathers the rows of `ids` on the host and starts their copy to
+    `device` (a side stream on CUDA); `lookup` with the same `ids` tensor then waits for that
+    copy only. `lookup` of other ids gathers synchronously.
+
+    NOTE: one step in flight per table: `prefetch` first waits for the previous copy out of the
+    staging buffer to finish before overwriting it.
+    """
+
+    def __init__(self, weight: Tensor, scale: Tensor, keepalive: object = None) -> None:
+        super().__init__()
+        if weight.device.type != "cpu" or scale.device.type != "cpu":
+            raise ValueError("a host Engram table must be on the CPU")
+        self.host_weight = weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight
+        self.host_scale = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+        self._keepalive = keepalive  # the mapping the views point into
+        self._staging: tuple[Tensor, Tensor] | None = None
+        self._on_device: tuple[Tensor, Tensor] | None = None
+        self._copied = None  # torch.cuda.Event of the last copy out of staging
+        self._stream = None
+        self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # (ids, weight, scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.host_weight, self.host_scale))
+
+    def prefetch(self, ids: Tensor, device: torch.device) -> None:
+        """Gather the rows of `ids` (any shape, any device) and start their copy to `device`."""
+        rows = ids.reshape(-1).cpu()
+        if device.type != "cuda":
+            weight = self.host_weight.index_select(0, rows)
+            scale = self.host_scale.index_select(0, rows)
+            self._pending = (ids, weight.to(device), scale.to(device))
+            return
+        if self._copied is not None:
+            self._copied.synchronize()
+        staged_w, staged_s = self._buffers(len(rows), device)
+        torch.index_select(self.host_weight, 0, rows, out=staged_w[0][: len(rows)])
+        torch.index_select(self.host_scale, 0, rows, out=staged_s[0][: len(rows)])
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+            self._copied = torch.cuda.Event()
+        self._stream.wait_stream(torch.cuda.current_stream(device))  # last step's reads done
+        with torch.cuda.stream(self._stream):
+            weight = staged_w[1][: len(rows)]
+            scale = staged_s[1][: len(rows)]
+            weight.copy_(staged_w[0][: len(rows)], non_blocking=True)
+            scale.copy_(staged_s[0][: len(rows)], non_blocking=True)
+            self._copied.record(self._stream)
+        self._pending = (ids, weight, scale)
+
+    def _buffers(self, num_rows: int, device: torch.device) -> tuple[tuple, tuple]:
+        """((pinned weight, device weight), (pinned scale, device scale)) of >= num_rows rows."""
+        if self._staging is None or self._staging[0].shape[0] < num_rows:
+            capacity = 1 << max(num_rows - 1, 1).bit_length()
+            dim, blocks = self.host_weight.shape[1], self.host_scale.shape[1]
+            self._staging = (
+                torch.empty(capacity, dim, dtype=torch.uint8, pin_memory=True),
+                torch.empty(capacity, blocks, dtype=torch.uint8, pin_memory=True),
+            )
+            self._on_device = (
+                torch.empty(capacity, dim, dtype=torch.uint8, device=device),
+                torch.empty(capacity, blocks, dtype=torch.uint8, device=device),
+            )
+        return (self._staging[0], self._on_device[0]), (self._staging[1], self._on_device[1])
+
+    def lookup(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        if self._pending is None or self._pending[0] is not ids:
+            self.prefetch(ids, ids.device)
+        _, weight, scale = self._pending
+        self._pending = None
+        if weight.device.type == "cuda":
+            torch.cuda.current_stream(weight.device).wait_event(self._copied)
+        rows = fp8_row_dequantize(weight, scale, dtype=dtype)
+        return rows.view(*ids.shape, rows.shape[-1])
 
 
 class Engram(nn.Module):

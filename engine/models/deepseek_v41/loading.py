@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,9 @@ from engine.models.deepseek_v41.checkpoint_loader import (
     routed_expert_filter,
 )
 from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.engram import HostEngramTable
 from engine.models.deepseek_v41.engram_hash import build_compressed_token_map
+from engine.models.deepseek_v41.engram_store import map_engram_tables
 from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM, Numerics
 
 TOKEN_MAP_FILE = "engram_token_map.npy"
@@ -58,6 +61,13 @@ def engram_token_map(folder: Path, cfg: DeepseekV41Config) -> np.ndarray:
     return token_map
 
 
+def _without_engram_tables(include: Callable[[str], bool] | None) -> Callable[[str], bool]:
+    def keep(name: str) -> bool:
+        return ".engram.embed." not in name and (include is None or include(name))
+
+    return keep
+
+
 def load_model(
     path_or_hub_id: str | Path,
     device: str | torch.device = "cpu",
@@ -67,6 +77,7 @@ def load_model(
     progress: bool = True,
     quantized_experts: bool = False,
     expert_parallel: ExpertParallel | None = None,
+    engram_placement: str = "device",
 ) -> DeepseekV41ForCausalLM:
     """Load a released-format checkpoint; FP8/MXFP4 weights are dequantised to `dtype`, except
     routed experts with `quantized_experts` (kept MXFP4, a quarter of the bf16 bytes).
@@ -74,6 +85,10 @@ def load_model(
     expert_parallel: load the model of one EP rank — only that rank's routed experts are read
     from the shards (every header is still validated); raises `CheckpointError` when the EP
     size does not divide the checkpoint's `n_routed_experts`.
+
+    engram_placement: `device` reads the Engram tables onto `device`; `host` maps them from
+    the shards instead (`engram_store.map_engram_tables`: one page-cache copy per node, nothing
+    read now) and gathers rows per step (`HostEngramTable`).
 
     A progress bar is shown on a terminal (`progress=False` silences it).
 
@@ -89,6 +104,10 @@ def load_model(
             raise CheckpointError(f"cannot shard {path_or_hub_id} over EP ranks: {err}") from err
         include = routed_expert_filter(placement.owns)
         desc = f"loading weights (EP rank {expert_parallel.rank}/{expert_parallel.size})"
+    if engram_placement not in ("device", "host"):
+        raise ValueError(f"engram_placement must be device or host, not {engram_placement!r}")
+    if engram_placement == "host":
+        include = _without_engram_tables(include)
     loaded = load_checkpoint(
         path_or_hub_id,
         dtype=dtype,
@@ -103,6 +122,13 @@ def load_model(
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(
             cfg, dtype, numerics, include_dspark, quantized_experts, expert_parallel
+        )
+    if engram_placement == "host":
+        model.attach_host_engram(
+            {
+                lid: HostEngramTable(weight, scale, mapping)
+                for lid, (weight, scale, mapping) in map_engram_tables(loaded.path, cfg).items()
+            }
         )
     missing, unexpected = model.load_state_dict(loaded.tensors, strict=False, assign=True)
     if missing or unexpected:

@@ -30,7 +30,7 @@ from engine.models.deepseek_v41.attention import Attention, KVCodecs, RMSNorm, S
 from engine.models.deepseek_v41.block_layout import LAYOUT_NAME
 from engine.models.deepseek_v41.config import DeepseekV41Config
 from engine.models.deepseek_v41.dspark import DraftOutput, DSpark
-from engine.models.deepseek_v41.engram import Engram
+from engine.models.deepseek_v41.engram import Engram, HostEngramTable
 from engine.models.deepseek_v41.engram_hash import (
     EngramHashTables,
     build_engram_hash_tables,
@@ -331,6 +331,29 @@ class DeepseekV41ForCausalLM(nn.Module):
             if isinstance(module, MoE):
                 module.pack_experts()
 
+    def attach_host_engram(self, tables: dict[int, HostEngramTable]) -> None:
+        """Replace the Engram tables of the layers in `tables` by host-resident ones (the
+        `host` placement, `engram_store.py`); their device buffers are dropped. Raises
+        ValueError for a layer without Engram or a table of another shape."""
+        for lid, table in tables.items():
+            engram = getattr(self.layers[lid], "engram", None) if lid < len(self.layers) else None
+            if engram is None:
+                raise ValueError(f"layer {lid} has no Engram")
+            want = tuple(engram.embed.weight.shape) if hasattr(engram.embed, "weight") else None
+            if want is not None and tuple(table.host_weight.shape) != want:
+                raise ValueError(
+                    f"layer {lid}: host table {tuple(table.host_weight.shape)}, expected {want}"
+                )
+            engram.embed = table
+
+    def host_engram_tables(self) -> dict[int, HostEngramTable]:
+        """Layer id → its host-resident Engram table (empty for the `device` placement)."""
+        return {
+            block.layer_id: block.engram.embed
+            for block in self.layers
+            if isinstance(getattr(block, "engram", None) and block.engram.embed, HostEngramTable)
+        }
+
     def set_engram_token_map(self, token_map: Tensor) -> None:
         cfg = self.config
         if token_map.shape != (cfg.vocab_size,):
@@ -464,6 +487,23 @@ class DeepseekV41ForCausalLM(nn.Module):
         slots = batch.slots[batch.seq_of_token[keep]]
         state.tokens[slots, batch.positions[keep] % TOKEN_RING] = batch.token_ids[keep]
 
+    def _engram_ids(self, lookback: Tensor) -> dict[int, Tensor]:
+        """Every Engram layer's hash ids of the step, computed at its start; the rows of host
+        tables are gathered and their copy to the device started at once, so the copy runs
+        while the layers before each Engram layer compute."""
+        cfg, ids = self.config, {}
+        for lid, tables in list(self.engram_tables.items()):
+            if tables.multipliers.device != lookback.device:
+                tables = self.engram_tables[lid] = tables.to(lookback.device)
+            ids[lid] = engram_hash_ids(
+                lookback, self.engram_token_map, tables, cfg.engram_pad_token_id, cfg.image_token_id
+            )
+        for lid, layer_ids in ids.items():
+            table = self.layers[lid].engram.embed
+            if isinstance(table, HostEngramTable):
+                table.prefetch(layer_ids, lookback.device)
+        return ids
+
     def run_layers(
         self, batch: StepBatch, state: ModelState, record: dict[str, Any] | None = None
     ) -> tuple[Tensor, Tensor, Tensor, StepBatch | None]:
@@ -479,20 +519,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         residual = emb.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre_prev = None
         features = []
+        engram_ids = self._engram_ids(lookback) if lookback is not None else {}
         for block in self.layers:
             lid = block.layer_id
-            if lid in self.engram_tables:
-                tables = self.engram_tables[lid]
-                if tables.multipliers.device != residual.device:
-                    tables = self.engram_tables[lid] = tables.to(residual.device)
-                ids = engram_hash_ids(
-                    lookback,
-                    self.engram_token_map,
-                    tables,
-                    cfg.engram_pad_token_id,
-                    cfg.image_token_id,
-                )
-                residual = block.engram(residual, ids, is_image)
+            if lid in engram_ids:
+                residual = block.engram(residual, engram_ids[lid], is_image)
             if lid == cfg.ced_boundary and batch.decoder_floors is not None:
                 residual, pre_prev, ctx, kept = self._enter_decoder(block, residual, pre_prev, ctx)
                 rows, features = ctx.batch, [f[kept] for f in features]
