@@ -22,12 +22,12 @@ from engine.async_engine import EngineConfig
 from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.memory import (
     RELEASED_EP_SIZE,
+    held_host_bytes,
     held_weight_bytes,
+    plan_released,
     plan_weights,
-    planned_weight_bytes,
 )
 from engine.models import load_model
-from engine.models.deepseek_v41.config import config_with
 from engine.models.embedded import resolve_model_source
 
 
@@ -37,8 +37,14 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--engram-placement", default="auto", choices=["auto", "device", "host"])
     args = parser.parse_args()
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        engram_placement=args.engram_placement,
+    )
     path = resolve_model_source(config.model)
     dtype = getattr(torch, config.dtype)
     failed = False
@@ -53,20 +59,24 @@ def main() -> int:
             progress=False,
             quantized_experts=config.quantized_experts,
             expert_parallel=ExpertParallel(0, ep_size) if ep_size > 1 else None,
+            engram_placement=plan.engram_placement,
         )
-        held = held_weight_bytes(model)
+        held, held_host = held_weight_bytes(model), held_host_bytes(model)
         allocated = torch.cuda.memory_allocated() - before if on_cuda else None
-        print(f"EP {ep_size} planned: {plan.describe()}")
+        print(f"EP {ep_size} planned: {plan.device.describe()}")
         print(f"EP {ep_size} held:    {held.describe()}")
+        if plan.host.parts or held_host.parts:
+            print(f"EP {ep_size} host, per node, planned: {plan.host.describe()}")
+            print(f"EP {ep_size} host, per node, held:    {held_host.describe()}")
         if allocated is not None:
             print(f"EP {ep_size} allocated on {args.device}: {allocated:,} B")
-        failed |= plan != held
+        failed |= plan.device != held or plan.host != held_host
         del model
         if on_cuda:
             torch.cuda.empty_cache()
-    quantized = config.quantized_experts
-    released = planned_weight_bytes(config_with(), RELEASED_EP_SIZE, dtype, quantized)
-    print(f"released at EP {RELEASED_EP_SIZE}: {released.describe()}")
+    released = plan_released(config)
+    print(f"released at EP {RELEASED_EP_SIZE} per rank: {released.device.describe()}")
+    print(f"released at EP {RELEASED_EP_SIZE} per node (host): {released.host.describe()}")
     return 1 if failed else 0
 
 

@@ -21,9 +21,9 @@ import torch
 from engine.choices import fan_out, stream_choices
 from engine.core import EngineCore, internal_error_message
 from engine.distributed.memory import (
-    check_memory,
+    check_plan,
+    describe_held,
     free_memory_bytes,
-    held_weight_bytes,
     plan_weights,
 )
 from engine.kv_cache import CacheConfig, KVCacheManager, PrefixCache
@@ -32,6 +32,7 @@ from engine.kv_cache.store.dirstore import DirStoreConfig
 from engine.kv_cache.store.ttl import DEFAULT_TTL_SPEC, TTLPolicy
 from engine.model_runner import DirTiersConfig, ModelRunner, build_prefix_reuse
 from engine.models import DeepseekV41ForCausalLM, load_model
+from engine.models.deepseek_v41.engram_store import resolve_engram_placement
 from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta
 from engine.overlap import OverlappedCore
@@ -102,6 +103,9 @@ class EngineConfig:
     host_kv_cache_bytes: the host tier's budget (`engine/kv_cache/host.py`: blocks of the GPU
         tier copied to host memory, pinned on CUDA, LRU); 0 = no host tier; None =
         `DEFAULT_HOST_FRACTION` of the memory available at start. Needs prefix caching.
+    engram_placement: where the Engram tables live (`engram_store.py`): `device`, `host`
+        (mapped from the checkpoint, one copy per node, rows gathered per step) or `auto`
+        (host on the CPU or with several ranks, device for one CUDA rank).
     """
 
     model: str = "default"
@@ -125,11 +129,13 @@ class EngineConfig:
     kv_ttl: str = DEFAULT_TTL_SPEC
     kv_load_timeout_s: float = 2.0
     host_kv_cache_bytes: int | None = None
+    engram_placement: str = "auto"
 
     def __post_init__(self) -> None:
         if self.host_kv_cache_bytes is not None and self.host_kv_cache_bytes < 0:
             raise ValueError("host_kv_cache_bytes must be >= 0")
         self.dir_tiers()  # raises ValueError for a bad directory-tier option
+        resolve_engram_placement(self.engram_placement, self.device, 1)  # ValueError if unknown
         if self.swa_replay not in ("bounded", "exact"):
             raise ValueError(f"swa_replay must be bounded or exact, not {self.swa_replay!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -519,15 +525,16 @@ def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
     Raises `InsufficientMemoryError` before reading any tensor when the weights do not fit."""
     path = resolve_model_source(config.model)
     device = torch.device(config.device)
-    need = plan_weights(config, path, ep_size=1)
-    check_memory(need.total, free_memory_bytes(device), str(device))
+    plan = plan_weights(config, path, ep_size=1)
+    check_plan(plan, device, 1)
     model = load_model(
         path,
         device=config.device,
         dtype=getattr(torch, config.dtype),
         quantized_experts=config.quantized_experts,
+        engram_placement=plan.engram_placement,
     )
-    logger.info("the engine holds its weights: %s", held_weight_bytes(model).describe())
+    logger.info("the engine holds its weights: %s", describe_held(model))
     if device.type == "cuda" and config.cuda_graphs:
         model.enable_cuda_graphs()
         model.capture_cuda_graphs(config.max_num_seqs)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.async_engine import EngineConfig
+from engine.async_engine import ENGRAM_PLACEMENTS, EngineConfig
 from engine.distributed.config import ParallelConfig
 from engine.kv_cache.host import default_host_bytes
 from server.config import ServerConfig
@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="host-memory tier of the prefix cache under the GPU one (pinned on CUDA, LRU; "
         "suffixes K, M, G, T; 0 disables); default 20%% of the memory available at start, "
         "split between this machine's ranks",
+    )
+    add(
+        "--engram-placement",
+        choices=list(ENGRAM_PLACEMENTS),
+        default=_ENGINE_DEFAULTS.engram_placement,
+        help="where the Engram tables live: on each rank's device, or in host memory mapped "
+        "from the checkpoint (one copy per node shared by its ranks; rows gathered and copied "
+        "to the device per step); auto = host on the CPU or with --ep > 1, else device",
     )
     add(
         "--kv-cache-dir",
@@ -337,6 +345,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         target_step_ms=args.target_step_ms,
         enable_prefix_caching=args.enable_prefix_caching,
         swa_replay=args.swa_replay,
+        engram_placement=args.engram_placement,
         async_scheduling=args.async_scheduling,
         kv_cache_dir=args.kv_cache_dir,
         kv_cache_dir_bytes=args.kv_cache_dir_bytes,

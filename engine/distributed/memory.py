@@ -1,16 +1,19 @@
 """What one engine rank holds: its weights by part and dtype, planned before loading (from the
 config's tensor inventory) and measured after (from the loaded model).
 
-    plan = planned_weight_bytes(cfg, ep_size, dtype, quantized_experts)   # no tensor read
-    check_memory(plan.total, device, num_ranks_sharing_it)                # before loading
-    held = held_weight_bytes(model)                                       # after loading
+    plan = planned_weight_bytes(cfg, ep_size, dtype, quantized_experts, placement)  # no read
+    host = planned_host_bytes(cfg, placement)                       # once per node
+    check_memory(plan.total, free, where, num_ranks_sharing_it, host.total)  # before loading
+    held, held_host = held_weight_bytes(model), held_host_bytes(model)        # after loading
 
 Parts: `replicated` (embedding, head, attention, dense trunk, shared experts, DSpark with its
-experts: every rank holds all of it), `engram` (the Engram tables, replicated too, listed apart
-because they dominate the released model) and `experts` (this rank's `n_routed_experts / N`
-routed experts of every layer). Bytes are counted in the format the loader keeps: FP8 weights
-dequantised to the load dtype, MXFP4 experts as stored on CUDA in bf16 (else dequantised),
-Engram tables FP8 + scales, the float32-kept weights in float32.
+experts: every rank holds all of it), `engram` (the Engram tables, listed apart because they
+dominate the released model) and `experts` (this rank's `n_routed_experts / N` routed experts
+of every layer). With the `host` Engram placement (`engram_store.py`) the tables are not in a
+rank's plan but in the node's host plan: one copy mapped by every rank of the node. Bytes are
+counted in the format the loader keeps: FP8 weights dequantised to the load dtype, MXFP4
+experts as stored on CUDA in bf16 (else dequantised), Engram tables FP8 + scales, the
+float32-kept weights in float32.
 
 `RELEASED_EP_SIZE`: the deployment whose per-rank memory is printed at every start (the
 released DeepSeek-V4.1-Flash on one 8-GPU host).
@@ -34,6 +37,7 @@ from engine.models.deepseek_v41.checkpoint_loader import (
     read_config,
 )
 from engine.models.deepseek_v41.config import DeepseekV41Config, config_with
+from engine.models.deepseek_v41.engram_store import resolve_engram_placement
 from engine.models.deepseek_v41.inventory import full_inventory, text_inventory
 
 if TYPE_CHECKING:
@@ -107,21 +111,41 @@ def held_weight_bytes(model: torch.nn.Module) -> WeightBytes:
     )
 
 
+def held_host_bytes(model: torch.nn.Module) -> WeightBytes:
+    """The bytes of `model`'s host-resident Engram tables (the `host` placement; mapped, so
+    shared by every rank of the node)."""
+    tables = model.host_engram_tables()
+    return WeightBytes.of(
+        [
+            (f"layers.{lid}.engram.embed.{part}", dtype, tensor.numel())
+            for lid, table in tables.items()
+            for part, dtype, tensor in (
+                ("weight", torch.float8_e4m3fn, table.host_weight),
+                ("scale", torch.float8_e8m0fnu, table.host_scale),
+            )
+        ]
+    )
+
+
 def planned_weight_bytes(
     cfg: DeepseekV41Config,
     ep_size: int,
     dtype: torch.dtype,
     quantized_experts: bool = False,
+    engram_placement: str = "device",
     include_dspark: bool = True,
 ) -> WeightBytes:
-    """What `load_model` will hold on one of `ep_size` ranks (every rank alike), from the
-    inventory of `cfg` alone. Raises ValueError when `ep_size` does not divide the routed
+    """What `load_model` will hold on one of `ep_size` ranks (every rank alike) on its device
+    (CPU ranks: in their process), from the inventory of `cfg` alone; the Engram tables only
+    with the `device` placement. Raises ValueError when `ep_size` does not divide the routed
     experts."""
     placement = ExpertPlacement(cfg.n_routed_experts, ep_size, 0)
     stored_kinds = ("mxfp4",) if quantized_experts else ()
     specs = full_inventory(cfg) if include_dspark else text_inventory(cfg)
     sizes = []
     for spec in specs:
+        if engram_placement == "host" and part_of(spec.name) == "engram":
+            continue
         if is_routed_expert(spec.name):
             expert = int(_EXPERT_ID.search(spec.name).group(1))
             if expert not in placement.local_experts:
@@ -131,12 +155,38 @@ def planned_weight_bytes(
     return WeightBytes.of(sizes)
 
 
-def plan_weights(config: EngineConfig, model_path: str | Path, ep_size: int) -> WeightBytes:
-    """`planned_weight_bytes` of one rank of `config` over the checkpoint at `model_path`
-    (reads its config.json only)."""
-    return planned_weight_bytes(
-        read_config(model_path), ep_size, getattr(torch, config.dtype), config.quantized_experts
+def planned_host_bytes(cfg: DeepseekV41Config, engram_placement: str) -> WeightBytes:
+    """The host memory one node holds once for all its ranks: the Engram tables (FP8 rows +
+    scales as stored) with the `host` placement, nothing with `device`."""
+    if engram_placement != "host":
+        return WeightBytes({})
+    sizes = [
+        (spec.name, dt, nbytes)
+        for spec in text_inventory(cfg)
+        if part_of(spec.name) == "engram"
+        for dt, nbytes in loaded_sizes(spec, cfg.fp8_block_size, torch.uint8).items()
+    ]
+    return WeightBytes.of(sizes)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The weights of one deployment: `device` per rank, `host` once per node."""
+
+    device: WeightBytes
+    host: WeightBytes
+    engram_placement: str
+
+
+def plan_weights(config: EngineConfig, model_path: str | Path, ep_size: int) -> MemoryPlan:
+    """The plan of one rank of `config` over the checkpoint at `model_path` at `ep_size`
+    ranks (reads its config.json only; `config.engram_placement` resolved for them)."""
+    cfg = read_config(model_path)
+    placement = resolve_engram_placement(config.engram_placement, config.device, ep_size)
+    device = planned_weight_bytes(
+        cfg, ep_size, getattr(torch, config.dtype), config.quantized_experts, placement
     )
+    return MemoryPlan(device, planned_host_bytes(cfg, placement), placement)
 
 
 def check_ep_size(config: EngineConfig, ep_size: int) -> None:
@@ -147,31 +197,46 @@ def check_ep_size(config: EngineConfig, ep_size: int) -> None:
     _plan_or_raise(config, resolve_model_source(config.model), ep_size)
 
 
-def _plan_or_raise(config: EngineConfig, model_path: str | Path, ep_size: int) -> WeightBytes:
+def _plan_or_raise(config: EngineConfig, model_path: str | Path, ep_size: int) -> MemoryPlan:
     try:
         return plan_weights(config, model_path, ep_size)
     except ValueError as err:
         raise ValueError(f"--ep {ep_size} cannot serve {model_path}: {err}") from None
 
 
-def log_weight_plans(config: EngineConfig, model_path: str | Path, ep_size: int) -> WeightBytes:
-    """Log, at start, the weights per rank of this checkpoint at `ep_size` ranks and those of
-    the released model at `RELEASED_EP_SIZE` in the same format; return the former.
-    Raises ValueError when `ep_size` does not divide the checkpoint's routed experts."""
+def log_weight_plans(config: EngineConfig, model_path: str | Path, ep_size: int) -> MemoryPlan:
+    """Log, at start, the weights per rank (device) and per node (host) of this checkpoint at
+    `ep_size` ranks and those of the released model at `RELEASED_EP_SIZE` with the same
+    options; return the former. Raises ValueError when `ep_size` does not divide the
+    checkpoint's routed experts."""
     plan = _plan_or_raise(config, model_path, ep_size)
-    dtype = getattr(torch, config.dtype)
-    released = planned_weight_bytes(
-        config_with(), RELEASED_EP_SIZE, dtype, config.quantized_experts
-    )
+    released = plan_released(config)
     where = f"{config.dtype} on {torch.device(config.device).type}"
-    logger.info("weights per rank at EP %d (%s): %s", ep_size, where, plan.describe())
-    logger.info(
-        "weights per rank of the released DeepSeek-V4.1-Flash at EP %d (%s): %s",
-        RELEASED_EP_SIZE,
-        where,
-        released.describe(),
-    )
+    for name, at, got in (
+        ("this checkpoint", ep_size, plan),
+        ("the released DeepSeek-V4.1-Flash", RELEASED_EP_SIZE, released),
+    ):
+        logger.info(
+            "weights of %s at EP %d (%s), Engram tables on the %s: per rank %s; per node in "
+            "host memory, shared by its ranks: %s",
+            name,
+            at,
+            where,
+            got.engram_placement,
+            got.device.describe(),
+            got.host.describe() if got.host.parts else "none",
+        )
     return plan
+
+
+def plan_released(config: EngineConfig) -> MemoryPlan:
+    """The plan of the released DeepSeek-V4.1-Flash at `RELEASED_EP_SIZE` ranks with the
+    options of `config`."""
+    cfg = config_with()
+    placement = resolve_engram_placement(config.engram_placement, config.device, RELEASED_EP_SIZE)
+    dtype = getattr(torch, config.dtype)
+    device = planned_weight_bytes(cfg, RELEASED_EP_SIZE, dtype, config.quantized_experts, placement)
+    return MemoryPlan(device, planned_host_bytes(cfg, placement), placement)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -185,14 +250,45 @@ def free_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
-def check_memory(need: int, available: int, where: str, num_ranks: int = 1) -> None:
+def check_memory(
+    need: int, available: int, where: str, num_ranks: int = 1, shared: int = 0
+) -> None:
     """Raise `InsufficientMemoryError` when `num_ranks` ranks needing `need` bytes of weights
-    each do not fit the `available` bytes of `where` (a device, or the host for CPU ranks)."""
-    if need * num_ranks > available:
+    each, plus `shared` bytes held once for all of them (host Engram tables), do not fit the
+    `available` bytes of `where` (a device, or the host)."""
+    total = need * num_ranks + shared
+    if total > available:
         ranks = f"{num_ranks} ranks × " if num_ranks > 1 else ""
+        once = f" + {_size(shared)} shared" if shared else ""
         raise InsufficientMemoryError(
             f"{where} has {_size(available)} free, but the weights need {ranks}{_size(need)}"
-            f" = {_size(need * num_ranks)} ({need * num_ranks:,} B) before any KV cache or "
-            "activation: use more ranks (--ep), fewer ranks per device or machine, or a "
-            "smaller dtype"
+            f"{once} = {_size(total)} ({total:,} B) before any KV cache or "
+            "activation: use more ranks (--ep), fewer ranks per device or machine, a "
+            "smaller dtype, or --engram-placement host"
         )
+
+
+def check_plan(plan: MemoryPlan, device: torch.device, num_local_ranks: int) -> None:
+    """`check_memory` of one rank's plan before it loads: its device part on its device
+    (CUDA), or this node's ranks' parts together plus the shared host tables in the host's
+    memory (CPU); the host tables of a CUDA rank against the host's memory, once.
+
+    NOTE: the node's ranks check at about the same time, before any has loaded much.
+    """
+    shared = plan.host.total
+    if device.type == "cpu":
+        free = free_memory_bytes(device)
+        check_memory(plan.device.total, free, "the host", num_local_ranks, shared)
+        return
+    check_memory(plan.device.total, free_memory_bytes(device), str(device))
+    if shared:
+        check_memory(0, free_memory_bytes(torch.device("cpu")), "the host", shared=shared)
+
+
+def describe_held(model: torch.nn.Module) -> str:
+    """What a loaded model holds: on its device, and in host memory shared by the node."""
+    host = held_host_bytes(model)
+    shared = (
+        f"; in host memory, shared by the node's ranks: {host.describe()}" if host.parts else ""
+    )
+    return held_weight_bytes(model).describe() + shared

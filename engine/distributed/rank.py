@@ -38,9 +38,8 @@ from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.groups import RankConfig, RankGroups, init_groups
 from engine.distributed.lockstep import LockstepRunner
 from engine.distributed.memory import (
-    check_memory,
-    free_memory_bytes,
-    held_weight_bytes,
+    check_plan,
+    describe_held,
     plan_weights,
 )
 from engine.distributed.messages import (
@@ -133,20 +132,17 @@ def load_rank_model(
     """
     path = resolve_model_source(config.model)
     device = torch.device(config.device)
-    need = plan_weights(config, path, ep.size)
-    if device.type == "cpu":
-        # NOTE: the node's ranks check at about the same time, before any has loaded much.
-        check_memory(need.total, free_memory_bytes(device), "the host", num_local_ranks)
-    else:
-        check_memory(need.total, free_memory_bytes(device), f"{device} (EP rank {ep.rank})")
+    plan = plan_weights(config, path, ep.size)
+    check_plan(plan, device, num_local_ranks)
     model = load_model(
         path,
         device=config.device,
         dtype=getattr(torch, config.dtype),
         quantized_experts=config.quantized_experts,
         expert_parallel=ep,
+        engram_placement=plan.engram_placement,
     )
-    logger.info("holds its weights: %s", held_weight_bytes(model).describe())
+    logger.info("holds its weights: %s", describe_held(model))
     if device.type == "cuda" and config.cuda_graphs:
         model.enable_cuda_graphs()
         model.capture_cuda_graphs(config.max_num_seqs)

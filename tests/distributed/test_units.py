@@ -178,21 +178,40 @@ def test_parallel_config_validation() -> None:
     assert (got.ep_size, got.nnodes, got.node_rank, got.master_port) == (8, 2, 1, 29600)
 
 
+@pytest.mark.parametrize("placement", ["device", "host"])
 @pytest.mark.parametrize("ep_size", [1, 2])
-def test_planned_weight_bytes_equal_what_each_rank_loads(tiny_checkpoint: Path, ep_size) -> None:
-    from engine.distributed.memory import held_weight_bytes, planned_weight_bytes
+def test_planned_weight_bytes_equal_what_each_rank_loads(
+    tiny_checkpoint: Path, ep_size, placement
+) -> None:
+    from engine.distributed.memory import (
+        held_host_bytes,
+        held_weight_bytes,
+        planned_host_bytes,
+        planned_weight_bytes,
+    )
     from engine.models.deepseek_v41.checkpoint_loader import read_config
 
-    plan = planned_weight_bytes(read_config(tiny_checkpoint), ep_size, torch.float32)
+    cfg = read_config(tiny_checkpoint)
+    plan = planned_weight_bytes(cfg, ep_size, torch.float32, engram_placement=placement)
+    host = planned_host_bytes(cfg, placement)
     for rank in range(ep_size):
         ep = ExpertParallel(rank, ep_size) if ep_size > 1 else None
-        model = load_model(tiny_checkpoint, progress=False, expert_parallel=ep)
+        model = load_model(
+            tiny_checkpoint, progress=False, expert_parallel=ep, engram_placement=placement
+        )
         assert held_weight_bytes(model) == plan
+        assert held_host_bytes(model) == host
         owns = ExpertPlacement(8, ep_size, rank).local_experts
         tensors = load_checkpoint(
             tiny_checkpoint, progress=False, include=routed_expert_filter(owns.__contains__)
         ).tensors
-        assert plan.total == sum(t.numel() * t.element_size() for t in tensors.values())
+        assert plan.total + host.total == sum(
+            t.numel() * t.element_size() for t in tensors.values()
+        )
+        engram = sum(
+            t.numel() * t.element_size() for n, t in tensors.items() if ".engram.embed." in n
+        )
+        assert host.total == (engram if placement == "host" else 0) and engram > 0
         experts = sum(
             t.numel() * t.element_size()
             for n, t in tensors.items()
@@ -202,7 +221,7 @@ def test_planned_weight_bytes_equal_what_each_rank_loads(tiny_checkpoint: Path, 
 
 
 def test_released_model_per_rank_at_ep8_comes_from_its_inventory() -> None:
-    from engine.distributed.memory import planned_weight_bytes
+    from engine.distributed.memory import planned_host_bytes, planned_weight_bytes
     from engine.models.deepseek_v41.config import config_with
 
     cfg = config_with()
@@ -213,6 +232,14 @@ def test_released_model_per_rank_at_ep8_comes_from_its_inventory() -> None:
     dense = planned_weight_bytes(cfg, 8, torch.bfloat16)
     assert dense.part("experts") == 48 * 40 * 3 * 2304 * 5120 * 2  # dequantised to bf16
     assert dense.part("engram") == mxfp4.part("engram") > 0  # FP8 rows, replicated per rank
+    # Host placement: the tables leave the rank (188.8 GiB) for one copy per node, and a rank
+    # of the released model fits an H200 (141 GB) with room for KV.
+    host = planned_weight_bytes(cfg, 8, torch.bfloat16, True, engram_placement="host")
+    tables = planned_host_bytes(cfg, "host")
+    assert host.part("engram") == 0 and tables.total == mxfp4.part("engram")
+    assert host.total == mxfp4.total - tables.total
+    assert round(tables.total / 2**30, 1) == 188.8  # 2 × (384 M rows × (256 + 8) B)
+    assert host.total < 60 * 2**30 < 141e9 - 60e9
     with pytest.raises(ValueError, match="cannot be split over 5 EP ranks"):
         planned_weight_bytes(cfg, 5, torch.bfloat16)
 
@@ -226,6 +253,12 @@ def test_weights_that_do_not_fit_say_how_much_is_needed() -> None:
         match=r"has 5.00 GiB free, but the weights need 2 ranks × 3.00 GiB = 6.00 GiB",
     ):
         check_memory(3 << 30, 5 << 30, "the host", num_ranks=2)
+    check_memory(3 << 30, 8 << 30, "the host", num_ranks=2, shared=2 << 30)
+    with pytest.raises(
+        InsufficientMemoryError,
+        match=r"need 2 ranks × 3.00 GiB \+ 3.00 GiB shared = 9.00 GiB",
+    ):
+        check_memory(3 << 30, 8 << 30, "the host", num_ranks=2, shared=3 << 30)
 
 
 def test_a_non_dividing_ep_size_is_refused_before_any_rank_starts() -> None:

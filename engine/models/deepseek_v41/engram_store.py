@@ -86,10 +86,7 @@ def map_engram_tables(
     dtypes); this only locates the byte ranges.
     """
     index = folder / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        weight_map = None
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
     shards: dict[str, _MappedShard] = {}
 
     def view(name: str) -> tuple[torch.Tensor, _MappedShard]:
