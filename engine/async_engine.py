@@ -32,6 +32,7 @@ from engine.kv_cache.store.dirstore import DirStoreConfig
 from engine.kv_cache.store.ttl import DEFAULT_TTL_SPEC, TTLPolicy
 from engine.model_runner import DirTiersConfig, ModelRunner, build_prefix_reuse
 from engine.models import DeepseekV41ForCausalLM, load_model
+from engine.models.deepseek_v41.engram_store import ENGRAM_PLACEMENTS as ENGRAM_PLACEMENTS
 from engine.models.deepseek_v41.engram_store import resolve_engram_placement
 from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta

@@ -97,6 +97,18 @@ def test_ep_forward_is_bitwise_in_batch_invariant_mode(ranks: list[dict]) -> Non
         assert got["invariant/fixed_overflow/exact"], got  # capacity 2 < 17 tokens: overflow
 
 
+def test_ep_forward_with_host_engram_tables_is_bitwise_the_device_tables(
+    ranks: list[dict],
+) -> None:
+    """Each rank maps the Engram tables from the same shards (one page-cache copy per node)
+    and gathers its own tokens' rows: same logits as tables on the rank, and as one process."""
+    for result in ranks:
+        got = result["model"]
+        assert got["host_engram_tables"] == [0, 1], got
+        assert got["host_engram/equals_device"], got
+        assert got["invariant/all_to_all/host_engram/exact"], got
+
+
 def test_scenario_has_uneven_and_zero_token_ranks(ranks: list[dict]) -> None:
     per_step = list(zip(*(result["model"]["tokens_per_step"] for result in ranks), strict=True))
     assert any(0 in step and any(step) for step in per_step)  # a zero-token step

@@ -18,6 +18,8 @@ from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.groups import RankConfig, RankGroups, rank_groups
 from engine.models import DeepseekV41ForCausalLM, Numerics, load_checkpoint, sequential_batch
 from engine.models.deepseek_v41.checkpoint_loader import read_config, routed_expert_filter
+from engine.models.deepseek_v41.engram import HostEngramTable
+from engine.models.deepseek_v41.engram_store import map_engram_tables
 from engine.models.deepseek_v41.loading import engram_token_map
 
 HIDDEN, EXPERTS, TOP_K = 16, 8, 3
@@ -229,6 +231,14 @@ def _rebuild(source, numerics: Numerics, ep: ExpertParallel | None):
     return model.eval()
 
 
+def _with_host_engram(model, checkpoint: Path):
+    """`model` with its Engram tables mapped from the checkpoint's shards (the `host`
+    placement, as `load_model(..., engram_placement="host")` attaches them)."""
+    mapped = map_engram_tables(Path(checkpoint), model.config)
+    model.attach_host_engram({lid: HostEngramTable(*parts) for lid, parts in mapped.items()})
+    return model
+
+
 @torch.inference_mode()
 def _moe_layer_rel(model, reference, rank: int) -> float:
     """Worst relative difference of each MoE layer's output on the same inputs (the rank's own
@@ -258,6 +268,9 @@ def model_checks(groups: RankGroups, checkpoint: Path) -> dict[str, Any]:
         "fast/fixed_big": _rebuild(shard, fast, fixed_big),
         "invariant/all_to_all": _rebuild(shard, invariant, a2a),
         "invariant/fixed_overflow": _rebuild(shard, invariant, fixed_overflow),
+        "invariant/all_to_all/host_engram": _with_host_engram(
+            _rebuild(shard, invariant, a2a), checkpoint
+        ),
     }
     # NOTE: every compared model is rebuilt (fresh parameter storage): the same weights in the
     # storage a loader produced can round ~1e-7 differently in BLAS (seen on one rank), which
@@ -285,6 +298,12 @@ def model_checks(groups: RankGroups, checkpoint: Path) -> dict[str, Any]:
         gots[name] = _replay(model, steps, rank, coordinator)
         exact, rel = _compare(gots[name], wants[name.split("/")[0]])
         out[f"{name}/exact"], out[f"{name}/rel"] = exact, rel
+    out["host_engram_tables"] = sorted(
+        models["invariant/all_to_all/host_engram"].host_engram_tables()
+    )
+    out["host_engram/equals_device"] = _compare(
+        gots["invariant/all_to_all/host_engram"], gots["invariant/all_to_all"]
+    )[0]
     out["fast/fixed_big/equals_all_to_all"] = _compare(
         gots["fast/fixed_big"], gots["fast/all_to_all"]
     )[0]

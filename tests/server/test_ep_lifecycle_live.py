@@ -17,7 +17,7 @@ import torch
 
 from engine.async_engine import EngineConfig
 from engine.distributed.dispatch import ExpertPlacement
-from engine.distributed.memory import RELEASED_EP_SIZE, planned_weight_bytes
+from engine.distributed.memory import RELEASED_EP_SIZE, planned_host_bytes, planned_weight_bytes
 from engine.models import load_checkpoint
 from engine.models.deepseek_v41.checkpoint_loader import read_config, routed_expert_filter
 from engine.models.deepseek_v41.config import config_with
@@ -69,11 +69,20 @@ def test_each_rank_prints_the_bytes_it_holds_and_sigterm_stops_every_rank(tmp_pa
             tensors = load_checkpoint(
                 path, progress=False, include=routed_expert_filter(owns.__contains__)
             ).tensors
-            loaded[rank] = sum(t.numel() * t.element_size() for t in tensors.values())
+            loaded[rank] = sum(
+                t.numel() * t.element_size()
+                for n, t in tensors.items()
+                if ".engram.embed." not in n  # mapped by every rank, once per node (CPU: host)
+            )
         assert printed == loaded
-        released = planned_weight_bytes(config_with(), RELEASED_EP_SIZE, torch.float32).total
-        assert "released DeepSeek-V4.1-Flash at EP 8 (float32 on cpu): " in text
-        assert f"({released:,} B)" in text
+        shared = planned_host_bytes(read_config(path), "host").total
+        assert len(re.findall(rf"shared by the node's ranks: [^(]*\({shared:,} B\)", text)) == 2
+        cfg = config_with()
+        released = planned_weight_bytes(cfg, RELEASED_EP_SIZE, torch.float32, False, "host").total
+        tables = planned_host_bytes(cfg, "host").total
+        assert "released DeepSeek-V4.1-Flash at EP 8 (float32 on cpu), Engram tables on " in text
+        assert f"per rank {released / 2**30:.2f} GiB ({released:,} B)" in text
+        assert f"({tables:,} B): engram" in text
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(timeout=EXIT_BOUND_S)
         assert not wait_gone([server.proc.pid, *server.rank_pids], 5)
