@@ -40,6 +40,11 @@ class LockstepRunner:
     def _count_pass(self, module, args, output) -> None:
         self._num_passes += 1
 
+    @property
+    def replay_rows(self):
+        """The wrapped runner's `ModelRunner.replay_rows` (read by the rank's snapshot)."""
+        return self.runner.replay_rows
+
     def release(self, request_ids: list[str]) -> None:
         self.runner.release(request_ids)
 
