@@ -2,6 +2,7 @@
 
     python benchmarks/engram_gather.py [--device cuda] [--rows 8000000] [--model PATH]
                                        [--tokens 128 1024 4096 16384] [--repeats 20]
+                                       [--threads N]
 
 Per step and Engram layer a token needs 24 rows of 256 FP8 bytes + 8 scale bytes (264 B,
 `scaleout.md` §1.1). For each token count this times `prefetch` (host gather into the staging
@@ -60,7 +61,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a checkpoint folder or preset to map")
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096, 16384])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (host gather)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     tables = _tables(args)
     row_bytes = tables[0].host_weight.shape[1] + tables[0].host_scale.shape[1]
