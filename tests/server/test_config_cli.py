@@ -190,3 +190,13 @@ def test_cli_host_tier_budget():
     assert split is not None and split > 0
     with pytest.raises(ValueError, match="host_kv_cache_bytes"):
         EngineConfig(host_kv_cache_bytes=-1)
+
+
+def test_cli_engram_placement():
+    assert config_from_args(build_parser().parse_args([])).engine.engram_placement == "auto"
+    args = build_parser().parse_args(["--engram-placement", "device"])
+    assert config_from_args(args).engine.engram_placement == "device"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--engram-placement", "disk"])
+    with pytest.raises(ValueError, match="engram placement must be one of"):
+        EngineConfig(engram_placement="disk")

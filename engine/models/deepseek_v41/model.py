@@ -348,11 +348,12 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def host_engram_tables(self) -> dict[int, HostEngramTable]:
         """Layer id → its host-resident Engram table (empty for the `device` placement)."""
-        return {
-            block.layer_id: block.engram.embed
-            for block in self.layers
-            if isinstance(getattr(block, "engram", None) and block.engram.embed, HostEngramTable)
-        }
+        tables = {}
+        for block in self.layers:
+            table = getattr(getattr(block, "engram", None), "embed", None)
+            if isinstance(table, HostEngramTable):
+                tables[block.layer_id] = table
+        return tables
 
     def set_engram_token_map(self, token_map: Tensor) -> None:
         cfg = self.config
