@@ -94,3 +94,16 @@ def test_cuda_attention_kernel_tracks_the_torch_attention(
     torch_path = model.logits(prompts)
     assert (kernel.argmax(-1) == torch_path.argmax(-1)).float().mean() >= 0.98
     assert _rel(kernel, torch_path) < 5e-2
+
+
+def test_cuda_host_engram_tables_give_the_device_tables_logits_bitwise(
+    tiny_checkpoint: Path,
+) -> None:
+    """Rows gathered on the host into pinned staging and copied on a side stream: the same
+    bits as the tables in HBM, over several steps (the staging buffers are reused)."""
+    on_device = load_model(tiny_checkpoint, device="cuda", engram_placement="device")
+    on_host = load_model(tiny_checkpoint, device="cuda", engram_placement="host")
+    table = on_host.host_engram_tables()[0]
+    assert table.host_weight.device.type == "cpu"
+    for prompts in (_prompts(), _prompts()[::-1], [p[:5] for p in _prompts()]):
+        assert torch.equal(on_host.logits(prompts), on_device.logits(prompts))
