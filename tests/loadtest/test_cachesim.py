@@ -41,7 +41,9 @@ def test_agent_turn_hits_the_previous_prompt_and_output_blocks() -> None:
     assert result.hit_rate() == pytest.approx(512 / 1024)
 
 
-def test_chat_history_reuses_the_prompt_but_not_the_output_and_other_users_share_the_system() -> None:
+def test_chat_history_reuses_the_prompt_but_not_the_output_and_other_users_share_the_system() -> (
+    None
+):
     chat = [_turn(0), _turn(1, think_s=5.0)]
     first = _session(0, "chat", 0, chat)
     second = _session(1, "chat", 0, [_turn(9)], start=60.0)

@@ -27,7 +27,9 @@ def test_agent_sessions_share_system_prompts_and_grow_turn_by_turn() -> None:
     sessions = agent_trace(AGENTS)
     systems = [s.system for s in sessions]
     assert len(set(systems)) < len(sessions) / 2  # Zipf over types × efforts: shared
-    assert all(AGENTS.system_tokens_min <= s.num_tokens <= AGENTS.system_tokens_max for s in systems)
+    assert all(
+        AGENTS.system_tokens_min <= s.num_tokens <= AGENTS.system_tokens_max for s in systems
+    )
     starts = [s.start_s for s in sessions]
     assert starts == sorted(starts) and starts[0] == 0 and starts[-1] > 0
     assert sum(len(s.turns) for s in sessions) / len(sessions) > 10  # geometric, mean 30
