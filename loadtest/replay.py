@@ -283,15 +283,15 @@ def sharing_breaks(records: list[TraceRecord]) -> dict[str, Any]:
     ≥ the full blocks of P but not of R: the re-rendered answer differs from the generated
     one), "before previous answer" (the history changed earlier, blocks were evicted, or
     another server lacks them). Token sums: `reusable` Σ R, `cached` Σ min(cached, R),
-    `lost_to_divergence` Σ (full blocks of R − cached)⁺, `lost_to_rounding` Σ (R mod 128),
-    the partial last block (what a resume slot would restore).
+    `not_cached` Σ (full blocks of R − cached)⁺ (a divergence, an eviction, no cache),
+    `lost_to_rounding` Σ (R mod 128), the partial last block (what a resume slot restores).
     """
     by_session: dict[tuple[str, int], list[TraceRecord]] = defaultdict(list)
     for record in records:
         if record.status == "ok":
             by_session[(record.kind, record.session)].append(record)
     out = {"full": 0, "in previous answer": 0, "before previous answer": 0, "reusable": 0,
-           "cached": 0, "lost_to_divergence": 0, "lost_to_rounding": 0}  # fmt: skip
+           "cached": 0, "not_cached": 0, "lost_to_rounding": 0}  # fmt: skip
     for turns in by_session.values():
         turns.sort(key=lambda r: r.turn)
         for prev, cur in zip(turns, turns[1:], strict=False):
@@ -312,7 +312,7 @@ def sharing_breaks(records: list[TraceRecord]) -> dict[str, Any]:
                 out["before previous answer"] += 1
             out["reusable"] += reusable
             out["cached"] += min(cur.cached_tokens, reusable)
-            out["lost_to_divergence"] += max(0, full - cur.cached_tokens)
+            out["not_cached"] += max(0, full - cur.cached_tokens)
             out["lost_to_rounding"] += reusable - full
     return out
 
@@ -340,8 +340,8 @@ def format_report(records: list[TraceRecord], tiers: dict[str, float], label: st
     lines.append(
         f"sharing with the previous turn: full {b['full']}, breaks in the previous answer "
         f"{b['in previous answer']}, before it {b['before previous answer']}; of "
-        f"{b['reusable']} reusable tokens {b['cached']} cached, {b['lost_to_divergence']} lost "
-        f"to divergence, {b['lost_to_rounding']} in partial last blocks"
+        f"{b['reusable']} reusable tokens {b['cached']} cached, {b['not_cached']} not (history "
+        f"changed, evicted, or no cache), {b['lost_to_rounding']} in partial last blocks"
     )
     if tiers:
         total = sum(tiers.values()) or 1.0

@@ -255,8 +255,12 @@ def agent_trace(config: AgentTraceConfig) -> list[TraceSession]:
                 rng, config.output_median, config.output_sigma, config.output_min,
                 config.output_max,
             )  # fmt: skip
-            think = 0.0 if t == 0 else min(
-                3600.0, rng.lognormvariate(math.log(config.think_median_s), config.think_sigma)
+            think = (
+                0.0
+                if t == 0
+                else min(
+                    3600.0, rng.lognormvariate(math.log(config.think_median_s), config.think_sigma)
+                )
             )
             context += sum(s.num_tokens for s in add)
             turns.append(Turn(think, add, output, output, edit))

@@ -27,11 +27,11 @@ def test_sharing_breaks_says_where_each_turn_stopped_reusing_the_previous_one() 
     assert out["in previous answer"] == 0
     assert out["reusable"] == 1100 + 1400 + 1100 + 700
     assert out["cached"] == 1024 + 1152 + 512 + 640
-    assert out["lost_to_divergence"] == (1280 - 1152) + (1024 - 512)
+    assert out["not_cached"] == (1280 - 1152) + (1024 - 512)
     assert out["lost_to_rounding"] == 76 + 120 + 76 + 60
     # An answer that re-tokenises differently: the previous prompt's blocks, not the answer's.
     broke = sharing_breaks([_record(3, 0, 1000, 0, 300), _record(3, 1, 1500, 896)])
-    assert broke["in previous answer"] == 1 and broke["lost_to_divergence"] == 1280 - 896
+    assert broke["in previous answer"] == 1 and broke["not_cached"] == 1280 - 896
     # Chat keeps no output block: the previous prompt less its `<think>` is all it can reuse.
     chat = sharing_breaks(
         [_record(4, 0, 513, 0, kind="chat"), _record(4, 1, 700, 512, kind="chat")]

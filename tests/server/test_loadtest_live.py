@@ -200,7 +200,7 @@ def test_agent_trace_replay_prints_cached_share_by_turn_and_where_sharing_breaks
     assert sharing["before previous answer"] == 0
     assert sharing["full"] + sharing["in previous answer"] == 3
     assert (
-        sharing["cached"] + sharing["lost_to_divergence"] + sharing["lost_to_rounding"]
+        sharing["cached"] + sharing["not_cached"] + sharing["lost_to_rounding"]
         == (sharing["reusable"])
     )
     assert report["hit_tokens_by_tier"]["gpu"] > 0  # the server's own counter moved
