@@ -362,6 +362,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--agent-turns", type=float, default=20.0, help="mean turns")
     p.add_argument("--revisit-probability", type=float, nargs="+", default=[0.3])
     p.add_argument("--revisit-median-days", type=float, default=1.0)
+    p.add_argument(
+        "--chat-question-tokens", type=int, default=60, help="median user message (pasted text)"
+    )
     p.add_argument("--agent-ttl", default="3d")
     p.add_argument("--chat-ttl", nargs="+", default=["7d", "3d"])
     p.add_argument(
@@ -385,6 +388,8 @@ def traces(args: argparse.Namespace, revisit_probability: float) -> list[TraceSe
         session_rate=args.chat_sessions_per_day / 86400,
         revisit_probability=revisit_probability,
         revisit_median_s=args.revisit_median_days * 86400,
+        question_median=args.chat_question_tokens,
+        question_max=max(4096, 8 * args.chat_question_tokens),
     )
     sessions = agent_trace(agents) + chat_trace(chats)
     return [s for s in sessions if s.start_s < seconds]
