@@ -96,12 +96,14 @@ def test_the_memory_model_makes_the_same_decisions_as_the_real_directory_store(t
         revisit_probability=0.5, revisit_median_s=3 * DAY,
     )  # fmt: skip
     sessions = agent_trace(agents) + chat_trace(chats)
-    config = SimConfig(gc_interval_s=600.0)
+    config = SimConfig(gc_interval_s=3 * 3600.0, end_s=12 * DAY)
     for capacity in (0, 40):
         memory = simulate(sessions, MemoryTier(POLICY, capacity), config)
         real = simulate(sessions, DirTier(str(tmp_path / f"c{capacity}"), POLICY, capacity), config)
         assert memory.requests == real.requests
         assert 0 < memory.hit_rate() < 1
+        if not capacity:
+            assert memory.tier["expired"] > 0  # revisits after the TTL miss in both
         if capacity:
             assert memory.tier["evicted"] == real.tier["evicted"] > 0
 
