@@ -109,6 +109,7 @@ def _absorb(
         delta = choice.get("delta") or {}
         carried = bool(delta.get("content") or delta.get("reasoning_content"))
         reply.text += delta.get("content") or ""
+        reply.reasoning += delta.get("reasoning_content") or ""
         for call in delta.get("tool_calls") or []:
             carried = True
             empty = {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}

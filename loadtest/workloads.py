@@ -81,6 +81,7 @@ class Reply:
     """What a session sees of the answer to its last request."""
 
     text: str = ""
+    reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     ok: bool = True
 

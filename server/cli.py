@@ -213,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
         "agent with tools, else chat)",
     )
     add(
+        "--kv-cache-report",
+        default=None,
+        metavar="DIR",
+        help="print what the KV cache directory DIR holds (blocks and bytes by traffic class "
+        "and age, against --kv-cache-dir-bytes, expired blocks, the GC lease) and exit; "
+        "read-only, safe on a directory servers are using",
+    )
+    add(
         "--max-queued-requests",
         type=int,
         default=_SERVER_DEFAULTS.max_queued_requests,
@@ -380,6 +388,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.kv_cache_report is not None:
+        raise SystemExit(_kv_cache_report(parser, args))
     try:
         config = config_from_args(args)
     except ValueError as exc:
@@ -446,6 +456,25 @@ def _node_options_given(parser: argparse.ArgumentParser, args: argparse.Namespac
         for dest, value in vars(args).items()
         if dest not in _NODE_OPTIONS and value != parser.get_default(dest)
     ]
+
+
+def _kv_cache_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`--kv-cache-report DIR`: print the directory's report; 0, or 2 when DIR is no cache."""
+    from engine.kv_cache.store.report import directory_report, format_directory_report
+    from engine.kv_cache.store.ttl import TTLPolicy
+
+    try:
+        policy = TTLPolicy.parse(args.kv_ttl)
+    except ValueError as exc:
+        parser.error(str(exc))
+    root = args.kv_cache_report
+    try:
+        reports = directory_report(root, policy)
+    except (FileNotFoundError, NotADirectoryError):
+        print(f"deepinfer-server: {root} holds no KV cache (no kv1/ directory)", file=sys.stderr)
+        return 2
+    print(format_directory_report(root, reports, args.kv_cache_dir_bytes, policy))
+    return 0
 
 
 def _bind_or_exit(host: str, port: int) -> socket.socket:

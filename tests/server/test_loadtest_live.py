@@ -165,3 +165,46 @@ def test_cli_writes_json_table_and_plot(default_server, tmp_path: Path, capsys) 
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
     assert "TTFT p50/p90/p99 ms" in table and "rate 4/s" in table
+
+
+def test_agent_trace_replay_prints_cached_share_by_turn_and_where_sharing_breaks(
+    default_server, tmp_path: Path, capsys
+) -> None:
+    url = default_server[0]
+    out = tmp_path / "trace.json"
+    code = loadtest_main(
+        [
+            "--base-url", url, "--model", MODEL, "--workload", "agent-trace", "--seed", "4",
+            "--sessions", "2", "--turns", "3", "--system-tokens", "200", "--input-tokens", "16",
+            "--tool-result-tokens", "24", "--output-tokens", "8", "--session-rate", "0.5",
+            "--max-think", "0.2", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    records = report["requests"]
+    assert sorted((r["session"], r["turn"]) for r in records) == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (1, 2)
+    ]  # fmt: skip
+    by_key = {(r["session"], r["turn"]): r for r in records}
+    for (index, turn), record in by_key.items():
+        assert record["status"] == "ok" and record["ttft"] > 0
+        if turn:
+            previous = by_key[(index, turn - 1)]
+            assert (
+                record["prompt_tokens"] > previous["prompt_tokens"] + previous["completion_tokens"]
+            )
+            # At least every full block of the previous prompt is served from the cache.
+            assert record["cached_tokens"] >= previous["prompt_tokens"] // 128 * 128
+    sharing = report["sharing"]
+    assert sharing["before previous answer"] == 0
+    assert sharing["full"] + sharing["in previous answer"] == 3
+    assert (
+        sharing["cached"] + sharing["not_cached"] + sharing["lost_to_rounding"]
+        == (sharing["reusable"])
+    )
+    assert report["hit_tokens_by_tier"]["gpu"] > 0  # the server's own counter moved
+    rows = {row["turn"]: row for row in report["by_turn"]}
+    assert rows[1]["requests"] == 2 and rows[2]["cached_share"] > 0.5
+    printed = capsys.readouterr().out
+    assert "TTFT p50 ms" in printed and "sharing with the previous turn" in printed
