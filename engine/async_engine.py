@@ -34,6 +34,7 @@ from engine.model_runner import DirTiersConfig, ModelRunner, build_prefix_reuse
 from engine.models import DeepseekV41ForCausalLM, load_model
 from engine.models.deepseek_v41.engram_store import ENGRAM_PLACEMENTS as ENGRAM_PLACEMENTS
 from engine.models.deepseek_v41.engram_store import resolve_engram_placement
+from engine.models.deepseek_v41.state import ModelState, slot_payload_len
 from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta
 from engine.overlap import OverlappedCore
@@ -58,6 +59,8 @@ DEFAULT_TARGET_STEP_MS = {"cpu": 2000.0, "cuda": 500.0}
 # Share of the memory free after loading (host RAM on the CPU, device memory on CUDA) that one
 # step's activations may use when EngineConfig.activation_memory_bytes is None.
 ACTIVATION_MEMORY_FRACTION = 0.5
+# About 1,300 full V4.1 slots of ~3 MB (`cache.md` §3.2): minutes of an agent fleet's turns.
+DEFAULT_RESUME_SLOT_MEMORY = 4 << 30
 
 
 class EngineClosedError(RuntimeError):
@@ -107,6 +110,13 @@ class EngineConfig:
     engram_placement: where the Engram tables live (`engram_store.py`): `device`, `host`
         (mapped from the checkpoint, one copy per node, rows gathered per step) or `auto`
         (host on the CPU or with several ranks, device for one CUDA rank).
+    resume_slot_memory: host bytes for resume slots (`engine/kv_cache/resume.py`): the window
+        rings, pending pairs, token history and partial last block of finished sequences, so
+        that a prompt extending one (an agent's next turn) computes only its new tokens,
+        exactly; least recently used first out. 0 = none; needs `enable_prefix_caching`.
+    resume_slot_url: this server's base URL; with `kv_cache_shared_dir`, its slots are
+        announced there by pointer files naming it, and slots of the other servers sharing the
+        directory are pulled from them (`GET /internal/kv/slot/{id}`; `resume_dir.py`).
     """
 
     model: str = "default"
@@ -131,6 +141,8 @@ class EngineConfig:
     kv_load_timeout_s: float = 2.0
     host_kv_cache_bytes: int | None = None
     engram_placement: str = "auto"
+    resume_slot_memory: int = DEFAULT_RESUME_SLOT_MEMORY
+    resume_slot_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.host_kv_cache_bytes is not None and self.host_kv_cache_bytes < 0:
@@ -149,6 +161,8 @@ class EngineConfig:
             raise ValueError(f"target_step_ms must be > 0, not {self.target_step_ms!r}")
         if self.activation_memory_bytes is not None and self.activation_memory_bytes <= 0:
             raise ValueError("activation_memory_bytes must be > 0")
+        if self.resume_slot_memory < 0:
+            raise ValueError("resume_slot_memory must be >= 0")
 
     @property
     def quantized_experts(self) -> bool:
@@ -180,6 +194,21 @@ class EngineConfig:
         if len({os.path.realpath(s.root) for s in stores}) < len(stores):
             raise ValueError("--kv-cache-dir and --kv-cache-shared-dir must differ")
         return DirTiersConfig(tuple(stores), policy, self.kv_load_timeout_s)
+
+
+def _log_resume_slots(config: EngineConfig, state: ModelState) -> int:
+    """The resume-slot budget in bytes (0 without prefix caching), logged with a slot's size."""
+    budget = config.resume_slot_memory if config.enable_prefix_caching else 0
+    if budget:
+        per_slot = slot_payload_len(state)
+        logger.info(
+            "resume slots: %.2f GiB of host memory (--resume-slot-memory), %d bytes per slot "
+            "(about %d slots)",
+            budget / (1 << 30),
+            per_slot,
+            budget // per_slot,
+        )
+    return budget
 
 
 class AsyncEngine:
@@ -252,6 +281,8 @@ class AsyncEngine:
                 state=runner.state,
                 dir_tiers=_log_dir_tiers(config.dir_tiers()),
                 host_bytes=_host_bytes(config),
+                resume_slot_bytes=_log_resume_slots(config, runner.state),
+                resume_slot_url=config.resume_slot_url,
             ),
         )
         overlapped = config.async_scheduling
@@ -291,6 +322,16 @@ class AsyncEngine:
         reuse = self.core.scheduler.prefix_reuse
         if reuse is not None:
             await asyncio.to_thread(reuse.close)
+
+    def resume_slot_payload(self, slot_id: int, generation: int) -> bytes | None:
+        """The bytes of the resume slot (id, generation) this engine holds, for another
+        server's pull; None if it holds no such slot (evicted, reused or never). Safe while
+        the engine steps (one dict read; a published payload never changes)."""
+        reuse = self.core.scheduler.prefix_reuse
+        if reuse is None or reuse.resume is None:
+            return None
+        slot = reuse.resume.pool.get(slot_id, generation)
+        return None if slot is None else slot.payload.to_bytes()
 
     # ---- requests -----------------------------------------------------------------------------
 

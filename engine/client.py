@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from engine.async_engine import AsyncEngine, EngineConfig
 from engine.core import EngineCore
 from engine.kv_cache.host import HostPoolStats
+from engine.kv_cache.resume import ResumeSlotStats
 from engine.kv_cache.store.dirstore import DirStoreStats
 from engine.outputs import Delta
 from engine.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class PrefixCacheSnapshot:
     # decoder (`decoder_skipped`, decoder bounded replay).
     replayed_rows: Mapping[str, int] = field(default_factory=dict)
     host: HostPoolStats | None = None  # the host tier's counters (None: no host tier)
+    resume_slots: ResumeSlotStats | None = None  # None: resume slots off
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,11 @@ class EngineClient(Protocol):
         """Every rank's latest load (the multi-process engine's is at most one step old)."""
         ...
 
+    def resume_slot_payload(self, slot_id: int, generation: int) -> bytes | None:
+        """The bytes of a resume slot this engine holds, for another server's pull
+        (`engine/kv_cache/resume_dir.py`); None if it holds no such slot."""
+        ...
+
 
 def check_constraint(
     info: EngineInfo, constraint: CompiledConstraint, params: SamplingParams
@@ -199,6 +206,7 @@ def rank_snapshot(core: EngineCore, rank: int = 0) -> RankSnapshot:
             *_dir_tier_stats(reuse),
             asdict(core.runner.replay_rows),
             reuse_stats.host,
+            resume_slots=None if reuse.resume is None else reuse.resume.pool.stats(),
         )
     return RankSnapshot(
         rank=rank,
@@ -293,6 +301,9 @@ class InProcessEngine:
 
     def abort(self, request_id: str) -> None:
         self.async_engine.abort(request_id)
+
+    def resume_slot_payload(self, slot_id: int, generation: int) -> bytes | None:
+        return self.async_engine.resume_slot_payload(slot_id, generation)
 
     def snapshot(self) -> EngineSnapshot:
         # NOTE: read from the event loop while a step may run in the worker thread; the

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import zlib
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,13 +28,20 @@ import torch
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.hashing import namespace_fingerprint
 from engine.kv_cache.host import DONE, CopyHandle, HostBlockPool, HostPoolConfig
+from engine.kv_cache.resume import ResumeSlots, ResumeTier
+from engine.kv_cache.resume_dir import PointerDirectory, RemoteSlots
 from engine.kv_cache.reuse import HostTier, PrefixReuse, PrefixReuseConfig, StoreTiers
 from engine.kv_cache.store.dirstore import DirBlockStore, DirStoreConfig
 from engine.kv_cache.store.tiers import BlockTiers
 from engine.kv_cache.store.ttl import TTLPolicy
 from engine.models import DeepseekV41ForCausalLM, StepBatch, ints_to_device
 from engine.models.deepseek_v41.block_layout import BlockLayout
-from engine.models.deepseek_v41.state import ModelState, write_token_history
+from engine.models.deepseek_v41.state import (
+    ModelState,
+    export_slot,
+    import_slot,
+    write_token_history,
+)
 from engine.outputs import (
     PLACEHOLDER_TOKEN_ID,
     ModelOutput,
@@ -132,6 +140,54 @@ class _EventHandle:
         self.event.synchronize()
 
 
+class HostSlotPayload:
+    """A resume-slot snapshot in host memory (`state.export_slot`; pinned on CUDA). The
+    device → host copy may still be running: `checksum` waits for it."""
+
+    def __init__(self, buffer: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        self.buffer = buffer
+        self._copied = copied
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def checksum(self) -> int:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return zlib.crc32(self.buffer.numpy())
+
+    def is_ready(self) -> bool:
+        return self._copied is None or self._copied.query()
+
+    def to_bytes(self) -> bytes:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.buffer.numpy().tobytes()
+
+
+class RunnerSlotPayloads:
+    """State slots of a `ModelState` to host snapshots (`SlotPayloads` for `ResumeTier`);
+    called on the engine thread between steps."""
+
+    def __init__(self, state: ModelState) -> None:
+        self.state = state
+
+    def export(self, slot: int, tail_block: int | None) -> HostSlotPayload:
+        buffer = export_slot(self.state, slot, tail_block)
+        copied = None
+        if self.state.tokens.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        return HostSlotPayload(buffer, copied)
+
+    def from_bytes(self, data: bytes) -> HostSlotPayload:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if self.state.tokens.device.type == "cuda":
+            buffer = buffer.pin_memory()
+        return HostSlotPayload(buffer, None)
+
+
 def build_prefix_reuse(
     model: DeepseekV41ForCausalLM,
     kv_manager: KVCacheManager,
@@ -140,11 +196,16 @@ def build_prefix_reuse(
     state: ModelState | None = None,
     dir_tiers: DirTiersConfig | None = None,
     host_bytes: int = 0,
+    resume_slot_bytes: int = 0,
+    resume_slot_url: str | None = None,
 ) -> PrefixReuse | None:
     """The scheduler's prefix-cache collaborator for this model (None when the manager has no
     prefix cache): namespace fingerprint, replay length and Engram history from the model;
     with the runner's `state`, a host tier of `host_bytes` (0: none) and the directory tiers
-    of `dir_tiers` under the GPU tier. Raises ValueError for a host budget below one block."""
+    of `dir_tiers` under the GPU tier, and resume slots of finished sequences in
+    `resume_slot_bytes` (0: none), shared with the servers of the shared directory tier
+    through pointer files naming `resume_slot_url` (this server's base URL) when both are
+    given. Raises ValueError for a host budget below one block."""
     if kv_manager.prefix_cache is None:
         return None
     cfg = model.config
@@ -186,7 +247,22 @@ def build_prefix_reuse(
             for store_config in dir_tiers.stores
         ]
         store = StoreTiers(BlockTiers(stores), payloads, dir_tiers.load_timeout_s)
-    return PrefixReuse(config, kv_manager, store, host)
+    resume = None
+    if resume_slot_bytes > 0:
+        if state is None:
+            raise ValueError("resume slots need the runner's model state")
+        shared = [s for s in (dir_tiers.stores if dir_tiers else ()) if s.tier == "shared"]
+        remote = None
+        if shared and resume_slot_url is not None:
+            directory = PointerDirectory(shared[0].root, resume_slot_url)
+            remote = RemoteSlots(directory, dir_tiers.load_timeout_s)
+        resume = ResumeTier(
+            ResumeSlots(resume_slot_bytes),
+            RunnerSlotPayloads(state),
+            kv_manager.config.block_tokens,
+            remote,
+        )
+    return PrefixReuse(config, kv_manager, store, host, resume)
 
 
 @dataclass(frozen=True)
@@ -306,6 +382,15 @@ class ModelRunner:
             if (problem := _token_id_problem(c, vocab_size)) is not None
         }
 
+    def restore_resume_slots(self, output: SchedulerOutput) -> None:
+        """Copy the resume slots of requests resumed in this step into their state slots and
+        tail blocks (before the forward reads them)."""
+        for chunk in output.chunks:
+            if chunk.resume is not None:
+                import_slot(
+                    self.state, chunk.slot, chunk.resume.tail_block, chunk.resume.payload.buffer
+                )
+
     def restore_token_history(self, output: SchedulerOutput) -> None:
         """Give sequences restored from the prefix cache the token history (Engram's n-gram
         context) of the positions they did not compute."""
@@ -351,6 +436,7 @@ class ModelRunner:
         grammar = self._grammar_for(infos)
         if grammar is not None and not step.needs_host_tokens:
             step.pending_mask = grammar.start_mask(step.request_ids, infos)
+        self.restore_resume_slots(output)
         self.restore_token_history(output)
         with step.timed():
             step.logits = self.model.forward_step(batch, self.state).logits

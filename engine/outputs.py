@@ -58,6 +58,17 @@ class PrefixRestore:
 
 
 @dataclass(frozen=True)
+class SlotRestore:
+    """A resume slot the runner copies into the chunk's state slot before the chunk runs
+    (`engine/kv_cache/resume.py`): `payload` is the snapshot (an opaque host buffer of the
+    runner's), `tail_block` the pool block that receives the partial last block's KV (None:
+    the snapshot ends on a block boundary)."""
+
+    payload: Any
+    tail_block: int | None
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
     """Positions `start_position .. start_position + len(token_ids) − 1` of one request."""
 
@@ -68,6 +79,7 @@ class ScheduledChunk:
     token_ids: tuple[int, ...]
     sampling: SamplingInfo | None  # None: a prefill chunk that does not reach the end yet
     restore: PrefixRestore | None = None  # set while the chunk replays cached positions
+    resume: SlotRestore | None = None  # set on the first chunk of a request resumed from a slot
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,9 @@ class Request:
     replay_start: int = 0
     num_indexed_blocks: int = 0
     block_keys: list[bytes] = field(default_factory=list)  # chain keys of full blocks, lazily
+    # The `engine.kv_cache.resume.ResumeSlot` the request was admitted from, until its restore
+    # has run (opaque here).
+    resume_slot: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -499,6 +499,11 @@ class Scheduler:
                         if self.prefix_reuse is None
                         else self.prefix_reuse.restore_info(request, start)
                     ),
+                    resume=(
+                        None
+                        if self.prefix_reuse is None
+                        else self.prefix_reuse.resume_info(request, start)
+                    ),
                 )
             )
         finished, self._finished_ids = tuple(self._finished_ids), []
@@ -562,6 +567,8 @@ class Scheduler:
             del self._arrival_order[request.request_id]
             queue = self._running if request.status is RequestStatus.RUNNING else self._waiting
             queue.remove(request)
+            if self.prefix_reuse is not None and reason is not FinishReason.ABORT:
+                self.prefix_reuse.retire(request)  # before its state slot is reused
             self.kv_manager.free(request.request_id)
             if self.prefix_reuse is not None:
                 self.prefix_reuse.release(request)

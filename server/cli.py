@@ -181,6 +181,21 @@ def build_parser() -> argparse.ArgumentParser:
         "to the device per step); auto = host on the CPU or with --ep > 1, else device",
     )
     add(
+        "--resume-slot-memory",
+        type=_byte_size_or_zero,
+        default=_ENGINE_DEFAULTS.resume_slot_memory,
+        help="host memory for resume slots: the private state of finished sequences, so that a "
+        "prompt extending one (an agent's next turn) computes only its new tokens, exactly "
+        "(suffixes K, M, G, T; 0 = off; default 4G)",
+    )
+    add(
+        "--advertise-url",
+        default=None,
+        metavar="URL",
+        help="this server's base URL as the other servers sharing --kv-cache-shared-dir reach "
+        "it, to pull its resume slots (default http://HOST:PORT, the hostname for 0.0.0.0)",
+    )
+    add(
         "--kv-cache-dir",
         default=None,
         metavar="PATH",
@@ -330,6 +345,13 @@ def _host_kv_cache_bytes(value: int | None, parallel: ParallelConfig) -> int | N
     return budget
 
 
+def _own_url(host: str, port: int) -> str:
+    """This server's base URL for the other servers of a shared cache directory."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://{host}:{port}"
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Build the configs; invalid combinations raise ValueError from their `__post_init__`."""
     max_num_seqs = args.max_num_seqs
@@ -356,6 +378,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engram_placement=args.engram_placement,
         async_scheduling=args.async_scheduling,
         kv_cache_dir=args.kv_cache_dir,
+        resume_slot_memory=args.resume_slot_memory,
+        resume_slot_url=args.advertise_url or _own_url(args.host, args.port),
         kv_cache_dir_bytes=args.kv_cache_dir_bytes,
         kv_cache_shared_dir=args.kv_cache_shared_dir,
         kv_cache_shared_dir_bytes=args.kv_cache_shared_dir_bytes,

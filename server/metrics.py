@@ -29,7 +29,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.client import EngineClient, RankSnapshot
+from engine.client import EngineClient, RankSnapshot, ResumeSlotStats
 
 PREFIX = "deepinfer:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -132,6 +132,16 @@ class ServerMetrics:
         )
         self._row_totals = {"encoder": 0, "decoder": 0, "decoder_skipped": 0}
         self.prefix_cache_blocks = gauge("prefix_cache_blocks", "Blocks indexed by the cache.")
+        # Resume slots (`engine/kv_cache/resume.py`; counters advanced like the above).
+        self.resume_slots = {
+            "hits": counter("resume_slot_hits", "Admissions restored from a resume slot."),
+            "misses": counter("resume_slot_misses", "Admissions that found no usable slot."),
+            "corrupt": counter("resume_slot_corrupt", "Slots dropped for a checksum mismatch."),
+            "evicted": counter("resume_slot_evictions", "Slots evicted for room."),
+        }
+        self._resume_totals = dict.fromkeys(self.resume_slots, 0)
+        self.resume_slot_bytes = gauge("resume_slot_bytes", "Host bytes held by resume slots.")
+        self.resume_slot_count = gauge("resume_slots", "Resume slots held.")
         self._tiers = _TierMetrics(reg, model_name)
         for metric in (
             self.num_requests_in_flight,
@@ -235,6 +245,22 @@ class ServerMetrics:
             )
             self._row_totals = rows
             self._tiers.refresh(ranks)
+            self._refresh_resume_slots([c.resume_slots for c in caches if c.resume_slots])
+
+    def _refresh_resume_slots(self, pools: list[ResumeSlotStats]) -> None:
+        if not pools:
+            return
+        totals = {
+            "hits": sum(p.num_hits for p in pools),
+            "misses": sum(p.num_misses for p in pools),
+            "corrupt": sum(p.num_corrupt for p in pools),
+            "evicted": sum(p.num_evicted for p in pools),
+        }
+        for name, total in totals.items():
+            self.resume_slots[name].labels(self._model).inc(total - self._resume_totals[name])
+        self._resume_totals = totals
+        self.resume_slot_bytes.labels(self._model).set(sum(p.num_bytes for p in pools))
+        self.resume_slot_count.labels(self._model).set(sum(p.num_slots for p in pools))
 
     def render(self, engine: EngineClient | None) -> bytes:
         """The Prometheus text exposition (engine gauges refreshed first when given)."""

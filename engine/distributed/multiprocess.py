@@ -247,6 +247,9 @@ class MultiProcessEngine:
     def failure(self) -> str | None:
         return self._failure
 
+    def resume_slot_payload(self, slot_id: int, generation: int) -> bytes | None:
+        return None  # the ranks' slots stay in their processes (no cross-process pulls yet)
+
     @property
     def rank_pids(self) -> list[int]:
         """The process ids of this node's ranks (tests, logs)."""

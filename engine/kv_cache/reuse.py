@@ -54,10 +54,11 @@ from engine.kv_cache.hashing import KEY_BYTES, chain_seed, combine_salts, extend
 from engine.kv_cache.host import CopyHandle, HostBlockPool, HostPoolStats
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.prefix import PrefixCache
+from engine.kv_cache.resume import ResumeSlot, ResumeTier
 from engine.kv_cache.store.format import BlockIdentity
 from engine.kv_cache.store.tiers import BlockTiers, LoadJob, WriteItem
 from engine.kv_cache.store.ttl import CHAT
-from engine.outputs import PrefixRestore
+from engine.outputs import PrefixRestore, SlotRestore
 from engine.request import Request
 
 
@@ -143,6 +144,7 @@ class CacheHit:
     loaded: tuple[bytes, ...] = ()
     loaded_tiers: tuple[str, ...] = ()
     num_host_blocks: int = 0
+    resume: ResumeSlot | None = None  # the resume slot restoring [P0, L): then P = L
 
 
 @dataclass(frozen=True)
@@ -190,8 +192,10 @@ class PrefixReuse:
         kv_manager: KVCacheManager,
         store: StoreTiers | None = None,
         host: HostTier | None = None,
+        resume: ResumeTier | None = None,
     ) -> None:
-        """store: the directory tiers (None: none). host: the host tier (None: none)."""
+        """store: the directory tiers (None: none). host: the host tier (None: none).
+        resume: the resume slots of finished sequences (`resume.py`; None: none kept)."""
         if kv_manager.prefix_cache is None:
             raise ValueError("the KVCacheManager has no PrefixCache attached")
         if kv_manager.config.block_tokens != config.block_tokens:
@@ -202,6 +206,7 @@ class PrefixReuse:
         self.store = store
         self.host = host
         self._pending_writes: deque[_PendingWrite] = deque()
+        self.resume = resume
         self._num_queried = 0
         self._num_hit = 0
         self._num_replayed = 0
@@ -215,7 +220,15 @@ class PrefixReuse:
         return sum(1 for rid in self._lookups if rid not in self._settled)
 
     def is_ready(self, request: Request) -> bool:
-        """Whether a waiting request may be admitted now (always, without directory tiers).
+        """Whether a waiting request may be admitted now: its directory lookup and its pull
+        of another server's resume slot (`ResumeTier.is_ready`), if any, are over."""
+        slot_ready = self.resume is None or self.resume.is_ready(
+            request, self._keys(request), self._seed(request)
+        )
+        return self._is_store_ready(request) and slot_ready
+
+    def _is_store_ready(self, request: Request) -> bool:
+        """Whether the request's directory lookup is over (always, without directory tiers).
 
         Mutates: the first call for a request whose chain continues past the GPU tier starts
         a directory lookup (the request is then waiting for KV); it is ready once the lookup
@@ -263,6 +276,26 @@ class PrefixReuse:
             loaded = lookup.job.payloads()[skip:]
             tiers = lookup.job.tiers()[skip : skip + len(loaded)]
         num_cached = (num_fast + len(loaded)) * self.config.block_tokens
+        replay_start = max(0, num_cached - self.config.replay_tokens)
+        slot = (
+            None
+            if self.resume is None
+            else self.resume.find(request, keys, self._seed(request), num_fast + len(loaded))
+        )
+        if slot is not None and slot.length >= replay_start:  # exact, and computes no more
+            num_blocks = slot.num_boundary_tokens // self.config.block_tokens
+            num_gpu = min(len(blocks), num_blocks)
+            num_host_used = min(num_host, num_blocks - num_gpu)
+            num_loaded = num_blocks - num_gpu - num_host_used
+            return CacheHit(
+                tuple(blocks[:num_gpu]),
+                slot.length,
+                slot.length,
+                loaded=tuple(loaded[:num_loaded]),
+                loaded_tiers=tuple(tiers[:num_loaded]),
+                num_host_blocks=num_host_used,
+                resume=slot,
+            )
         return CacheHit(
             blocks=tuple(blocks),
             num_cached_tokens=num_cached,
@@ -299,6 +332,14 @@ class PrefixReuse:
                     self.host.pool.put_bytes(key, payload, tier)
         num_cached = (first + len(loaded)) * self.config.block_tokens
         replay_start = max(0, num_cached - self.config.replay_tokens)
+        # A resume needs every block below its boundary (a corrupt host block ends the run).
+        slot = hit.resume
+        if slot is not None and num_cached != slot.num_boundary_tokens:
+            slot = None
+        if self.resume is not None:
+            self.resume.admit(request, slot)
+        if slot is not None:
+            num_cached = replay_start = slot.length
         request.num_reused_tokens = num_cached
         request.replay_start = replay_start
         request.num_computed_tokens = replay_start
@@ -311,6 +352,9 @@ class PrefixReuse:
         by_tier = ("gpu",) * num_gpu + ("host",) * num_host + hit.loaded_tiers[: len(loaded)]
         for tier in by_tier:
             self._hit_by_tier[tier] = self._hit_by_tier.get(tier, 0) + self.config.block_tokens
+        if slot is not None:
+            num_tail = len(slot.tail_token_ids)
+            self._hit_by_tier["resume"] = self._hit_by_tier.get("resume", 0) + num_tail
         if self.host is not None:
             self.host.pool.touch(keys[:num_gpu])  # a GPU hit keeps the host copy recent too
         if self.store is not None and first:
@@ -356,8 +400,11 @@ class PrefixReuse:
         full prompt blocks for the directory tiers.
 
         Mutates: new full blocks enter the cache (a block whose prefix another block already
-        holds stays unindexed); `request.num_indexed_blocks` advances."""
+        holds stays unindexed); `request.num_indexed_blocks` advances; a resume slot whose
+        restore has run is released."""
         self.poll()
+        if self.resume is not None:
+            self.resume.applied(request)
         num_full = request.num_computed_tokens // self.config.block_tokens
         if num_full <= request.num_indexed_blocks:
             return
@@ -412,6 +459,8 @@ class PrefixReuse:
     def forget(self, request: Request) -> None:
         """The request lost its blocks (preempted): reset what described its admission."""
         request.num_reused_tokens = request.replay_start = request.num_indexed_blocks = 0
+        if self.resume is not None:
+            self.resume.drop(request)
 
     def release(self, request: Request) -> None:
         """The request left the waiting queue (admitted or finished): drop its directory
@@ -420,6 +469,27 @@ class PrefixReuse:
         if lookup is not None:
             lookup.job.cancel()
         self._settled.discard(request.request_id)
+        if self.resume is not None:
+            self.resume.drop(request)
+            self.resume.forget_wait(request)
+
+    def resume_info(self, request: Request, start_position: int) -> SlotRestore | None:
+        """The resume slot the chunk starting at `start_position` copies back first (only the
+        first chunk of a request admitted from a slot), or None."""
+        if self.resume is None:
+            return None
+        table = self.kv_manager.block_table(request.request_id)
+        return self.resume.restore(request, start_position, table)
+
+    def retire(self, request: Request) -> None:
+        """A running request finished (not aborted): snapshot its state into a resume slot
+        while it still holds its state slot and blocks. Mutates the resume pool only."""
+        if self.resume is None or not self.kv_manager.is_allocated(request.request_id):
+            return
+        rid = request.request_id
+        keys, seed = self._keys(request), self._seed(request)
+        table = self.kv_manager.block_table(rid)
+        self.resume.retire(request, keys, seed, self.kv_manager.slot(rid), table)
 
     def stats(self) -> PrefixReuseStats:
         return PrefixReuseStats(

@@ -277,3 +277,18 @@ async def detokenize(
 @router.get("/metrics")
 async def metrics(state: Annotated[ServerState, Depends(get_state)]) -> Response:
     return Response(state.metrics.render(state.engine), media_type=CONTENT_TYPE)
+
+
+@router.get("/internal/kv/slot/{slot_id}", include_in_schema=False)
+async def resume_slot(
+    slot_id: int,
+    generation: int,
+    engine: Annotated[EngineClient, Depends(get_engine)],
+) -> Response:
+    """A resume slot's bytes for another server sharing the cache directory (`cache.md` §3.4;
+    the puller checks the length and CRC its pointer file promised); 404 when this server
+    holds no slot of that id and generation."""
+    payload = engine.resume_slot_payload(slot_id, generation)
+    if payload is None:
+        raise APIError(ErrorKind.NOT_FOUND, f"no resume slot {slot_id} of generation {generation}")
+    return Response(payload, media_type="application/octet-stream")

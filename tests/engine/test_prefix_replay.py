@@ -311,7 +311,7 @@ def test_multi_turn_greedy_outputs_equal_the_uncached_engine(
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     model = tiny_model_exact_kv
     off = _engine(model, enable_prefix_caching=False)
-    on = _engine(model, swa_replay=swa_replay)
+    on = _engine(model, swa_replay=swa_replay, resume_slot_memory=0)  # block hits only
     results = asyncio.run(_conversation([on, off], _tokens(200, seed=5), greedy, 3))
     assert [r[0][0] for r in results] == [r[1][0] for r in results]
     # Turn 1 computed 200 + 7 positions: one full block; turn 2 (357 + 8 tokens) had 2 more.

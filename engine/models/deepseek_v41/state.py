@@ -253,3 +253,68 @@ def sequential_batch(
         slots=ints_to_device(list(slots), device),
         block_tables=block_tables.to(device),
     )
+
+
+# ---------------------------------------------------------------------------- resume slots
+
+_SLOT_ALIGN = 16  # every part of a slot payload starts at a multiple of this byte offset
+
+
+def _slot_parts(state: ModelState, slot: int, tail_block: int | None) -> list[Tensor]:
+    """The tensors a resume slot copies, in payload order: every per-sequence pool's row of
+    `slot` (window rings, pending pairs, token history, draft rings), then the global KV and
+    index keys of pool block `tail_block` (the sequence's partial last block), if any."""
+    parts = [ring[slot] for ring in state.swa]
+    parts += [state.pending[s][slot] for s in state.pending]
+    parts.append(state.tokens[slot])
+    parts += [ring[slot] for ring in state.draft_swa]
+    if tail_block is not None:
+        parts += [state.global_kv[s][tail_block] for s in state.global_kv]
+        parts += [state.index_keys[s][tail_block] for s in state.index_keys]
+    return parts
+
+
+def _part_offsets(parts: list[Tensor]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for part in parts:
+        offsets.append(end)
+        end += -(-(part.numel() * part.element_size()) // _SLOT_ALIGN) * _SLOT_ALIGN
+    return offsets, end
+
+
+def slot_payload_len(state: ModelState, with_tail: bool = True) -> int:
+    """Bytes of one resume-slot payload (see `export_slot`), with or without a tail block."""
+    return _part_offsets(_slot_parts(state, 0, 0 if with_tail else None))[1]
+
+
+def export_slot(state: ModelState, slot: int, tail_block: int | None) -> Tensor:
+    """A sequence's private state as one flat uint8 host tensor (`cache.md` §3.2): the rows of
+    `slot` in every per-sequence pool and pool block `tail_block`'s global KV and index keys.
+
+    On CUDA the tensor is pinned and filled by non-blocking copies queued on the current
+    stream (after every step already queued): read it only after a `torch.cuda.Event`
+    recorded next. Rows keep the pools' storage formats, so `import_slot` is a plain copy.
+    """
+    parts = _slot_parts(state, slot, tail_block)
+    offsets, total = _part_offsets(parts)
+    on_cuda = state.tokens.device.type == "cuda"
+    out = torch.zeros(total, dtype=torch.uint8, pin_memory=on_cuda)
+    for part, offset in zip(parts, offsets, strict=True):
+        flat = part.contiguous().view(torch.uint8).reshape(-1)
+        out[offset : offset + flat.numel()].copy_(flat, non_blocking=on_cuda)
+    return out
+
+
+def import_slot(state: ModelState, slot: int, tail_block: int | None, payload: Tensor) -> None:
+    """Write a payload from `export_slot` into `slot` and pool block `tail_block` (which must
+    be None exactly when the payload has no tail block). Raises ValueError for a payload of
+    the wrong length."""
+    parts = _slot_parts(state, slot, tail_block)
+    offsets, total = _part_offsets(parts)
+    if payload.numel() != total or payload.dtype != torch.uint8:
+        raise ValueError(f"slot payload of {payload.numel()} bytes, expected {total}")
+    non_blocking = payload.is_pinned()
+    for part, offset in zip(parts, offsets, strict=True):
+        size = part.numel() * part.element_size()
+        rows = payload[offset : offset + size].view(part.dtype).view(part.shape)
+        part.copy_(rows.to(part.device, non_blocking=non_blocking), non_blocking=non_blocking)
