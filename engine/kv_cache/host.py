@@ -27,10 +27,10 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from engine.kv_cache.store.format import padded_len
 
@@ -223,6 +223,8 @@ class HostBlockPool:
             raise ValueError(f"payload of {len(payload)} bytes, expected {self.payload_len}")
 
         def copy(_: list[int], views: list[Tensor]) -> CopyHandle:
+            import torch  # (the scheduler imports this module: it stays torch-free)
+
             views[0].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             return DONE
 
@@ -375,6 +377,8 @@ class HostBlockPool:
         return None
 
     def _new_chunk(self, first_slot: int) -> Tensor:
+        import torch  # (the scheduler imports this module: it stays torch-free)
+
         num = min(self._slots_per_chunk, self.config.num_slots - first_slot)
         return torch.zeros(
             num, self.config.slot_bytes, dtype=torch.uint8, pin_memory=self.config.pin_memory
