@@ -62,6 +62,9 @@ class NoisePurpose(enum.IntEnum):
     """Independent random streams for one (seed, position). Each consumer gets its own member."""
 
     SAMPLE = 1  # the Gumbel noise of the ordinary next-token draw
+    DRAFT = 2  # the Gumbel noise of a sampled speculative draft (`engine/speculative`)
+    COIN = 3  # the uniform of a draft's rejection test
+    RESIDUAL = 4  # the Gumbel noise of the residual draw after a rejection
 
 
 _MASK32 = 0xFFFFFFFF
@@ -575,6 +578,16 @@ class Sampler:
         x = process_logits(logits, batch)
         token_ids = self._draw(x, batch)
         return _logprobs(x, token_ids, batch)
+
+    def draw(self, processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The token `sample` would draw for each row of already `process_logits`-ed logits."""
+        return self._draw(processed, batch)
+
+    def logprobs_of(
+        self, processed: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+    ) -> SamplerOutput:
+        """`sample`'s output for given `token_ids` (speculation: the committed tokens)."""
+        return _logprobs(processed, token_ids, batch)
 
     def _draw(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """argmax for greedy rows, argmax(x + Gumbel(seed, position, token)) for the others."""
