@@ -41,6 +41,8 @@ from engine.overlap import OverlappedCore
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.scheduling import DraftScheduling, build_planner
 from engine.step_budget import (
     CPU_TIME_PRIOR,
     CUDA_TIME_PRIOR,
@@ -50,6 +52,7 @@ from engine.step_budget import (
 )
 
 if TYPE_CHECKING:
+    from engine.speculative.drafts import DraftSource
     from engine.structured import CompiledConstraint
 
 logger = logging.getLogger(__name__)
@@ -117,6 +120,14 @@ class EngineConfig:
     resume_slot_url: this server's base URL; with `kv_cache_shared_dir`, its slots are
         announced there by pointer files naming it, and slots of the other servers sharing the
         directory are pulled from them (`GET /internal/kv/slot/{id}`; `resume_dir.py`).
+    speculative: `dspark` (draft with the checkpoint's DSpark drafter and verify several
+        tokens per step, `engine/speculative/`) or `off`; None = `dspark` on CUDA when the
+        model has the drafter, `off` on the CPU. Speculation runs the synchronous loop (the
+        async loop's placeholders cannot stand for a step's variable number of tokens yet).
+    num_speculative_tokens: drafts per request and step (1 to the drafter's block, 5).
+    speculative_verify: `fixed` verifies every draft; `scheduled` the planner's budget.
+    speculative_acceptance: `rejection` (sampled output has the non-speculative distribution)
+        or `coupled` (seeded output is bit-identical to the non-speculative one).
     """
 
     model: str = "default"
@@ -143,12 +154,17 @@ class EngineConfig:
     engram_placement: str = "auto"
     resume_slot_memory: int = DEFAULT_RESUME_SLOT_MEMORY
     resume_slot_url: str | None = None
+    speculative: str | None = None
+    num_speculative_tokens: int = 5
+    speculative_verify: str = "fixed"
+    speculative_acceptance: str = "rejection"
 
     def __post_init__(self) -> None:
         if self.host_kv_cache_bytes is not None and self.host_kv_cache_bytes < 0:
             raise ValueError("host_kv_cache_bytes must be >= 0")
         self.dir_tiers()  # raises ValueError for a bad directory-tier option
         resolve_engram_placement(self.engram_placement, self.device, 1)  # ValueError if unknown
+        self.speculative_config(on_cuda=False, has_drafter=True)  # ValueError for bad options
         if self.swa_replay not in ("bounded", "exact"):
             raise ValueError(f"swa_replay must be bounded or exact, not {self.swa_replay!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -163,6 +179,21 @@ class EngineConfig:
             raise ValueError("activation_memory_bytes must be > 0")
         if self.resume_slot_memory < 0:
             raise ValueError("resume_slot_memory must be >= 0")
+
+    def speculative_config(self, *, on_cuda: bool, has_drafter: bool) -> SpeculativeConfig:
+        """The speculation these options select for a model on CUDA (or not) with (or without)
+        the DSpark drafter. Raises ValueError for a bad value, or `dspark` without a drafter."""
+        method = self.speculative
+        if method is None:
+            method = "dspark" if on_cuda and has_drafter else "off"
+        if method == "dspark" and not has_drafter:
+            raise ValueError("--speculative dspark needs a checkpoint with the DSpark drafter")
+        return SpeculativeConfig(
+            method=method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            verify=self.speculative_verify,
+            acceptance=self.speculative_acceptance,
+        )
 
     @property
     def quantized_experts(self) -> bool:
@@ -232,12 +263,22 @@ class AsyncEngine:
         return cls.from_model(model, config)
 
     @classmethod
-    def from_model(cls, model: DeepseekV41ForCausalLM, config: EngineConfig) -> AsyncEngine:
+    def from_model(
+        cls,
+        model: DeepseekV41ForCausalLM,
+        config: EngineConfig,
+        *,
+        draft_source: DraftSource | None = None,
+    ) -> AsyncEngine:
         """The engine over `model`. The context limit is the configured (or the model's) one,
         lowered to the longest context whose steps fit the activation memory budget, so that
-        the server refuses longer prompts at admission."""
+        the server refuses longer prompts at admission. draft_source: where speculative drafts
+        come from (default: the model's DSpark drafter)."""
         cache = CacheConfig(num_blocks=config.kv_cache_tokens // 128, num_slots=config.max_num_seqs)
         kv_manager = KVCacheManager(cache, PrefixCache() if config.enable_prefix_caching else None)
+        speculative = config.speculative_config(
+            on_cuda=model.device.type == "cuda", has_drafter=model.mtp is not None
+        )
         runner = ModelRunner(
             model,
             cache.num_slots,
@@ -247,6 +288,8 @@ class AsyncEngine:
                 if config.overlap_grammar_mask is None
                 else config.overlap_grammar_mask
             ),
+            speculative=speculative,
+            draft_source=draft_source,
         )
         step_budget = _step_budget(model, config)
         max_model_len = config.max_model_len or model.config.max_position_embeddings
@@ -284,8 +327,19 @@ class AsyncEngine:
                 resume_slot_bytes=_log_resume_slots(config, runner.state),
                 resume_slot_url=config.resume_slot_url,
             ),
+            speculation=(
+                DraftScheduling(
+                    speculative.num_speculative_tokens, build_planner(speculative, model)
+                )
+                if speculative.is_enabled
+                else None
+            ),
         )
         overlapped = config.async_scheduling
+        if speculative.is_enabled:
+            if overlapped:
+                raise ValueError("speculative decoding does not run with async scheduling yet")
+            overlapped = False
         if overlapped is None:
             overlapped = model.device.type != "cpu"
         core_type = OverlappedCore if overlapped else EngineCore

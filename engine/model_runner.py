@@ -53,6 +53,9 @@ from engine.outputs import (
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 
 if TYPE_CHECKING:
+    from engine.speculative.config import SpeculativeConfig
+    from engine.speculative.drafts import DraftSource
+    from engine.speculative.step import SpeculativeStep
     from engine.structured.tracker import GrammarTracker
 
 LOGPROB_FLOOR = -9999.0
@@ -311,9 +314,13 @@ class ModelRunner:
         num_blocks: int,
         *,
         overlap_grammar_mask: bool = True,
+        speculative: SpeculativeConfig | None = None,
+        draft_source: DraftSource | None = None,
     ) -> None:
         """overlap_grammar_mask: fill a step's grammar bitmask on a worker thread while the
-        forward runs (False: fill it on the step's thread before the forward)."""
+        forward runs (False: fill it on the step's thread before the forward).
+        speculative: with an enabled config every step runs `SpeculativeStep` (drafts from
+        `draft_source`, by default the model's DSpark drafter over this runner's state)."""
         self.model = model
         self.device = model.device
         self.state = model.allocate_state(num_slots, num_blocks)
@@ -321,13 +328,20 @@ class ModelRunner:
         self.overlap_grammar_mask = overlap_grammar_mask
         self.grammar: GrammarTracker | None = None
         self.replay_rows = ReplayRows()  # advanced by every step that replays
+        self.speculative: SpeculativeStep | None = None
+        if speculative is not None and speculative.is_enabled:
+            from engine.speculative.drafts import DSparkDrafts
+            from engine.speculative.step import SpeculativeStep
+
+            source = draft_source or DSparkDrafts(model, self.state)
+            self.speculative = SpeculativeStep(speculative, source)
 
     def release(self, request_ids: list[str]) -> None:
         """Forget what the runner holds for finished requests (their grammar matchers)."""
         if self.grammar is not None:
             self.grammar.release(request_ids)
 
-    def _grammar_for(self, infos: list[SamplingInfo]) -> GrammarTracker | None:
+    def grammar_for(self, infos: list[SamplingInfo]) -> GrammarTracker | None:
         if self.grammar is None and any(info.constraint is not None for info in infos):
             from engine.structured.tracker import GrammarTracker
 
@@ -406,8 +420,11 @@ class ModelRunner:
 
         Chunks that `invalid_chunks` refuses are left out of the step and reported in
         `ModelOutput.failed`; the others run as if they were alone. Synchronous: the three
-        phases of `launch` → `sample` → `collect` back to back.
+        phases of `launch` → `sample` → `collect` back to back. With speculation, the
+        speculative step (`engine/speculative/step.py`), which may sample several tokens.
         """
+        if self.speculative is not None:
+            return self.speculative.execute(self, output)
         step = self.launch(output)
         self.sample(step)
         return self.collect(step)
@@ -419,7 +436,10 @@ class ModelRunner:
 
         previous: the step still in flight, whose device-side sampled ids replace the
         `PLACEHOLDER_TOKEN_ID` entries of `output` (the ids never visit the host first).
+        Raises RuntimeError with speculation on (its steps run through `execute`).
         """
+        if self.speculative is not None:
+            raise RuntimeError("speculative decoding runs synchronous steps (execute)")
         failed = self.invalid_chunks(output)
         if failed:
             chunks = tuple(c for c in output.chunks if c.request_id not in failed)
@@ -433,7 +453,7 @@ class ModelRunner:
         for chunk in output.chunks:
             self.replay_rows = self.replay_rows.add(chunk)
         infos = [c.sampling for c in step.sampled_chunks]
-        grammar = self._grammar_for(infos)
+        grammar = self.grammar_for(infos)
         if grammar is not None and not step.needs_host_tokens:
             step.pending_mask = grammar.start_mask(step.request_ids, infos)
         self.restore_resume_slots(output)
@@ -461,7 +481,7 @@ class ModelRunner:
             return
         infos = [_resolve(c, previous_tokens or {}, dropped) for c in step.sampled_chunks]
         step.dropped = frozenset(dropped)
-        grammar = self._grammar_for(infos)
+        grammar = self.grammar_for(infos)
         if grammar is not None:
             if step.pending_mask is None:
                 step.pending_mask = grammar.start_mask(step.request_ids, infos)
@@ -497,24 +517,44 @@ class ModelRunner:
                 [token_ids[i] for i in kept],
             )
         sampled = {c.request_id: [t] for c, t in zip(chunks, token_ids, strict=True)}
-        logprobs: dict[str, list[TokenLogprob]] = {}
-        if result.logprobs is not None:
-            chosen = result.logprobs.tolist()
-            top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-            top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-            for row, chunk in enumerate(chunks):
-                k = chunk.sampling.params.num_logprobs
-                if not chunk.sampling.params.logprobs:
-                    continue
-                top = ()
-                if k and top_ids is not None and top_lps is not None:
-                    # Alternatives removed by top-k/top-p/min-p have logprob −inf; JSON has no
-                    # infinity, so they are reported at a floor, as vLLM does.
-                    lps = [max(lp, LOGPROB_FLOOR) for lp in top_lps[row][:k]]
-                    top = tuple(zip(top_ids[row][:k], lps, strict=True))
-                chosen_lp = max(chosen[row], LOGPROB_FLOOR)
-                logprobs[chunk.request_id] = [TokenLogprob(token_ids[row], chosen_lp, top)]
+        logprobs = token_logprobs(result, token_ids, chunks, [(1, 1)] * len(chunks))
         return ModelOutput(sampled=sampled, logprobs=logprobs, failed=step.failed)
+
+
+def token_logprobs(
+    result: SamplerOutput,
+    token_ids: Sequence[int],
+    chunks: Sequence[ScheduledChunk],
+    counts: Sequence[tuple[int, int]],
+) -> dict[str, list[TokenLogprob]]:
+    """The logprob entries of the chunks that asked for them. Rows are chunk-major: chunk i owns
+    `counts[i][0]` consecutive rows of `result` (row r sampled `token_ids[r]`), of which the
+    first `counts[i][1]` emitted a token (speculation: one row per committed token)."""
+    if result.logprobs is None:
+        return {}
+    chosen = result.logprobs.tolist()
+    top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+    top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+    logprobs: dict[str, list[TokenLogprob]] = {}
+    first = 0
+    for chunk, (num_rows, num_emitted) in zip(chunks, counts, strict=True):
+        rows = range(first, first + num_emitted)
+        first += num_rows
+        params = chunk.sampling.params
+        if not params.logprobs:
+            continue
+        k = params.num_logprobs
+        entries = []
+        for row in rows:
+            top = ()
+            if k and top_ids is not None and top_lps is not None:
+                # Alternatives removed by top-k/top-p/min-p have logprob −inf; JSON has no
+                # infinity, so they are reported at a floor, as vLLM does.
+                lps = [max(lp, LOGPROB_FLOOR) for lp in top_lps[row][:k]]
+                top = tuple(zip(top_ids[row][:k], lps, strict=True))
+            entries.append(TokenLogprob(token_ids[row], max(chosen[row], LOGPROB_FLOOR), top))
+        logprobs[chunk.request_id] = entries
+    return logprobs
 
 
 class StepInFlight:

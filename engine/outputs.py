@@ -80,6 +80,10 @@ class ScheduledChunk:
     sampling: SamplingInfo | None  # None: a prefill chunk that does not reach the end yet
     restore: PrefixRestore | None = None  # set while the chunk replays cached positions
     resume: SlotRestore | None = None  # set on the first chunk of a request resumed from a slot
+    # Speculation: the most drafts this decode row may verify after its token (its blocks cover
+    # them); the runner drafts and verifies L ≤ num_draft_slots, and `ModelOutput.sampled`
+    # then holds 1 + (accepted drafts) tokens, all computed but the last.
+    num_draft_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     num_tokens: int
     finished_request_ids: tuple[str, ...] = ()  # freed since the last step (runner may drop state)
+    draft_budget: int = 0  # speculation: drafts the step verifies, all requests together
 
     @property
     def is_empty(self) -> bool:
@@ -113,7 +118,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """Sampled tokens for every chunk that had `sampling` (several per request later: drafts).
+    """Sampled tokens for every chunk that had `sampling` (several with speculation: the
+    accepted drafts and the token after them).
 
     failed: request id -> why its chunk was not run (e.g. a token id outside the vocabulary);
     that request alone ends with an error, the others of the step proceed.
@@ -122,6 +128,8 @@ class ModelOutput:
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprob]]
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculation: each drafting request's survivals S_1..S_K (for the planner's lagged budget).
+    draft_survivals: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

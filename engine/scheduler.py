@@ -60,6 +60,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.reuse import PrefixReuse
@@ -75,6 +76,9 @@ from engine.outputs import (
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.step_budget import StepBudget, StepShape
+
+if TYPE_CHECKING:
+    from engine.speculative.scheduling import DraftScheduling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +118,7 @@ class _StepPlan:
         self.budget_left = budget
         self.step_budget = step_budget
         self.num_new_tokens: dict[str, int] = {}
+        self.num_draft_slots: dict[str, int] = {}  # speculation: decode rows' draft caps
         self.end_positions: dict[str, int] = {}
         self.num_preempted = 0
 
@@ -134,14 +139,17 @@ class _StepPlan:
             max(ends, default=0),
         )
 
-    def add(self, request: Request, num_tokens: int) -> None:
+    def add(self, request: Request, num_tokens: int, num_draft_slots: int = 0) -> None:
         self.num_new_tokens[request.request_id] = num_tokens
         self.end_positions[request.request_id] = request.num_scheduled_tokens + num_tokens
-        self.budget_left -= num_tokens
+        self.budget_left -= num_tokens + num_draft_slots
+        if num_draft_slots:
+            self.num_draft_slots[request.request_id] = num_draft_slots
 
     def drop(self, request_id: str) -> None:
         self.end_positions.pop(request_id, None)
         self.budget_left += self.num_new_tokens.pop(request_id, 0)
+        self.budget_left += self.num_draft_slots.pop(request_id, 0)
 
 
 class Scheduler:
@@ -160,15 +168,19 @@ class Scheduler:
         step_budget: StepBudget | None = None,
         *,
         prefix_reuse: PrefixReuse | None = None,
+        speculation: DraftScheduling | None = None,
     ) -> None:
         """step_budget: bounds each chunk by activation memory and step time (default: the
         token budget alone). prefix_reuse: the prefix-cache collaborator (None: no caching);
         it matches waiting requests at admission and indexes blocks as they fill
-        (`engine/kv_cache/reuse.py`)."""
+        (`engine/kv_cache/reuse.py`). speculation: draft caps and the step's draft budget
+        (`engine/speculative/scheduling.py`; None: one token per decode row). It needs the
+        synchronous loop (`update` after each `schedule`)."""
         self.config = config
         self.kv_manager = kv_manager
         self.step_budget = step_budget or StepBudget()
         self.prefix_reuse = prefix_reuse
+        self.speculation = speculation
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._waiting: list[Request] = []  # sorted by _order_key
         self._running: list[Request] = []  # sorted by _order_key (best first)
@@ -276,7 +288,9 @@ class Scheduler:
              only at output index >= `min_tokens` (the sampler bans them below that);
           2. `max_tokens` outputs reached;
           3. `max_model_len` tokens reached.
-        A finished request is FINISHED with STOP or LENGTH and its KV is freed.
+        A finished request is FINISHED with STOP or LENGTH and its KV is freed. With
+        speculation a decode row may sample 1 + a tokens (a ≤ its `num_draft_slots` accepted
+        drafts, whose positions the step computed): `num_computed_tokens` advances by a more.
 
         Returns: first the final Deltas of requests rejected or aborted since the last `update`
         (no new tokens, `finish_reason=ABORT`, `error` for rejections), then one Delta per
@@ -305,11 +319,13 @@ class Scheduler:
                     f"request {chunk.request_id!r}: chunk starts at {chunk.start_position} but "
                     f"{request.num_computed_tokens} tokens are computed (update out of order?)"
                 )
-            request.num_computed_tokens += len(chunk.token_ids)
+            request.num_computed_tokens += len(chunk.token_ids) + _num_accepted(chunk, model_output)
             if self.prefix_reuse is not None:
                 self.prefix_reuse.commit(request)
             if chunk.sampling is not None:
                 deltas.append(self._append_sampled(request, model_output))
+        if self.speculation is not None:
+            self.speculation.observe(model_output.draft_survivals, self._requests)
         return deltas
 
     # ---------------------------------------------------------------- integrity
@@ -394,8 +410,18 @@ class Scheduler:
             num_new = plan.chunk_len(request)
             if num_new == 0:
                 continue  # the step budget is spent: this chunk waits for the next step
-            if self._allocate_or_preempt(request, request.num_scheduled_tokens + num_new, plan):
-                plan.add(request, num_new)
+            drafts = self._draft_slots(request, plan) if decoding else 0
+            end = request.num_scheduled_tokens + num_new + drafts
+            if self._allocate_or_preempt(request, end, plan):
+                plan.add(request, num_new, drafts)
+
+    def _draft_slots(self, request: Request, plan: _StepPlan) -> int:
+        """Drafts a decoding request may verify this step (0 without speculation), within the
+        token budget left after its own row."""
+        if self.speculation is None or request.num_output_placeholders:
+            return 0
+        cap = self.speculation.cap(request, self.config.max_model_len)
+        return max(0, min(cap, plan.budget_left - 1))
 
     def _reaches_length_limit(self, request: Request) -> bool:
         """True when the outputs a step in flight samples already end the request for length
@@ -504,6 +530,7 @@ class Scheduler:
                         if self.prefix_reuse is None
                         else self.prefix_reuse.resume_info(request, start)
                     ),
+                    num_draft_slots=plan.num_draft_slots.get(request_id, 0),
                 )
             )
         finished, self._finished_ids = tuple(self._finished_ids), []
@@ -511,7 +538,17 @@ class Scheduler:
             chunks=tuple(chunks),
             num_tokens=sum(plan.num_new_tokens.values()),
             finished_request_ids=finished,
+            draft_budget=self._draft_budget(plan),
         )
+
+    def _draft_budget(self, plan: _StepPlan) -> int:
+        """The planner's budget for the step's draft slots (0 without speculation)."""
+        if self.speculation is None:
+            return 0
+        rows = [(self._requests[rid], cap) for rid, cap in plan.num_draft_slots.items()]
+        drafting = plan.num_draft_slots
+        prefill = sum(n for rid, n in plan.num_new_tokens.items() if rid not in drafting)
+        return self.speculation.budget(rows, prefill)
 
     # ---------------------------------------------------------------- update helpers
 
@@ -575,6 +612,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished_ids.append(request.request_id)
+        if self.speculation is not None:
+            self.speculation.forget(request.request_id)
 
     def _rejection_reason(self, request: Request) -> str | None:
         return self.rejection_reason(request.num_prompt_tokens, request.params.max_tokens)
@@ -596,6 +635,20 @@ class Scheduler:
         Pure: reads only configuration, so the front end may ask before admitting a request
         (a 400 instead of a failed stream)."""
         return self.limits.rejection_reason(num_prompt, max_tokens)
+
+
+def _num_accepted(chunk: ScheduledChunk, model_output: ModelOutput) -> int:
+    """Accepted drafts of a chunk: its sampled tokens but the last (0 without drafts)."""
+    if not chunk.num_draft_slots:
+        return 0
+    sampled = model_output.sampled.get(chunk.request_id, ())
+    accepted = max(0, len(sampled) - 1)
+    if accepted > chunk.num_draft_slots:
+        raise RuntimeError(
+            f"request {chunk.request_id!r}: {accepted} drafts accepted, at most "
+            f"{chunk.num_draft_slots} were allowed"
+        )
+    return accepted
 
 
 def _token_range(request: Request, start: int, end: int) -> tuple[int, ...]:

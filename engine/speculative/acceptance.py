@@ -114,14 +114,16 @@ def _row_tests(rows: VerifyRows) -> tuple[torch.Tensor, torch.Tensor]:
     lp, lq = logp.gather(1, d).squeeze(1), logq.gather(1, d).squeeze(1)
     seeds, positions = rows.seeds[sel], rows.positions[sel]
     coin_keys = noise_keys(seeds, positions, NoisePurpose.COIN)
-    u = uniform_from_hash(counter_hash(coin_keys, torch.zeros(1, dtype=torch.long, device=d.device)))
+    first = torch.zeros(1, dtype=torch.long, device=d.device)
+    u = uniform_from_hash(counter_hash(coin_keys, first))
     # NOTE: a proposal with q(d) = 0 (impossible for a draw from q, possible through numerics)
     # is rejected, as is any non-finite test.
     ok = (u.squeeze(1).log() + lq.double() < lp.double()) & torch.isfinite(lq)
     passed[sel] = ok
     excess = (logp.exp() - logq.exp()).clamp_(min=0)
     vocab = torch.arange(excess.shape[1], device=excess.device)
-    noise = gumbel_from_hash(counter_hash(noise_keys(seeds, positions, NoisePurpose.RESIDUAL), vocab))
+    residual_keys = noise_keys(seeds, positions, NoisePurpose.RESIDUAL)
+    noise = gumbel_from_hash(counter_hash(residual_keys, vocab))
     drawn = (excess.log() + noise).argmax(-1)
     # p == q leaves no residual mass; then rejection has probability 0 and any token is fine.
     residual[sel] = torch.where(excess.sum(-1) > 0, drawn, rows.targets[sel])

@@ -90,6 +90,68 @@ class GrammarTracker:
                     "grammar"
                 )
 
+    def draft_mask(
+        self,
+        request_ids: Sequence[str],
+        infos: Sequence[SamplingInfo],
+        drafts: Sequence[Sequence[int]],
+    ) -> StepMask | None:
+        """The bitmask of a speculative step's verify rows: request i owns `1 + len(drafts[i])`
+        consecutive rows, row j masking the token after `drafts[i][:j]` (`dspark.md` §4.1).
+
+        Each constrained matcher fills row 0 from its committed state, then walks the drafts:
+        a draft its previous row allows is accepted and the next row filled; at the first
+        draft it does not allow the walk stops (later rows stay unmasked: that draft has
+        probability 0, so no later row is ever used). The walk is rolled back: matchers end as
+        they began. None when no row is constrained.
+        """
+        offsets = [0]
+        for tokens in drafts:
+            offsets.append(offsets[-1] + 1 + len(tokens))
+        rows: list[int] = []
+        bitmask = torch.empty((offsets[-1], self._bitmask.num_words), dtype=torch.int32)
+        rows_of = zip(request_ids, infos, drafts, offsets, strict=False)
+        for request_id, info, tokens, first in rows_of:
+            matcher = self._matcher_for(request_id, info)
+            if matcher is None:
+                continue
+            matcher.fill_bitmask(bitmask, first)
+            rows.append(first)
+            walked = 0
+            for j, token in enumerate(tokens):
+                word, bit = divmod(token, 32)
+                if not (int(bitmask[first + j, word]) >> bit) & 1 or not matcher.accept([token]):
+                    break
+                walked += 1
+                matcher.fill_bitmask(bitmask, first + j + 1)
+                rows.append(first + j + 1)
+            matcher.rollback(walked)
+        return StepMask(bitmask=bitmask, rows=rows) if rows else None
+
+    def commit_tokens(
+        self,
+        request_ids: Sequence[str],
+        infos: Sequence[SamplingInfo],
+        token_lists: Sequence[Sequence[int]],
+    ) -> None:
+        """Advance each constrained row's matcher on the tokens its step committed, in order;
+        tokens after the grammar terminated (its stop token) are not fed (the request ends there).
+
+        Raises RuntimeError if a committed token breaks its grammar (a row was not masked).
+        """
+        for request_id, info, tokens in zip(request_ids, infos, token_lists, strict=True):
+            if info.constraint is None:
+                continue
+            matcher = self._matchers[request_id]
+            for token_id in tokens:
+                if matcher.is_terminated:
+                    break
+                if not matcher.accept([token_id]):
+                    raise RuntimeError(
+                        f"request {request_id!r}: committed token {token_id} is not allowed by "
+                        "its grammar"
+                    )
+
     def release(self, request_ids: Sequence[str]) -> None:
         """Forget finished requests (unknown ids are ignored)."""
         for request_id in request_ids:

@@ -9,6 +9,7 @@ stages once; each block row attends to the stage's last min(p, W) context rows, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -134,12 +135,15 @@ class DSpark(nn.ModuleList):
         temperature: Tensor | None = None,
         generator: torch.Generator | None = None,
         confidence_temperature: Tensor | None = None,
+        choose: Callable[[int, Tensor], Tensor] | None = None,
     ) -> DraftOutput:
         """Draft `block_size` tokens per sequence.
 
         anchors [B]: last sampled, not yet cached token; positions [B]: its position p.
         context[s]: stored context rows [B, W, row] of stage s for positions context_pos [B, W]
-        (−1 = absent). temperature [B] (0 or None = greedy Markov steps).
+        (−1 = absent). temperature [B] (0 or None = greedy Markov steps). choose(s, z): the
+        draft of Markov step s from its corrected logits z [B, V] (the engine's position-keyed
+        sampling); replaces `temperature`/`generator` when given.
         """
         cfg = self.cfg
         size = cfg.dspark_block_size
@@ -175,8 +179,8 @@ class DSpark(nn.ModuleList):
             if confidence_temperature is not None:
                 c = c / confidence_temperature[s]
             conf.append(torch.sigmoid(c.squeeze(-1)))
-            nxt = z.argmax(-1)
-            if temperature is not None:
+            nxt = z.argmax(-1) if choose is None else choose(s, z)
+            if temperature is not None and choose is None:
                 t = temperature.clamp(min=1e-6)[:, None]
                 sampled = torch.multinomial((z / t).softmax(-1), 1, generator=generator).squeeze(-1)
                 nxt = torch.where(temperature > 0, sampled, nxt)

@@ -655,15 +655,23 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # ---- DSpark -------------------------------------------------------------------------------
 
-    def inject_draft_context(self, batch: StepBatch, features: Tensor, state: ModelState) -> None:
-        """Write the drafter's context rows for every new position of `batch` (KV injection)."""
+    def inject_draft_context(
+        self, batch: StepBatch, features: Tensor, state: ModelState, keep: Tensor | None = None
+    ) -> None:
+        """Write the drafter's context rows for the new positions of `batch` (KV injection).
+
+        keep: the flat rows to write (speculation: only committed rows), each sequence's rows
+        ascending and at most a ring's length of them; default: every sequence's last ring
+        length of rows."""
         if self.mtp is None:
             raise ValueError("this model was built without the DSpark drafter")
-        rows = self.mtp.context_rows(features, batch.positions, self.codecs)
+        if keep is None:
+            keep = batch.token_indices(tail=state.draft_swa[0].shape[1])
+        positions = batch.positions[keep]
+        rows = self.mtp.context_rows(features[keep], positions, self.codecs)
+        slots = batch.slots[batch.seq_of_token[keep]]
         for ring, stage_rows in zip(state.draft_swa, rows, strict=True):
-            keep = batch.token_indices(tail=ring.shape[1])
-            slots = batch.slots[batch.seq_of_token[keep]]
-            ring[slots, batch.positions[keep] % ring.shape[1]] = stage_rows[keep]
+            ring[slots, positions % ring.shape[1]] = stage_rows
 
     @torch.inference_mode()
     def draft(

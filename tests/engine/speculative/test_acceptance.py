@@ -54,9 +54,11 @@ def _generate(logp, logq, num_drafts: int, num_tokens: int = 2) -> torch.Tensor:
         prev_rows = torch.stack(rows_prev, 1).reshape(-1)
         positions = (base[:, None] + torch.arange(1, num_drafts + 2)[None, :]).reshape(-1)
         row_seeds = seeds[idx].repeat_interleave(num_drafts + 1)
-        proposals = torch.cat(
-            [torch.stack(drafts, 1), torch.full((n, 1), -1)], 1
-        ).reshape(-1) if num_drafts else torch.full((n,), -1)
+        proposals = (
+            torch.cat([torch.stack(drafts, 1), torch.full((n, 1), -1)], 1).reshape(-1)
+            if num_drafts
+            else torch.full((n,), -1)
+        )
         processed = logp[prev_rows]
         targets = _gumbel_argmax(processed, row_seeds, positions, NoisePurpose.SAMPLE)
         verdict = verify(

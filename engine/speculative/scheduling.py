@@ -1,0 +1,118 @@
+"""The scheduler's speculation collaborator: per-request draft caps and the step's budget.
+
+The scheduler asks, for each decoding request, how many drafts it may verify (`cap`: never past
+`max_tokens` or the context limit, none for rows whose sampling reads the tokens before them),
+reserves KV for them, and asks the planner for the step's budget B from survivals published at
+least `LAG` steps before (`dspark.md` §3.2: the budget never sees the drafts it admits). The
+runner then verifies the top-B slots by the current survivals (`planner.allocate`).
+
+Pure Python on the host, like the scheduler; the planner's `observe` receives a host tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+from engine.speculative import planner as planners
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.planner import FixedPlanner, PlanRow, VerifyPlanner
+
+# Steps between the step that published a request's survivals and the step that plans with them.
+LAG = 2
+
+
+# The scheduled planner's constructor in `planner.py` (`scheduled_planner(model)`), once it lands.
+SCHEDULED_PLANNER_FACTORY = "scheduled_planner"
+
+
+def build_planner(config: SpeculativeConfig, model: object) -> VerifyPlanner:
+    """The planner `config.verify` names: `fixed` verifies all; `scheduled` is the profiled
+    planner of `planner.py`. Raises ValueError when that planner is not available."""
+    if config.verify == "fixed":
+        return FixedPlanner()
+    factory = getattr(planners, SCHEDULED_PLANNER_FACTORY, None)
+    if factory is None:
+        raise ValueError(
+            "--speculative-verify scheduled needs the scheduled planner "
+            "(engine/speculative/planner.py), which this build does not have yet; "
+            "use --speculative-verify fixed"
+        )
+    return factory(model)
+
+
+@dataclass(frozen=True)
+class _Published:
+    step: int
+    generation: int  # the request's preemption count: resumed requests have no history
+    survivals: tuple[float, ...]
+
+
+class DraftScheduling:
+    """Caps and budgets for one scheduler (see the module docstring). Not thread-safe."""
+
+    def __init__(self, num_speculative_tokens: int, planner: VerifyPlanner) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.planner = planner
+        self._num_steps = 0  # budgets planned so far (the step index of the next one)
+        self._history: dict[str, list[_Published]] = {}
+
+    def cap(self, request: Request, max_model_len: int) -> int:
+        """Drafts a decoding request may verify after its last token this step.
+
+        A step emits at most L + 1 tokens, so L < the outputs left and the context left. Rows
+        whose draw depends on earlier tokens of the same step get none: a penalty history, or a
+        thinking budget whose forced draw would fall on a draft row.
+        """
+        params = request.params
+        cap = min(self.num_speculative_tokens, max_model_len - request.num_tokens - 1)
+        if params.max_tokens is not None:
+            cap = min(cap, params.max_tokens - request.num_output_tokens - 1)
+        if (
+            params.presence_penalty != 0
+            or params.frequency_penalty != 0
+            or params.repetition_penalty != 1
+        ):
+            return 0
+        budget = params.thinking_budget
+        if budget is not None and request.num_output_tokens <= budget.max_tokens:
+            cap = min(cap, budget.max_tokens - request.num_output_tokens - 1)
+        return max(0, cap)
+
+    def budget(self, rows: Sequence[tuple[Request, int]], num_prefill_rows: int) -> int:
+        """The step's draft budget for its (request, cap) decode rows; advances the step."""
+        step = self._num_steps
+        self._num_steps += 1
+        plan_rows = [PlanRow(cap, self._lagged(request, step)) for request, cap in rows if cap > 0]
+        if not plan_rows:
+            return 0
+        total = sum(row.cap for row in plan_rows)
+        return max(0, min(total, self.planner.budget(plan_rows, num_prefill_rows)))
+
+    def observe(
+        self, survivals: Mapping[str, tuple[float, ...]], requests: Mapping[str, Request]
+    ) -> None:
+        """The survivals the last planned step published, by request id."""
+        step = self._num_steps - 1
+        for request_id, values in survivals.items():
+            request = requests.get(request_id)
+            if request is None:
+                continue
+            entries = self._history.setdefault(request_id, [])
+            entries.append(_Published(step, request.num_preemptions, values))
+            del entries[:-LAG]
+        if survivals:
+            self.planner.observe(torch.tensor(list(survivals.values())), len(survivals))
+
+    def forget(self, request_id: str) -> None:
+        self._history.pop(request_id, None)
+
+    def _lagged(self, request: Request, step: int) -> tuple[float, ...] | None:
+        """The newest survivals at least LAG steps old of this generation, or None."""
+        for entry in reversed(self._history.get(request.request_id, ())):
+            if entry.step <= step - LAG and entry.generation == request.num_preemptions:
+                return entry.survivals
+        return None

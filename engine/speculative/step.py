@@ -1,0 +1,302 @@
+"""The runner's step with speculation on: draft → allocate → verify forward → accept → commit.
+
+    chunks       decode rows with `num_draft_slots` (cap) > 0 draft; prefill chunks do not
+    draft        DraftSource.propose(anchors at p)          → K drafts, logits q, confidences
+    allocate     planner.allocate(survivals, caps, budget)  → L_r ≤ cap_r verified drafts
+    forward      one ragged target forward: [anchor, d_1..d_L] at p..p+L, plus prefill chunks
+    masks        per verify row (the grammar walks the drafts, `GrammarTracker.draft_mask`)
+    accept       `acceptance.verify`: a_r accepted, a_r + 1 tokens emitted
+    commit       draft context rows for committed positions (p..p+a), grammar on the emitted
+                 tokens; the scheduler advances `num_computed_tokens` by 1 + a_r
+
+Nothing is rolled back (`dspark.md` §1.11): every state row is addressed by absolute position,
+so the rows written for rejected drafts (window rings, global KV, pending pairs, token history)
+lie at positions ≥ the new anchor's and are rewritten before any query reads them. Only the
+draft rings are written selectively: committed rows only.
+
+A request with no drafts this step (cap 0, or a prefill chunk that samples) is verified as a
+chain of length 0, which is the ordinary sampler's draw from its one row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.model_runner import token_logprobs
+from engine.models import ints_to_device
+from engine.outputs import ModelOutput, SamplingInfo, ScheduledChunk, SchedulerOutput, TokenLogprob
+from engine.sampler import NoisePurpose, SamplingBatch, process_logits
+from engine.speculative.acceptance import VerifyRows, verify
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.drafts import DraftRequests, DraftSource, Proposal
+from engine.speculative.metrics import SpeculativeMetrics
+from engine.speculative.planner import allocate
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which chunks sample and how many drafts each verifies (host data)."""
+
+    sampled: list[int]  # chunk indices that sample, in batch order
+    is_drafting: list[bool]  # per sampled chunk: it drafted (owns a row of the proposal)
+    lengths: list[int]  # L per sampled chunk
+    drafts: list[list[int]]  # the L verified drafts per sampled chunk
+    survivals: dict[str, tuple[float, ...]]  # per drafting request, its K survivals
+
+
+class SpeculativeStep:
+    """`ModelRunner.execute` when speculation is on (see the module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig, drafts: DraftSource) -> None:
+        if config.num_speculative_tokens > drafts.num_drafts:
+            raise ValueError(
+                f"num_speculative_tokens ({config.num_speculative_tokens}) exceeds the drafter's "
+                f"block of {drafts.num_drafts}"
+            )
+        self.config = config
+        self.drafts = drafts
+        self.metrics = SpeculativeMetrics(config.num_speculative_tokens)
+
+    @torch.inference_mode()
+    def execute(self, runner: ModelRunner, output: SchedulerOutput) -> ModelOutput:
+        failed = runner.invalid_chunks(output)
+        if failed:
+            chunks = tuple(c for c in output.chunks if c.request_id not in failed)
+            output = dataclasses.replace(output, chunks=chunks)
+        if output.is_empty:
+            return ModelOutput(sampled={}, logprobs={}, failed=failed)
+        proposal, plan = self._draft(runner, output)
+        verified = _with_drafts(output, plan)
+        batch = runner.build_batch(verified)
+        for chunk in output.chunks:
+            runner.replay_rows = runner.replay_rows.add(chunk)
+        rows = _logit_rows(batch.starts, plan)
+        batch.logits_indices = ints_to_device(rows, runner.device)
+        runner.restore_token_history(output)
+        forward = runner.model.forward_step(batch, runner.state)
+        chunks = [output.chunks[i] for i in plan.sampled]
+        infos = [c.sampling for c in chunks]
+        row_infos = [
+            _row_info(info, j)
+            for info, n in zip(infos, plan.lengths, strict=True)
+            for j in range(n + 1)
+        ]
+        logits = forward.logits
+        grammar = runner.grammar_for(infos)
+        ids = [c.request_id for c in chunks]
+        if grammar is not None:
+            grammar.apply_mask(grammar.draft_mask(ids, infos, plan.drafts), logits)
+        sampling = SamplingBatch.from_infos(
+            row_infos,
+            runner.model.config.vocab_size,
+            runner.device,
+            eos_token_id=runner.model.config.eos_token_id,
+        )
+        processed = process_logits(logits, sampling)
+        targets = runner.sampler.draw(processed, sampling)
+        verdict = verify(self._verify_rows(processed, targets, sampling, infos, plan, proposal))
+        emitted = verdict.emitted
+        committed = _committed_rows(batch.starts, output, plan, verdict.accepted)
+        runner.model.inject_draft_context(
+            batch, forward.dspark_features, runner.state, ints_to_device(committed, runner.device)
+        )
+        if grammar is not None:
+            grammar.commit_tokens(ids, infos, emitted)
+        self.metrics.observe(
+            plan.is_drafting,
+            plan.lengths,
+            verdict.accepted,
+            self.drafts.num_drafts,
+        )
+        return ModelOutput(
+            sampled={rid: tokens for rid, tokens in zip(ids, emitted, strict=True)},
+            logprobs=_logprobs(runner, processed, sampling, chunks, plan, emitted),
+            failed=failed,
+            draft_survivals=plan.survivals,
+        )
+
+    # ---- phases -------------------------------------------------------------------------------
+
+    def _draft(self, runner: ModelRunner, output: SchedulerOutput) -> tuple[Proposal | None, _Plan]:
+        """Draft for the chunks with draft slots; choose the verified prefix of each."""
+        chunks = output.chunks
+        sampled = [i for i, c in enumerate(chunks) if c.sampling is not None]
+        drafting = [i for i in sampled if chunks[i].num_draft_slots > 0]
+        lengths = dict.fromkeys(sampled, 0)
+        verified: dict[int, list[int]] = {i: [] for i in sampled}
+        survivals: dict[str, tuple[float, ...]] = {}
+        proposal = None
+        if drafting:
+            dev = runner.device
+            infos = [chunks[i].sampling for i in drafting]
+            is_sampled = tuple(not info.params.is_greedy for info in infos)
+            coupled = self.config.acceptance == "coupled"
+            requests = DraftRequests(
+                anchors=ints_to_device([chunks[i].token_ids[-1] for i in drafting], dev),
+                positions=ints_to_device([_anchor_position(chunks[i]) for i in drafting], dev),
+                slots=ints_to_device([chunks[i].slot for i in drafting], dev),
+                seeds=sampling_seeds(infos, dev),
+                temperatures=torch.tensor(
+                    [info.params.temperature for info in infos], dtype=torch.float32, device=dev
+                ),
+                is_sampled=is_sampled,
+                purpose=NoisePurpose.SAMPLE if coupled else NoisePurpose.DRAFT,
+            )
+            proposal = self.drafts.propose(requests)
+            width = self.config.num_speculative_tokens
+            survival = proposal.confidence[:, :width].float().cumprod(1)
+            caps = ints_to_device([chunks[i].num_draft_slots for i in drafting], dev)
+            chosen = allocate(survival, caps, output.draft_budget).tolist()
+            tokens = proposal.drafts[:, :width].tolist()
+            for row, (i, n) in enumerate(zip(drafting, chosen, strict=True)):
+                lengths[i] = n
+                verified[i] = tokens[row][:n]
+            survivals = {
+                chunks[i].request_id: tuple(s)
+                for i, s in zip(drafting, survival.tolist(), strict=True)
+            }
+        plan = _Plan(
+            sampled=sampled,
+            is_drafting=[i in set(drafting) for i in sampled],
+            lengths=[lengths[i] for i in sampled],
+            drafts=[verified[i] for i in sampled],
+            survivals=survivals,
+        )
+        return proposal, plan
+
+    def _verify_rows(
+        self,
+        processed: torch.Tensor,
+        targets: torch.Tensor,
+        sampling: SamplingBatch,
+        infos: list[SamplingInfo],
+        plan: _Plan,
+        proposal: Proposal | None,
+    ) -> VerifyRows:
+        """The flat verify rows: proposals, which rows use rejection, their draft logits."""
+        dev = processed.device
+        proposals: list[int] = []
+        rejection: list[bool] = []
+        q_rows: list[tuple[int, int, int]] = []  # (verify row, proposal row, draft index)
+        proposal_row = 0
+        for info, n, tokens, drafted in zip(
+            infos, plan.lengths, plan.drafts, plan.is_drafting, strict=True
+        ):
+            uses_rejection = self.config.acceptance == "rejection" and not info.params.is_greedy
+            for j in range(n):
+                if uses_rejection:
+                    q_rows.append((len(proposals), proposal_row, j))
+                proposals.append(tokens[j])
+                rejection.append(uses_rejection)
+            proposals.append(-1)
+            rejection.append(False)
+            proposal_row += drafted
+        draft_logits = None
+        if q_rows and proposal is not None and proposal.logits is not None:
+            draft_logits = torch.zeros_like(processed)
+            index = ints_to_device([r for r, _, _ in q_rows], dev)
+            src = proposal.logits[
+                ints_to_device([p for _, p, _ in q_rows], dev),
+                ints_to_device([j for _, _, j in q_rows], dev),
+            ]
+            draft_logits.index_copy_(0, index, src)
+        return VerifyRows(
+            processed=processed,
+            targets=targets,
+            proposals=ints_to_device(proposals, dev),
+            draft_logits=draft_logits,
+            rejection=torch.tensor(rejection, dtype=torch.bool, device=dev),
+            seeds=sampling.seeds,
+            positions=sampling.positions,
+            lengths=plan.lengths,
+        )
+
+
+def sampling_seeds(infos: list[SamplingInfo], device: torch.device) -> torch.Tensor:
+    """Seeds as the sampler keys them (seed mod 2^64, two's complement)."""
+    values = []
+    for info in infos:
+        v = info.seed & ((1 << 64) - 1)
+        values.append(v - (1 << 64) if v >= 1 << 63 else v)
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _anchor_position(chunk: ScheduledChunk) -> int:
+    return chunk.start_position + len(chunk.token_ids) - 1
+
+
+def _row_info(info: SamplingInfo, j: int) -> SamplingInfo:
+    """The sampling of verify row j: output index + j (position-keyed noise, min_tokens); a
+    forced draw applies to row 0 only (the scheduler never lets later rows reach one)."""
+    if j == 0:
+        return info
+    return dataclasses.replace(info, output_index=info.output_index + j, forced_token_id=None)
+
+
+def _with_drafts(output: SchedulerOutput, plan: _Plan) -> SchedulerOutput:
+    """`output` with each sampled chunk's verified drafts appended to its tokens."""
+    chunks = list(output.chunks)
+    for i, tokens in zip(plan.sampled, plan.drafts, strict=True):
+        if tokens:
+            chunks[i] = dataclasses.replace(chunks[i], token_ids=(*chunks[i].token_ids, *tokens))
+    return dataclasses.replace(
+        output, chunks=tuple(chunks), num_tokens=sum(len(c.token_ids) for c in chunks)
+    )
+
+
+def _logit_rows(starts: list[int], plan: _Plan) -> list[int]:
+    """Flat rows that get logits: the last 1 + L rows of every sampled chunk."""
+    rows: list[int] = []
+    for i, n in zip(plan.sampled, plan.lengths, strict=True):
+        end = starts[i + 1]
+        rows.extend(range(end - 1 - n, end))
+    return rows
+
+
+def _committed_rows(
+    starts: list[int], output: SchedulerOutput, plan: _Plan, accepted: list[int]
+) -> list[int]:
+    """Flat rows whose positions are committed (every original row; accepted drafts), each
+    chunk's last `ring` of them at most, for the draft context."""
+    extra = dict.fromkeys(range(len(output.chunks)), 0)
+    for i, a in zip(plan.sampled, accepted, strict=True):
+        extra[i] = a
+    rows: list[int] = []
+    for i, chunk in enumerate(output.chunks):
+        first = starts[i]
+        end = first + len(chunk.token_ids) + extra[i]
+        rows.extend(range(max(first, end - _CONTEXT_TAIL), end))
+    return rows
+
+
+# Context rows kept per chunk: a drafter window (128) plus a block is the most any ring holds.
+_CONTEXT_TAIL = 256
+
+
+def _logprobs(
+    runner: ModelRunner,
+    processed: torch.Tensor,
+    sampling: SamplingBatch,
+    chunks: list[ScheduledChunk],
+    plan: _Plan,
+    emitted: list[list[int]],
+) -> dict[str, list[TokenLogprob]]:
+    """Each emitted token's logprob from the target row that produced it (row j emits token
+    j of the run), as the ordinary sampler reports them."""
+    if sampling.logprob_rows.size == 0:
+        return {}
+    row_tokens: list[int] = []
+    for tokens, n in zip(emitted, plan.lengths, strict=True):
+        row_tokens.extend(tokens + [tokens[-1]] * (n + 1 - len(tokens)))
+    result = runner.sampler.logprobs_of(
+        processed, ints_to_device(row_tokens, processed.device), sampling
+    )
+    counts = [(n + 1, len(tokens)) for n, tokens in zip(plan.lengths, emitted, strict=True)]
+    return token_logprobs(result, row_tokens, chunks, counts)

@@ -1,0 +1,207 @@
+"""Speculative decoding is lossless at temperature 0 (`dspark.md` §5.2, tests 1 and 2), on `tiny`.
+
+How multi-token commits are exercised honestly. With random weights the DSpark drafter almost
+never agrees with the target, so a run with it commits one token per step and would not test
+the verify path's widths. These tests therefore use two draft sources, both feeding the real
+scheduler → runner → verify forward → acceptance → commit path:
+
+* `ReferenceDrafts`: the drafts of position p are the non-speculative run's own tokens at
+  p + 1.., with one token made wrong at a draft index that cycles with p (none every sixth
+  step). Which drafts are accepted is still decided by the target's verify logits; a verify
+  row whose logits differ from one-token decoding rejects a right draft or emits a different
+  token, and the token comparison fails. Every commit width 1..K+1 occurs, at both parities.
+* The product drafter (`DSparkDrafts`) on the same model: few drafts accepted, but the
+  drafting, confidences and draft-context writes of the product path run.
+
+Token equality needs batch-invariant numerics (`dspark.md` §4.5): with MXFP8/FP4 KV storage,
+one-token decoding itself changes tokens with the batch's composition (a row's last-bit
+difference moves a quantisation bucket), so these tests use exact KV storage.
+
+State after each speculative step is compared with a one-token-at-a-time run stopped at the
+same committed length: window rows, global KV and index keys, the pending ratio-2 pair, token
+history (Engram) and the drafter's context rows, for every committed position they keep.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.async_engine import AsyncEngine, EngineConfig
+from engine.core import EngineCore
+from engine.models.deepseek_v41.state import BLOCK_TOKENS, TOKEN_RING
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.speculative.drafts import DraftRequests, Proposal
+
+EOS_ID = 1
+
+
+class ReferenceDrafts:
+    """Drafts from known continuations (by slot), one wrong token at a draft index drawn from
+    a generator seeded by p (index 5: all right)."""
+
+    num_drafts = 5
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.references: dict[int, list[int]] = {}
+        self.proposed = 0
+
+    def propose(self, requests: DraftRequests) -> Proposal:
+        rows = []
+        for p, slot in zip(requests.positions.tolist(), requests.slots.tolist(), strict=True):
+            ref = self.references[slot]
+            drafts = [ref[q] if q < len(ref) else 0 for q in range(p + 1, p + 6)]
+            wrong = random.Random(p).randrange(6)
+            if wrong < 5:
+                drafts[wrong] = (drafts[wrong] + 1) % self.vocab_size
+            rows.append(drafts)
+        self.proposed += len(rows)
+        drafts = torch.tensor(rows, dtype=torch.long, device=requests.anchors.device)
+        return Proposal(drafts, None, torch.full(drafts.shape, 0.5))
+
+
+def _core(model, draft_source=None, **overrides) -> EngineCore:
+    settings = {"max_num_seqs": 8, "kv_cache_tokens": 8192, "enable_prefix_caching": False}
+    config = EngineConfig(model="tiny", **{**settings, **overrides})
+    return AsyncEngine.from_model(model, config, draft_source=draft_source).core
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int, **params) -> Request:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
+    return Request(rid, prompt, sampling, seed=7, arrival_time=0.0, eos_token_id=EOS_ID)
+
+
+def _prompts(count: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    lengths = [5 + 3 * i for i in range(count)]  # odd and even lengths: both start parities
+    return [torch.randint(2, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(core: EngineCore, requests: list[Request]) -> dict[str, list[int]]:
+    for request in requests:
+        core.add_request(request)
+    while core.has_work():
+        core.step()
+        core.scheduler.check_integrity()
+    return {r.request_id: list(r.output_token_ids) for r in requests}
+
+
+def _reference(model, prompts, max_tokens) -> dict[str, list[int]]:
+    core = _core(model, speculative="off")
+    return _run(core, [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)])
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [1, 2, 3, 4, 5])
+def test_greedy_tokens_equal_one_token_decoding_at_every_verify_width(
+    tiny_model_exact_kv, num_speculative_tokens: int
+) -> None:
+    """Verify widths 2..6 (width 1 is every prefill's sampling row and every cap-0 row);
+    each request commits runs of every length up to the width, at both parities."""
+    model = tiny_model_exact_kv
+    prompts, max_tokens = _prompts(4), 96
+    want = _reference(model, prompts, max_tokens)
+    source = ReferenceDrafts(model.config.vocab_size)
+    core = _core(model, source, speculative="dspark", num_speculative_tokens=num_speculative_tokens)
+    requests = [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    _admit_with_references(core, requests, want, source)
+    _run(core, [])
+    assert {r.request_id: r.output_token_ids for r in requests} == want
+    metrics = core.runner.speculative.metrics
+    lengths = metrics.accept_length
+    assert all(lengths[a] > 0 for a in range(1, num_speculative_tokens + 2)), lengths
+    assert metrics.num_accepted > metrics.num_request_steps // 2
+
+
+def _admit_with_references(core, requests, want, source) -> None:
+    """Add the requests, run their first (prefill) step, then tell the source each slot's
+    reference continuation."""
+    for request in requests:
+        core.add_request(request)
+    core.step()
+    for request in requests:
+        slot = core.scheduler.kv_manager.slot(request.request_id)
+        source.references[slot] = request.prompt_token_ids + want[request.request_id]
+
+
+def test_committed_state_equals_one_token_decoding_after_every_step(tiny_model_exact_kv) -> None:
+    """After every speculative step (commits of 1..6 tokens), every state row the committed
+    length keeps equals a one-token-at-a-time run's, for two prompts of either parity."""
+    model = tiny_model_exact_kv
+    cfg = model.config
+    prompts, max_tokens = _prompts(2), 70
+    want = _reference(model, prompts, max_tokens)
+    source = ReferenceDrafts(cfg.vocab_size)
+    spec = _core(model, source, speculative="dspark", num_speculative_tokens=5)
+    ref = _core(model, speculative="off")
+    spec_requests = [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    ref_requests = [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    _admit_with_references(spec, spec_requests, want, source)
+    for request in ref_requests:
+        ref.add_request(request)
+    ref.step()
+    widths = set()
+    while all(not r.is_finished for r in spec_requests):
+        before = [r.num_computed_tokens for r in spec_requests]
+        spec.step()
+        if any(r.is_finished for r in spec_requests):
+            break
+        widths.update(r.num_computed_tokens - b for r, b in zip(spec_requests, before, strict=True))
+        for mine, theirs in zip(spec_requests, ref_requests, strict=True):
+            while theirs.num_computed_tokens < mine.num_computed_tokens:
+                ref.step()
+        for mine, theirs in zip(spec_requests, ref_requests, strict=True):
+            assert theirs.num_computed_tokens == mine.num_computed_tokens
+            _assert_same_state(spec, ref, mine.request_id, mine.num_computed_tokens)
+    assert widths >= {1, 2, 3, 4, 5, 6}, widths
+
+
+def _state_rows(core: EngineCore, request_id: str, p: int) -> dict[str, torch.Tensor]:
+    """Every state row a request's committed length p keeps (see the module docstring)."""
+    model, state = core.runner.model, core.runner.state
+    cfg = model.config
+    slot = core.scheduler.kv_manager.slot(request_id)
+    table = core.scheduler.kv_manager.block_table(request_id)
+    window = range(max(0, p - cfg.sliding_window), p)
+    rows: dict[str, torch.Tensor] = {}
+    for layer, ring in enumerate(state.swa):
+        rows[f"swa.{layer}"] = ring[slot, [q % ring.shape[1] for q in window]]
+    for stage, ring in enumerate(state.draft_swa):
+        rows[f"draft.{stage}"] = ring[slot, [q % ring.shape[1] for q in window]]
+    for src, pool in state.global_kv.items():
+        r = cfg.ratio(src)
+        per_block = BLOCK_TOKENS // r
+        index = range(p // r)
+        blocks = [table[j * r // BLOCK_TOKENS] for j in index]
+        rows[f"global.{src}"] = pool[blocks, [j % per_block for j in index]]
+        rows[f"index.{src}"] = state.index_keys[src][blocks, [j % per_block for j in index]]
+    if p % 2:
+        for src, ring in state.pending.items():
+            rows[f"pending.{src}"] = ring[slot, ((p - 1) // 2) % ring.shape[1]]
+    rows["tokens"] = state.tokens[slot, [q % TOKEN_RING for q in range(max(0, p - 3), p)]]
+    return rows
+
+
+def _assert_same_state(spec: EngineCore, ref: EngineCore, request_id: str, p: int) -> None:
+    mine, theirs = _state_rows(spec, request_id, p), _state_rows(ref, request_id, p)
+    for name, value in mine.items():
+        torch.testing.assert_close(
+            value.float(), theirs[name].float(), rtol=1e-4, atol=1e-5, msg=f"{name} at p={p}"
+        )
+
+
+def test_the_dspark_drafter_path_gives_the_tokens_of_one_token_decoding(
+    tiny_model_exact_kv,
+) -> None:
+    """The product drafter on random weights: drafts rarely accepted, tokens unchanged."""
+    model = tiny_model_exact_kv
+    prompts, max_tokens = _prompts(3), 64
+    want = _reference(model, prompts, max_tokens)
+    core = _core(model, speculative="dspark")
+    requests = [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    assert _run(core, requests) == want
+    metrics = core.runner.speculative.metrics
+    assert metrics.num_request_steps > 0 and metrics.num_verified > 0
