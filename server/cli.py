@@ -144,6 +144,34 @@ def build_parser() -> argparse.ArgumentParser:
         "off on the CPU",
     )
     add(
+        "--speculative",
+        choices=["off", "dspark"],
+        default=None,
+        help="speculative decoding with the checkpoint's DSpark drafter (lossless: the same "
+        "tokens at temperature 0, the same distribution when sampling); default: dspark on "
+        "CUDA when the checkpoint has the drafter, off on the CPU. Runs the synchronous loop",
+    )
+    add(
+        "--num-speculative-tokens",
+        type=int,
+        default=_ENGINE_DEFAULTS.num_speculative_tokens,
+        help="drafts proposed per request and step (1 to the drafter's block of 5)",
+    )
+    add(
+        "--speculative-verify",
+        choices=["scheduled", "fixed"],
+        default=_ENGINE_DEFAULTS.speculative_verify,
+        help="how many drafts a step verifies: fixed = all; scheduled = the planner's budget "
+        "from lagged confidences over a profiled step-time table",
+    )
+    add(
+        "--speculative-acceptance",
+        choices=["rejection", "coupled"],
+        default=_ENGINE_DEFAULTS.speculative_acceptance,
+        help="sampled requests: rejection sampling (same distribution as without speculation) "
+        "or coupled noise (seeded output bit-identical to decoding without speculation)",
+    )
+    add(
         "--target-step-ms",
         type=float,
         default=None,
@@ -385,6 +413,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_cache_shared_dir_bytes=args.kv_cache_shared_dir_bytes,
         kv_ttl=args.kv_ttl,
         host_kv_cache_bytes=_host_kv_cache_bytes(args.host_kv_cache_bytes, parallel),
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_verify=args.speculative_verify,
+        speculative_acceptance=args.speculative_acceptance,
     )
     return ServerConfig(
         host=args.host,

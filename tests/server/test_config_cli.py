@@ -200,3 +200,46 @@ def test_cli_engram_placement():
         build_parser().parse_args(["--engram-placement", "disk"])
     with pytest.raises(ValueError, match="engram placement must be one of"):
         EngineConfig(engram_placement="disk")
+def test_cli_speculative_options():
+    def engine(*argv: str) -> EngineConfig:
+        return config_from_args(build_parser().parse_args(list(argv))).engine
+
+    default = engine()
+    assert default.speculative is None  # dspark on CUDA with a drafter, off on the CPU
+    assert default.speculative_config(on_cuda=True, has_drafter=True).method == "dspark"
+    assert default.speculative_config(on_cuda=False, has_drafter=True).method == "off"
+    assert default.speculative_config(on_cuda=True, has_drafter=False).method == "off"
+    assert (default.num_speculative_tokens, default.speculative_verify) == (5, "fixed")
+    chosen = engine(
+        "--speculative",
+        "dspark",
+        "--num-speculative-tokens",
+        "3",
+        "--speculative-verify",
+        "fixed",
+        "--speculative-acceptance",
+        "coupled",
+    ).speculative_config(on_cuda=False, has_drafter=True)
+    assert (chosen.method, chosen.num_speculative_tokens, chosen.acceptance) == (
+        "dspark",
+        3,
+        "coupled",
+    )
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine("--num-speculative-tokens", "0")
+    with pytest.raises(ValueError, match="DSpark drafter"):
+        engine("--speculative", "dspark").speculative_config(on_cuda=True, has_drafter=False)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--speculative", "eagle"])
+
+
+def test_scheduled_verification_is_a_clear_error_until_its_planner_exists():
+    from engine.speculative import planner
+    from engine.speculative.config import SpeculativeConfig
+    from engine.speculative.scheduling import SCHEDULED_PLANNER_FACTORY, build_planner
+
+    config = SpeculativeConfig(method="dspark", verify="scheduled")
+    if hasattr(planner, SCHEDULED_PLANNER_FACTORY):
+        pytest.skip("the scheduled planner has landed")
+    with pytest.raises(ValueError, match="--speculative-verify fixed"):
+        build_planner(config, model=None)
