@@ -1,0 +1,251 @@
+"""Speculation with the rest of the engine (`dspark.md` §4, §5.2 tests 4, 5, 7), on `tiny`.
+
+Drafts come from `HistoryDrafts`: each request's continuation in a run without speculation,
+found by the request's last committed tokens (the runner's token history) and its anchor, with
+one wrong draft at a position-chosen index; a request whose history matches no continuation gets
+drafts that are rejected. The verify, acceptance and commit path is the product's. Exact KV
+storage: token equality needs batch-invariant numerics (see `test_lossless.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from engine.async_engine import AsyncEngine, EngineConfig
+from engine.models.deepseek_v41.state import TOKEN_RING
+from engine.sampling_params import SamplingParams
+from engine.speculative.drafts import DraftRequests, Proposal
+from tests.engine.engine_checks import assert_all_released
+
+HISTORY = 3
+
+
+class HistoryDrafts:
+    """Drafts from known continuations, found by (last HISTORY tokens, anchor, position)."""
+
+    num_drafts = 5
+
+    def __init__(self, vocab_size: int, references: list[list[int]]) -> None:
+        self.vocab_size = vocab_size
+        self.references = references
+        self.state = None  # the runner's ModelState, set once the engine exists
+
+    def propose(self, requests: DraftRequests) -> Proposal:
+        rows = []
+        anchors = requests.anchors.tolist()
+        for anchor, p, slot in zip(
+            anchors, requests.positions.tolist(), requests.slots.tolist(), strict=True
+        ):
+            ring = [q % TOKEN_RING for q in range(p - HISTORY, p)]
+            history = [*self.state.tokens[slot, ring].tolist(), anchor]
+            ref = next((r for r in self.references if r[p - HISTORY : p + 1] == history), None)
+            if ref is None:
+                rows.append([(anchor + 1) % self.vocab_size] * self.num_drafts)
+                continue
+            drafts = [ref[q] if q < len(ref) else 0 for q in range(p + 1, p + 1 + self.num_drafts)]
+            wrong = random.Random(p).randrange(self.num_drafts + 1)
+            if wrong < self.num_drafts:
+                drafts[wrong] = (drafts[wrong] + 1) % self.vocab_size
+            rows.append(drafts)
+        drafts = torch.tensor(rows, dtype=torch.long)
+        # The drafts are fixed tokens: q is one-hot at each (what rejection sampling needs).
+        logits = torch.full((*drafts.shape, self.vocab_size), float("-inf"))
+        logits.scatter_(2, drafts[..., None], 0.0)
+        return Proposal(drafts, logits, torch.full(drafts.shape, 0.5))
+
+
+def _engine(model, draft_source=None, **overrides) -> AsyncEngine:
+    settings = {"max_num_seqs": 16, "kv_cache_tokens": 8192, **overrides}
+    engine = AsyncEngine.from_model(
+        model, EngineConfig(model="tiny", **settings), draft_source=draft_source
+    )
+    if draft_source is not None:
+        draft_source.state = engine.core.runner.state
+    return engine
+
+
+def _run(engine: AsyncEngine, jobs) -> list[list[tuple]]:
+    async def one(prompt, params, rid):
+        return [
+            (d.index, d.token_ids, d.logprobs, d.finish_reason)
+            async for d in engine.generate(prompt, params, rid)
+        ]
+
+    async def scenario():
+        await engine.start()
+        try:
+            return await asyncio.gather(*(one(p, s, f"r{i}") for i, (p, s) in enumerate(jobs)))
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(scenario())
+
+
+def _outputs(deltas: list[tuple]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for index, tokens, *_ in deltas:
+        out.setdefault(index, []).extend(tokens)
+    return out
+
+
+def _references(prompts_and_runs) -> list[list[int]]:
+    refs = []
+    for prompt, deltas in prompts_and_runs:
+        refs += [prompt + tokens for tokens in _outputs(deltas).values()]
+    return refs
+
+
+def _speculative_run(model, jobs, reference_runs, **overrides):
+    source = HistoryDrafts(
+        model.config.vocab_size,
+        _references([(p, d) for (p, _), d in zip(jobs, reference_runs, strict=True)]),
+    )
+    engine = _engine(model, source, speculative="dspark", **overrides)
+    runs = _run(engine, jobs)
+    assert_all_released(engine)
+    return runs, engine.core.runner.speculative.metrics
+
+
+def _prompt(n: int, salt: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(100 + n + salt)
+    return torch.randint(2, 1000, (n,), generator=g).tolist()
+
+
+def test_stops_lengths_and_logprobs_inside_accepted_runs(tiny_model_exact_kv) -> None:
+    """A stop id, max_tokens and logprobs that fall inside a run of accepted drafts: the same
+    deltas as without speculation (never a token past the stop or the limit)."""
+    model = tiny_model_exact_kv
+    free = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    probe = _run(_engine(model), [(_prompt(9), free)])[0]
+    stop_at = _outputs(probe)[0][37]
+    jobs = [
+        (_prompt(9), SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=(stop_at,))),
+        (_prompt(12), SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True)),
+        (
+            _prompt(7),
+            SamplingParams(
+                temperature=0.0, max_tokens=31, ignore_eos=True, logprobs=True, top_logprobs=2
+            ),
+        ),
+    ]
+    want = _run(_engine(model), jobs)
+    got, metrics = _speculative_run(model, jobs, want)
+    for mine, theirs in zip(got, want, strict=True):
+        assert _outputs(mine) == _outputs(theirs)
+        assert mine[-1][3] == theirs[-1][3]
+    assert len(_outputs(got[1])[0]) == 23 and len(_outputs(got[2])[0]) == 31
+    assert _outputs(got[0])[0][-1] == stop_at and got[0][-1][3] == "stop"
+    mine_lps = [lp for d in got[2] for lp in d[2]]
+    want_lps = [lp for d in want[2] for lp in d[2]]
+    assert [e.token_id for e in mine_lps] == [e.token_id for e in want_lps]
+    for a, b in zip(mine_lps, want_lps, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert max(len(d[1]) for run in got for d in run) > 1  # several tokens in one delta
+    assert metrics.num_accepted > 0
+
+
+def test_n_choices_in_coupled_mode_equal_non_speculative_bits(tiny_model_exact_kv) -> None:
+    """Seeded sampling, n = 3, coupled acceptance: every choice's tokens equal the run without
+    speculation, token for token (`dspark.md` §2.5), while drafts are accepted."""
+    model = tiny_model_exact_kv
+    params = SamplingParams(temperature=0.8, top_k=20, seed=5, n=3, max_tokens=40, ignore_eos=True)
+    jobs = [(_prompt(10), params), (_prompt(13), params)]
+    want = _run(_engine(model), jobs)
+    got, metrics = _speculative_run(model, jobs, want, speculative_acceptance="coupled")
+    assert [_outputs(r) for r in got] == [_outputs(r) for r in want]
+    assert metrics.num_accepted > 0
+
+
+def test_preemption_and_chunked_prefill_beside_verify_rows(tiny_model_exact_kv) -> None:
+    """A KV pool too small for every request (preemption, recompute) and a token budget that
+    chunks prefills into steps with verify rows: the greedy tokens are unchanged."""
+    model = tiny_model_exact_kv
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    jobs = [(_prompt(n, salt=1), params) for n in (100, 90, 80, 70)]
+    want = _run(_engine(model, max_model_len=5 * 128), jobs)
+    references = _references([(p, d) for (p, _), d in zip(jobs, want, strict=True)])
+    tight = {"kv_cache_tokens": 5 * 128, "max_model_len": 5 * 128}
+    chunked = {"max_num_batched_tokens": 40, "max_num_seqs": 4, "max_model_len": 5 * 128}
+    for overrides, preempts in ((tight, True), (chunked, False)):
+        source = HistoryDrafts(model.config.vocab_size, references)
+        engine = _engine(model, source, speculative="dspark", **overrides)
+        schedules = _record_schedules(engine)
+        got = _run(engine, jobs)
+        assert [_outputs(r) for r in got] == [_outputs(r) for r in want]
+        assert (engine.core.scheduler.num_preemptions > 0) == preempts
+        assert engine.core.runner.speculative.metrics.num_accepted > 0
+        assert_all_released(engine)
+        if not preempts:  # some step carried a prefill chunk beside a decode row with drafts
+            assert any(
+                any(c.num_draft_slots for c in out.chunks)
+                and any(c.sampling is None for c in out.chunks)
+                for out in schedules
+            )
+
+
+def _record_schedules(engine: AsyncEngine) -> list:
+    scheduler = engine.core.scheduler
+    outputs = []
+    schedule = scheduler.schedule
+
+    def recording():
+        outputs.append(schedule())
+        return outputs[-1]
+
+    scheduler.schedule = recording
+    return outputs
+
+
+def test_sampled_outputs_have_the_non_speculative_distribution(tiny_model_exact_kv) -> None:
+    """Rejection sampling end to end: 2 × 480 seeded requests, temperature 1 over a top-4
+    slice; the first token, the second and the third have the same distribution with and
+    without speculation (two-sample chi-square, Bonferroni α = 1e-3 over 3 tests)."""
+    model = tiny_model_exact_kv
+    prompt = _prompt(6)
+    count = 480
+
+    def jobs(first_seed: int):
+        return [
+            (prompt, SamplingParams(temperature=1.0, top_k=4, seed=first_seed + i, max_tokens=3))
+            for i in range(count)
+        ]
+
+    plain = _run(_engine(model, max_num_seqs=160), jobs(0))
+    # Drafts: the greedy continuation (fixed tokens, so q is one-hot; accepted w.p. p(d)).
+    greedy = _run(_engine(model), [(prompt, SamplingParams(temperature=0.0, max_tokens=3))])
+    source = HistoryDrafts(model.config.vocab_size, _references([(prompt, greedy[0])]))
+    engine = _engine(model, source, speculative="dspark", max_num_seqs=160)
+    spec = _run(engine, jobs(10_000))
+    assert engine.core.runner.speculative.metrics.num_accepted > 0
+    for k in range(3):
+        a = [_outputs(r)[0][k] for r in plain]
+        b = [_outputs(r)[0][k] for r in spec]
+        assert _two_sample_pvalue(a, b) > 1e-3 / 3, k
+
+
+def _two_sample_pvalue(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square homogeneity test over the observed categories (cells with fewer
+    than 5 expected pooled)."""
+    cats = sorted(set(a) | set(b))
+    ca = torch.tensor([a.count(c) for c in cats], dtype=torch.float64)
+    cb = torch.tensor([b.count(c) for c in cats], dtype=torch.float64)
+    total = ca + cb
+    small = total < 10
+    if small.any():
+        ca = torch.cat([ca[~small], ca[small].sum()[None]])
+        cb = torch.cat([cb[~small], cb[small].sum()[None]])
+        total = ca + cb
+    keep = total > 0
+    ca, cb, total = ca[keep], cb[keep], total[keep]
+    na, nb = ca.sum(), cb.sum()
+    ea, eb = total * na / (na + nb), total * nb / (na + nb)
+    stat = float(((ca - ea) ** 2 / ea + (cb - eb) ** 2 / eb).sum())
+    dof = len(total) - 1
+    if dof <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
