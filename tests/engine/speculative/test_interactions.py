@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import pytest
 import torch
@@ -69,16 +70,18 @@ def _engine(model, draft_source=None, **overrides) -> AsyncEngine:
 
 
 def _run(engine: AsyncEngine, jobs) -> list[list[tuple]]:
-    async def one(prompt, params, rid):
+    """Each job (prompt, params[, constraint]) → its deltas (index, tokens, logprobs, finish)."""
+
+    async def one(rid, prompt, params, constraint=None):
         return [
             (d.index, d.token_ids, d.logprobs, d.finish_reason)
-            async for d in engine.generate(prompt, params, rid)
+            async for d in engine.generate(prompt, params, rid, constraint)
         ]
 
     async def scenario():
         await engine.start()
         try:
-            return await asyncio.gather(*(one(p, s, f"r{i}") for i, (p, s) in enumerate(jobs)))
+            return await asyncio.gather(*(one(f"r{i}", *job) for i, job in enumerate(jobs)))
         finally:
             await engine.shutdown()
 
@@ -102,7 +105,7 @@ def _references(prompts_and_runs) -> list[list[int]]:
 def _speculative_run(model, jobs, reference_runs, **overrides):
     source = HistoryDrafts(
         model.config.vocab_size,
-        _references([(p, d) for (p, _), d in zip(jobs, reference_runs, strict=True)]),
+        _references([(job[0], d) for job, d in zip(jobs, reference_runs, strict=True)]),
     )
     engine = _engine(model, source, speculative="dspark", **overrides)
     runs = _run(engine, jobs)
@@ -249,3 +252,32 @@ def _two_sample_pvalue(a: list[int], b: list[int]) -> float:
     if dof <= 0:
         return 1.0
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def test_grammar_constrained_outputs_stay_valid(tiny_model_exact_kv, tiny_checkpoint) -> None:
+    """Regex-constrained requests (greedy, sampled by rejection, and coupled): every verify row
+    is masked, wrong drafts are rejected without advancing the matcher, outputs match the
+    grammar, and the greedy and coupled outputs equal the runs without speculation."""
+    from tokenizers import Tokenizer
+
+    from engine.structured import GrammarCompiler, GrammarSpec
+
+    model = tiny_model_exact_kv
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, model.config.vocab_size, 1)
+    pattern = "(tok4|tok5|tok6)(tok7|Tok8|tok9|tok1[0-9]){6,12}"
+    regex = compiler.constraint(GrammarSpec("regex", pattern))
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=30)
+    jobs = [([0, 20 + i, 40], p, regex) for i, p in enumerate((greedy, sampled, greedy))]
+    for acceptance in ("rejection", "coupled"):
+        want = _run(_engine(model), jobs)
+        got, metrics = _speculative_run(model, jobs, want, speculative_acceptance=acceptance)
+        assert metrics.num_accepted > 0
+        for i, deltas in enumerate(got):
+            tokens = _outputs(deltas)[0]
+            assert tokens[-1] == 1 and deltas[-1][3] == "stop"
+            words = "".join(tokenizer.id_to_token(t) for t in tokens[:-1])
+            assert re.fullmatch(pattern, words), words
+            if i != 1 or acceptance == "coupled":
+                assert tokens == _outputs(want[i])[0]
