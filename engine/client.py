@@ -25,6 +25,7 @@ from engine.kv_cache.resume import ResumeSlotStats
 from engine.kv_cache.store.dirstore import DirStoreStats
 from engine.outputs import Delta
 from engine.sampling_params import SamplingParams
+from engine.speculative.metrics import SpeculativeMetrics
 
 if TYPE_CHECKING:
     from engine.distributed.config import ParallelConfig
@@ -86,6 +87,7 @@ class RankSnapshot:
     num_used_slots: int
     num_kv_tokens: int
     prefix_cache: PrefixCacheSnapshot | None = None
+    speculative: SpeculativeMetrics | None = None  # a copy; None with speculation off
 
     @property
     def is_idle(self) -> bool:
@@ -219,6 +221,9 @@ def rank_snapshot(core: EngineCore, rank: int = 0) -> RankSnapshot:
         num_used_slots=stats.num_used_slots,
         num_kv_tokens=stats.num_used_blocks * kv.config.block_tokens,
         prefix_cache=prefix,
+        speculative=None
+        if core.runner.speculative is None
+        else core.runner.speculative.metrics.copy(),
     )
 
 

@@ -143,6 +143,7 @@ class ServerMetrics:
         self.resume_slot_bytes = gauge("resume_slot_bytes", "Host bytes held by resume slots.")
         self.resume_slot_count = gauge("resume_slots", "Resume slots held.")
         self._tiers = _TierMetrics(reg, model_name)
+        self._speculative = _SpeculativeMetrics(reg, model_name)
         for metric in (
             self.num_requests_in_flight,
             self.prompt_tokens,
@@ -261,12 +262,81 @@ class ServerMetrics:
         self._resume_totals = totals
         self.resume_slot_bytes.labels(self._model).set(sum(p.num_bytes for p in pools))
         self.resume_slot_count.labels(self._model).set(sum(p.num_slots for p in pools))
+        self._speculative.refresh(ranks)
 
     def render(self, engine: EngineClient | None) -> bytes:
         """The Prometheus text exposition (engine gauges refreshed first when given)."""
         if engine is not None:
             self.refresh_engine_stats(engine)
         return generate_latest(self.registry)
+
+
+class _SpeculativeMetrics:
+    """Speculative decoding (`dspark.md` §5.1), summed over ranks: counters of request-steps,
+    drafts proposed / verified / accepted and per-position verified / accepted drafts; gauges
+    with the accept-length histogram (request-steps by a + 1) and the verify-rows histogram
+    (steps by rows). Counters advance from the engine's totals at scrape time."""
+
+    _COUNTERS = {
+        "num_request_steps": ("spec_verify_steps", "Request-steps that drafted."),
+        "num_drafted": ("spec_draft_tokens", "Drafts proposed."),
+        "num_verified": ("spec_verified_draft_tokens", "Drafts verified."),
+        "num_accepted": ("spec_accepted_tokens", "Drafts accepted (no bonus token)."),
+    }
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self._model = model_name
+        self._counters = {
+            field: Counter(f"deepinfer:{name}", doc, ["model_name"], registry=registry)
+            for field, (name, doc) in self._COUNTERS.items()
+        }
+        self._per_position = {
+            kind: Counter(
+                f"deepinfer:spec_{kind}_per_pos",
+                f"Drafts {kind} at position k (1-based).",
+                ["model_name", "pos"],
+                registry=registry,
+            )
+            for kind in ("verified", "accepted")
+        }
+        self._accept_length = Gauge(
+            "deepinfer:spec_accept_length_steps",
+            "Request-steps that committed `length` tokens (a + 1).",
+            ["model_name", "length"],
+            registry=registry,
+        )
+        self._verify_rows = Gauge(
+            "deepinfer:spec_verify_rows_steps",
+            "Engine steps whose verify forward had `rows` speculative rows.",
+            ["model_name", "rows"],
+            registry=registry,
+        )
+        self._seen: dict[tuple[str, str], int] = {}
+
+    def _advance(self, counter, key: tuple[str, str], total: int, *labels: str) -> None:
+        counter.labels(self._model, *labels).inc(max(0, total - self._seen.get(key, 0)))
+        self._seen[key] = total
+
+    def refresh(self, ranks) -> None:
+        snaps = [snap.speculative for snap in ranks if snap.speculative is not None]
+        if not snaps:
+            return
+        for field, counter in self._counters.items():
+            self._advance(counter, (field, ""), sum(getattr(s, field) for s in snaps))
+        for kind, counter in self._per_position.items():
+            values = [getattr(s, f"{kind}_per_position") for s in snaps]
+            for pos in range(1, max(len(v) for v in values)):
+                total = sum(v[pos] for v in values if pos < len(v))
+                self._advance(counter, (kind, str(pos)), total, str(pos))
+        for gauge, name in (
+            (self._accept_length, "accept_length"),
+            (self._verify_rows, "verify_rows_per_step"),
+        ):
+            values = [getattr(s, name) for s in snaps]
+            for k in range(max(len(v) for v in values)):
+                total = sum(v[k] for v in values if k < len(v))
+                if total:
+                    gauge.labels(self._model, str(k)).set(total)
 
 
 class _TierMetrics:

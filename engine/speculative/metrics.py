@@ -6,6 +6,7 @@ committed). Per position k (1-based): how often draft k was verified, and accept
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,9 +28,9 @@ class SpeculativeMetrics:
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
-        self.accept_length = [0] * (k + 2)
-        self.verified_per_position = [0] * (k + 1)
-        self.accepted_per_position = [0] * (k + 1)
+        self.accept_length = self.accept_length or [0] * (k + 2)
+        self.verified_per_position = self.verified_per_position or [0] * (k + 1)
+        self.accepted_per_position = self.accepted_per_position or [0] * (k + 1)
 
     def observe(
         self,
@@ -59,6 +60,16 @@ class SpeculativeMetrics:
             while len(self.verify_rows_per_step) <= rows:
                 self.verify_rows_per_step.append(0)
             self.verify_rows_per_step[rows] += 1
+
+    def copy(self) -> SpeculativeMetrics:
+        """An independent copy (for snapshots read while steps run)."""
+        return dataclasses.replace(
+            self,
+            accept_length=list(self.accept_length),
+            verify_rows_per_step=list(self.verify_rows_per_step),
+            verified_per_position=list(self.verified_per_position),
+            accepted_per_position=list(self.accepted_per_position),
+        )
 
     @property
     def mean_accept_length(self) -> float:
