@@ -67,7 +67,12 @@ class ReferenceDrafts:
 
 
 def _core(model, draft_source=None, **overrides) -> EngineCore:
-    settings = {"max_num_seqs": 8, "kv_cache_tokens": 8192, "enable_prefix_caching": False}
+    settings = {
+        "max_num_seqs": 8,
+        "kv_cache_tokens": 8192,
+        "enable_prefix_caching": False,
+        "max_model_len": 4096,
+    }
     config = EngineConfig(model="tiny", **{**settings, **overrides})
     return AsyncEngine.from_model(model, config, draft_source=draft_source).core
 
@@ -207,3 +212,47 @@ def test_the_dspark_drafter_path_gives_the_tokens_of_one_token_decoding(
     assert _run(core, requests) == want
     metrics = core.runner.speculative.metrics
     assert metrics.num_request_steps > 0 and metrics.num_verified > 0
+
+
+@pytest.fixture(scope="module")
+def default_model_exact_kv(tmp_path_factory: pytest.TempPathFactory):
+    from engine.models import Numerics, load_model, write_random_checkpoint
+
+    folder = write_random_checkpoint("default", tmp_path_factory.mktemp("default") / "ckpt")
+    return load_model(folder, numerics=Numerics(kv_quantize=False))
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [1, 5])
+def test_default_model_greedy_tokens_and_state_equal_one_token_decoding(
+    default_model_exact_kv, num_speculative_tokens: int
+) -> None:
+    """The `default` structure (40 layers, the 128-token window and its 134-row rings, the real
+    vocabulary): prompts of both parities whose decodes wrap the window rings, verify widths 2
+    and 6; tokens and every committed state row equal one-token decoding."""
+    model = default_model_exact_kv
+    g = torch.Generator().manual_seed(5)
+    max_tokens = 48
+    widths: set[int] = set()
+    for length in (127, 130):
+        prompt = torch.randint(2, 120000, (length,), generator=g).tolist()
+        want = _reference(model, [prompt], max_tokens)
+        source = ReferenceDrafts(model.config.vocab_size, num_speculative_tokens)
+        spec = _core(
+            model, source, speculative="dspark", num_speculative_tokens=num_speculative_tokens
+        )
+        one_source = ReferenceDrafts(model.config.vocab_size, first_wrong=True)
+        ref = _core(model, one_source, speculative="dspark", num_speculative_tokens=1)
+        mine, theirs = _request("r0", prompt, max_tokens), _request("r0", prompt, max_tokens)
+        _admit_with_references(spec, [mine], want, source)
+        _admit_with_references(ref, [theirs], want, one_source)
+        while True:
+            before = mine.num_computed_tokens
+            spec.step()
+            if mine.is_finished:
+                break
+            widths.add(mine.num_computed_tokens - before)
+            while theirs.num_computed_tokens < mine.num_computed_tokens:
+                ref.step()
+            _assert_same_state(spec, ref, "r0", mine.num_computed_tokens)
+        assert mine.output_token_ids == want["r0"]
+    assert widths == set(range(1, num_speculative_tokens + 2)), widths
