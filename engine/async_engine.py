@@ -125,7 +125,9 @@ class EngineConfig:
         model has the drafter, `off` on the CPU. Speculation runs the synchronous loop (the
         async loop's placeholders cannot stand for a step's variable number of tokens yet).
     num_speculative_tokens: drafts per request and step (1 to the drafter's block, 5).
-    speculative_verify: `fixed` verifies every draft; `scheduled` the planner's budget.
+    speculative_verify: `fixed` verifies every draft; `scheduled` the planner's budget
+        (`engine/speculative/planner.py`; without a step-time table, i.e. eager mode and the
+        CPU, it verifies every draft too).
     speculative_acceptance: `rejection` (sampled output has the non-speculative distribution)
         or `coupled` (seeded output is bit-identical to the non-speculative one).
     """
@@ -156,7 +158,7 @@ class EngineConfig:
     resume_slot_url: str | None = None
     speculative: str | None = None
     num_speculative_tokens: int = 5
-    speculative_verify: str = "fixed"
+    speculative_verify: str = "scheduled"
     speculative_acceptance: str = "rejection"
 
     def __post_init__(self) -> None:
@@ -329,7 +331,8 @@ class AsyncEngine:
             ),
             speculation=(
                 DraftScheduling(
-                    speculative.num_speculative_tokens, build_planner(speculative, model)
+                    speculative.num_speculative_tokens,
+                    build_planner(speculative, model, config.max_num_seqs),
                 )
                 if speculative.is_enabled
                 else None

@@ -545,10 +545,15 @@ class Scheduler:
         """The planner's budget for the step's draft slots (0 without speculation)."""
         if self.speculation is None:
             return 0
-        rows = [(self._requests[rid], cap) for rid, cap in plan.num_draft_slots.items()]
-        drafting = plan.num_draft_slots
-        prefill = sum(n for rid, n in plan.num_new_tokens.items() if rid not in drafting)
-        return self.speculation.budget(rows, prefill)
+        rows, other_rows = [], 0
+        for rid, num_new in plan.num_new_tokens.items():
+            request = self._requests[rid]
+            end = request.num_scheduled_tokens + num_new
+            samples = end == request.num_tokens_with_placeholders
+            if samples:
+                rows.append((request, plan.num_draft_slots.get(rid, 0)))
+            other_rows += num_new - samples
+        return self.speculation.budget(rows, other_rows)
 
     # ---------------------------------------------------------------- update helpers
 

@@ -23,7 +23,7 @@ class SpeculativeConfig:
 
     method: str = "off"
     num_speculative_tokens: int = 5
-    verify: str = "fixed"
+    verify: str = "scheduled"
     acceptance: str = "rejection"
 
     def __post_init__(self) -> None:

@@ -25,23 +25,25 @@ from engine.speculative.planner import FixedPlanner, PlanRow, VerifyPlanner
 LAG = 2
 
 
-# The scheduled planner's constructor in `planner.py` (`scheduled_planner(model)`), once it lands.
+# The scheduled planner's constructor in `planner.py`: `scheduled_planner(model, k, **options)`.
 SCHEDULED_PLANNER_FACTORY = "scheduled_planner"
 
 
-def build_planner(config: SpeculativeConfig, model: object) -> VerifyPlanner:
+def build_planner(config: SpeculativeConfig, model: object, max_requests: int) -> VerifyPlanner:
     """The planner `config.verify` names: `fixed` verifies all; `scheduled` is the profiled
-    planner of `planner.py`. Raises ValueError when that planner is not available."""
+    planner of `planner.py` (its step-time table cached or profiled for up to `max_requests`
+    drafting requests; eager mode has no table and verifies all). Raises ValueError when that
+    planner is not in this build."""
     if config.verify == "fixed":
         return FixedPlanner()
     factory = getattr(planners, SCHEDULED_PLANNER_FACTORY, None)
     if factory is None:
         raise ValueError(
             "--speculative-verify scheduled needs the scheduled planner "
-            "(engine/speculative/planner.py), which this build does not have yet; "
+            "(engine/speculative/planner.py), which this build does not have; "
             "use --speculative-verify fixed"
         )
-    return factory(model)
+    return factory(model, config.num_speculative_tokens, max_requests=max_requests)
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,18 @@ class DraftScheduling:
         return max(0, cap)
 
     def budget(self, rows: Sequence[tuple[Request, int]], num_prefill_rows: int) -> int:
-        """The step's draft budget for its (request, cap) decode rows; advances the step."""
+        """The step's draft budget; advances the step.
+
+        rows: every request that samples this step with its cap (0 for a last prefill chunk
+        or a row that may not draft); num_prefill_rows: the step's other target rows (prefill
+        rows that do not sample), the planner's M₀.
+        """
         step = self._num_steps
         self._num_steps += 1
-        plan_rows = [PlanRow(cap, self._lagged(request, step)) for request, cap in rows if cap > 0]
-        if not plan_rows:
+        total = sum(cap for _, cap in rows)
+        if total == 0:
             return 0
-        total = sum(row.cap for row in plan_rows)
+        plan_rows = [PlanRow(cap, self._lagged(request, step)) for request, cap in rows]
         return max(0, min(total, self.planner.budget(plan_rows, num_prefill_rows)))
 
     def observe(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.async_engine import EngineConfig
+from engine.async_engine import AsyncEngine, EngineConfig
 from server.cli import build_parser, config_from_args, main
 from server.config import API_MODEL_NAME, ServerConfig
 
@@ -209,7 +209,7 @@ def test_cli_speculative_options():
     assert default.speculative_config(on_cuda=True, has_drafter=True).method == "dspark"
     assert default.speculative_config(on_cuda=False, has_drafter=True).method == "off"
     assert default.speculative_config(on_cuda=True, has_drafter=False).method == "off"
-    assert (default.num_speculative_tokens, default.speculative_verify) == (5, "fixed")
+    assert (default.num_speculative_tokens, default.speculative_verify) == (5, "scheduled")
     chosen = engine(
         "--speculative",
         "dspark",
@@ -233,13 +233,19 @@ def test_cli_speculative_options():
         build_parser().parse_args(["--speculative", "eagle"])
 
 
-def test_scheduled_verification_is_a_clear_error_until_its_planner_exists():
-    from engine.speculative import planner
-    from engine.speculative.config import SpeculativeConfig
-    from engine.speculative.scheduling import SCHEDULED_PLANNER_FACTORY, build_planner
+def test_scheduled_verification_selects_the_scheduled_planner(tiny_model):
+    from engine.speculative.planner import FixedPlanner, ScheduledPlanner
 
-    config = SpeculativeConfig(method="dspark", verify="scheduled")
-    if hasattr(planner, SCHEDULED_PLANNER_FACTORY):
-        pytest.skip("the scheduled planner has landed")
-    with pytest.raises(ValueError, match="--speculative-verify fixed"):
-        build_planner(config, model=None)
+    def planner(verify: str):
+        config = EngineConfig(
+            model="tiny",
+            kv_cache_tokens=4096,
+            max_num_seqs=4,
+            speculative="dspark",
+            speculative_verify=verify,
+        )
+        return AsyncEngine.from_model(tiny_model, config).core.scheduler.speculation.planner
+
+    scheduled = planner("scheduled")
+    assert isinstance(scheduled, ScheduledPlanner) and scheduled.table is None  # eager: no table
+    assert isinstance(planner("fixed"), FixedPlanner)
