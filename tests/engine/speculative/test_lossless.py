@@ -256,3 +256,46 @@ def test_default_model_greedy_tokens_and_state_equal_one_token_decoding(
             _assert_same_state(spec, ref, "r0", mine.num_computed_tokens)
         assert mine.output_token_ids == want["r0"]
     assert widths == set(range(1, num_speculative_tokens + 2)), widths
+
+
+class HalfPlanner:
+    """A budget of half the drafts (rounded down): `allocate` then keeps the best-ranked half
+    by the current survivals, so requests verify different prefix lengths in one step."""
+
+    def budget(self, rows, prefill_rows: int) -> int:
+        return sum(row.cap for row in rows) // 2
+
+    def observe(self, survivals, request_count: int) -> None:
+        return None
+
+
+def test_a_budget_below_all_drafts_stays_lossless(tiny_model_exact_kv) -> None:
+    """Verifying fewer drafts than proposed (the scheduled planner's case, §2.3): tokens
+    unchanged, fewer drafts verified than proposed."""
+    model = tiny_model_exact_kv
+    prompts, max_tokens = _prompts(3), 60
+    want = _reference(model, prompts, max_tokens)
+    source = RankedReferenceDrafts(model.config.vocab_size)
+    core = _core(model, source, speculative="dspark")
+    core.scheduler.speculation.planner = HalfPlanner()
+    requests = [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    _admit_with_references(core, requests, want, source)
+    _run(core, [])
+    assert {r.request_id: r.output_token_ids for r in requests} == want
+    metrics = core.runner.speculative.metrics
+    assert 0 < metrics.num_verified < metrics.num_drafted and metrics.num_accepted > 0
+    assert len({n for n in metrics.verified_per_position[1:] if n}) > 1
+
+
+class RankedReferenceDrafts(ReferenceDrafts):
+    """`ReferenceDrafts` with confidences that differ by slot, so the ranking splits the
+    budget unevenly between requests."""
+
+    def propose(self, requests: DraftRequests) -> Proposal:
+        proposal = super().propose(requests)
+        conf = (
+            0.3
+            + 0.2 * (requests.slots.float()[:, None] % 3)
+            + torch.zeros_like(proposal.confidence)
+        )
+        return Proposal(proposal.drafts, proposal.logits, conf.clamp(max=0.95))
