@@ -103,7 +103,8 @@ class SpeculativeStep:
         targets = runner.sampler.draw(processed, sampling)
         verdict = verify(self._verify_rows(processed, targets, sampling, infos, plan, proposal))
         emitted = verdict.emitted
-        committed = _committed_rows(batch.starts, output, plan, verdict.accepted)
+        ring_len = runner.state.draft_swa[0].shape[1]
+        committed = _committed_rows(batch.starts, output, plan, verdict.accepted, ring_len)
         runner.model.inject_draft_context(
             batch, forward.dspark_features, runner.state, ints_to_device(committed, runner.device)
         )
@@ -261,10 +262,13 @@ def _logit_rows(starts: list[int], plan: _Plan) -> list[int]:
 
 
 def _committed_rows(
-    starts: list[int], output: SchedulerOutput, plan: _Plan, accepted: list[int]
+    starts: list[int], output: SchedulerOutput, plan: _Plan, accepted: list[int], tail: int
 ) -> list[int]:
     """Flat rows whose positions are committed (every original row; accepted drafts), each
-    chunk's last `ring` of them at most, for the draft context."""
+    chunk's last `tail` (the draft ring's length) of them at most, for the draft context.
+
+    NOTE: more than a ring's length of rows would write two positions to one ring row in a
+    single indexed write, whose winner is unspecified."""
     extra = dict.fromkeys(range(len(output.chunks)), 0)
     for i, a in zip(plan.sampled, accepted, strict=True):
         extra[i] = a
@@ -272,12 +276,8 @@ def _committed_rows(
     for i, chunk in enumerate(output.chunks):
         first = starts[i]
         end = first + len(chunk.token_ids) + extra[i]
-        rows.extend(range(max(first, end - _CONTEXT_TAIL), end))
+        rows.extend(range(max(first, end - tail), end))
     return rows
-
-
-# Context rows kept per chunk: a drafter window (128) plus a block is the most any ring holds.
-_CONTEXT_TAIL = 256
 
 
 def _logprobs(
