@@ -281,3 +281,20 @@ def test_grammar_constrained_outputs_stay_valid(tiny_model_exact_kv, tiny_checkp
             assert re.fullmatch(pattern, words), words
             if i != 1 or acceptance == "coupled":
                 assert tokens == _outputs(want[i])[0]
+
+
+def test_the_dspark_drafter_samples_position_keyed_drafts(tiny_model_exact_kv) -> None:
+    """The product drafter on sampled requests: in the coupled mode its drafts use the target
+    sampler's noise, so seeded outputs equal decoding without speculation bit for bit; in the
+    rejection mode its Markov-corrected logits are the q of the test (outputs well formed)."""
+    model = tiny_model_exact_kv
+    params = SamplingParams(temperature=0.9, seed=21, n=2, max_tokens=24, ignore_eos=True)
+    jobs = [(_prompt(8), params), (_prompt(11), params)]
+    want = _run(_engine(model), jobs)
+    coupled = _engine(model, speculative="dspark", speculative_acceptance="coupled")
+    assert [_outputs(r) for r in _run(coupled, jobs)] == [_outputs(r) for r in want]
+    rejection = _engine(model, speculative="dspark")
+    got = _run(rejection, jobs)
+    assert all(len(tokens) == 24 for run in got for tokens in _outputs(run).values())
+    assert rejection.core.runner.speculative.metrics.num_verified > 0
+    assert_all_released(rejection)
