@@ -109,7 +109,7 @@ def test_greedy_tokens_equal_one_token_decoding_at_every_verify_width(
     """Verify widths 2..6 (width 1 is every prefill's sampling row and every cap-0 row);
     each request commits runs of every length up to the width, at both parities."""
     model = tiny_model_exact_kv
-    prompts, max_tokens = _prompts(4), 96
+    prompts, max_tokens = _prompts(3), 64
     want = _reference(model, prompts, max_tokens)
     source = ReferenceDrafts(model.config.vocab_size, num_speculative_tokens)
     core = _core(model, source, speculative="dspark", num_speculative_tokens=num_speculative_tokens)
