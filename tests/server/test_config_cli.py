@@ -200,6 +200,8 @@ def test_cli_engram_placement():
         build_parser().parse_args(["--engram-placement", "disk"])
     with pytest.raises(ValueError, match="engram placement must be one of"):
         EngineConfig(engram_placement="disk")
+
+
 def test_cli_speculative_options():
     def engine(*argv: str) -> EngineConfig:
         return config_from_args(build_parser().parse_args(list(argv))).engine
