@@ -247,6 +247,7 @@ class ServerMetrics:
             self._row_totals = rows
             self._tiers.refresh(ranks)
             self._refresh_resume_slots([c.resume_slots for c in caches if c.resume_slots])
+        self._speculative.refresh(ranks)
 
     def _refresh_resume_slots(self, pools: list[ResumeSlotStats]) -> None:
         if not pools:
@@ -262,7 +263,6 @@ class ServerMetrics:
         self._resume_totals = totals
         self.resume_slot_bytes.labels(self._model).set(sum(p.num_bytes for p in pools))
         self.resume_slot_count.labels(self._model).set(sum(p.num_slots for p in pools))
-        self._speculative.refresh(ranks)
 
     def render(self, engine: EngineClient | None) -> bytes:
         """The Prometheus text exposition (engine gauges refreshed first when given)."""

@@ -79,6 +79,7 @@ class SpeculativeStep:
             runner.replay_rows = runner.replay_rows.add(chunk)
         rows = _logit_rows(batch.starts, plan)
         batch.logits_indices = ints_to_device(rows, runner.device)
+        runner.restore_resume_slots(output)
         runner.restore_token_history(output)
         forward = runner.model.forward_step(batch, runner.state)
         chunks = [output.chunks[i] for i in plan.sampled]
