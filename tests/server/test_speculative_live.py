@@ -154,3 +154,30 @@ def test_streamed_reasoning_and_content_split_and_utf8_across_multi_token_steps(
     assert whole.usage.completion_tokens_details.reasoning_tokens == 30
     for text in ("".join(reasoning), "".join(content)):
         text.encode("utf-8")  # no lone surrogates from a split multi-byte character
+
+
+def test_a_stop_string_inside_a_multi_token_step_ends_the_text_before_it(speculative_server):
+    client, engine = speculative_server
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say something long."}],
+        "max_tokens": 60,
+        "seed": 5,
+        "extra_body": {"thinking": {"type": "disabled"}},
+    }
+    free = client.chat.completions.create(**body).choices[0].message.content
+    stop = next(
+        free[i : i + 3]
+        for i in range(len(free) // 2, len(free) - 3)
+        if free[i : i + 3].strip() and free.index(free[i : i + 3]) == i
+    )
+    before = _multi_token_steps(engine)
+    whole = client.chat.completions.create(**body, stop=[stop])
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(**body, stop=[stop], stream=True)
+        if chunk.choices
+    )
+    assert _multi_token_steps(engine) > before
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].message.content == free[: free.index(stop)] == streamed
