@@ -157,11 +157,22 @@ def exact_reference(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFact
 
 
 # NOTE: open: prompt 1 with KV encodings reaches 4.96e-4 relative at layer 5's attention output
-# (bound 1e-4) against a NeMo venv built on 2026-12-01; the commit that last passed CI (6e7c41e)
-# fails identically against it, so the reference environment moved (its unpinned packages),
-# not our model. The other prompts and every exact-storage prompt pass.
+# (bound 1e-4). Not a package change (the venv's packages are pinned to
+# tests/reference/nemo-constraints.txt; older numpy gives the same): the host CPU's ISA. On this
+# AVX-512 host, ATen's fp32 last-dim softmax (NeMo's eager attention) differs from its AVX2 kernel
+# in ~1/3 of elements by <= 2e-7; that drift flips row 30 of NeMo's layer-5 SWA FP8 KV row. With
+# ATEN_CPU_CAPABILITY=avx2 for the NeMo runner all four prompts pass, whatever ours uses; so the
+# xfail is strict and only on AVX-512 hosts (elsewhere prompt 1 is a plain test).
 _KV_ENCODING_CASES = [
-    pytest.param(i, marks=pytest.mark.xfail(reason="layer 5 attn_out 4.96e-4 > 1e-4, open"))
+    pytest.param(
+        i,
+        marks=pytest.mark.xfail(
+            torch.backends.cpu.get_cpu_capability() == "AVX512",  # the runner inherits it
+            reason="layer 5 attn_out 4.96e-4 > 1e-4: NeMo's AVX-512 fp32 softmax flips one FP8 "
+            "SWA row (passes with ATEN_CPU_CAPABILITY=avx2)",
+            strict=True,
+        ),
+    )
     if i == 1
     else i
     for i in range(len(QUANT_PROMPTS))
