@@ -161,9 +161,8 @@ def exact_reference(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFact
 # tests/reference/nemo-constraints.txt; older numpy gives the same): the host CPU's ISA. On this
 # AVX-512 host, ATen's fp32 last-dim softmax (NeMo's eager attention) differs from its AVX2 kernel
 # in ~1/3 of elements by <= 2e-7; that drift flips the FP8 rounding of row 30 of NeMo's layer-5
-# SWA KV cache. With
-# ATEN_CPU_CAPABILITY=avx2 for the NeMo runner all four prompts pass, whatever ours uses; so the
-# xfail is strict and only on AVX-512 hosts (elsewhere prompt 1 is a plain test).
+# SWA KV cache. With ATEN_CPU_CAPABILITY=avx2 for the NeMo runner all four prompts pass, whatever
+# ours uses; so the xfail is strict and only on AVX-512 hosts (elsewhere prompt 1 is a plain test).
 _KV_ENCODING_CASES = [
     pytest.param(
         i,
