@@ -274,7 +274,8 @@ def summary(records: list[TraceRecord]) -> dict[str, Any]:
 
 def sharing_breaks(records: list[TraceRecord]) -> dict[str, Any]:
     """Where each later turn's reuse stopped, from the usage alone (`cached_tokens` counts
-    whole 128-token blocks up to where the re-sent history first differs from the cache).
+    whole 128-token blocks up to where the re-sent history first differs from the cache, or the
+    whole previous sequence when a resume slot restores it).
 
     For turn k+1 of a session (no edit or compaction in between), the reusable prefix R is the
     previous prompt P plus, for agents, its output O (reasoning and call stay in history with
@@ -284,7 +285,8 @@ def sharing_breaks(records: list[TraceRecord]) -> dict[str, Any]:
     one), "before previous answer" (the history changed earlier, blocks were evicted, or
     another server lacks them). Token sums: `reusable` Σ R, `cached` Σ min(cached, R),
     `not_cached` Σ (full blocks of R − cached)⁺ (a divergence, an eviction, no cache),
-    `lost_to_rounding` Σ (R mod 128), the partial last block (what a resume slot restores).
+    `lost_to_rounding` Σ the uncached part of R's partial last block (R mod 128 unless a resume
+    slot restored it), so `cached + not_cached + lost_to_rounding = reusable`.
     """
     by_session: dict[tuple[str, int], list[TraceRecord]] = defaultdict(list)
     for record in records:
@@ -311,9 +313,10 @@ def sharing_breaks(records: list[TraceRecord]) -> dict[str, Any]:
             else:
                 out["before previous answer"] += 1
             out["reusable"] += reusable
-            out["cached"] += min(cur.cached_tokens, reusable)
-            out["not_cached"] += max(0, full - cur.cached_tokens)
-            out["lost_to_rounding"] += reusable - full
+            cached = min(cur.cached_tokens, reusable)
+            out["cached"] += cached
+            out["not_cached"] += max(0, full - cached)
+            out["lost_to_rounding"] += reusable - max(full, cached)
     return out
 
 

@@ -758,10 +758,12 @@ def _open_sealed_thinking(body: dict[str, Any], sealer: ReasoningSealer) -> None
     that does not open (a shown block's, or another server's) leaves the block as it is: the
     reasoning was already in its text, or is lost as with any client that drops it.
     """
-    for message in body.get("messages") or ():
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
         if not isinstance(message, dict) or message.get("role") != "assistant":
             continue
-        for block in message.get("content") or ():
+        content = message.get("content")
+        for block in content if isinstance(content, list) else ():
             if not isinstance(block, dict) or block.get("type") != "thinking":
                 continue
             signature = block.get("signature")

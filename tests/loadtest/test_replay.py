@@ -37,6 +37,10 @@ def test_sharing_breaks_says_where_each_turn_stopped_reusing_the_previous_one() 
         [_record(4, 0, 513, 0, kind="chat"), _record(4, 1, 700, 512, kind="chat")]
     )
     assert chat["full"] == 1 and chat["reusable"] == 512
+    # A resume slot restores the partial last block too: nothing lost, the sums still add up.
+    resumed = sharing_breaks([_record(5, 0, 1000, 0), _record(5, 1, 1300, 1100)])
+    assert resumed["full"] == 1 and resumed["cached"] == 1100
+    assert resumed["lost_to_rounding"] == 0 and resumed["not_cached"] == 0
 
 
 def test_the_history_echoes_what_the_server_returned() -> None:
