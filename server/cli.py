@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.async_engine import ENGRAM_PLACEMENTS, EngineConfig
+from engine.async_engine import ENGRAM_PLACEMENTS, KV_STORAGES, EngineConfig
 from engine.distributed.config import ParallelConfig
 from engine.kv_cache.host import default_host_bytes
 from server.config import ServerConfig
@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=_ENGINE_DEFAULTS.speculative_acceptance,
         help="sampled requests: rejection sampling (same distribution as without speculation) "
         "or coupled noise (seeded output bit-identical to decoding without speculation)",
+    )
+    add(
+        "--kv-storage",
+        choices=list(KV_STORAGES),
+        default=_ENGINE_DEFAULTS.kv_storage,
+        help="how KV rows are stored: quantized (MXFP8 window rows, FP4 global rows and index "
+        "keys, as the model was trained) or exact (the compute dtype; batch-invariant greedy "
+        "tokens, more memory)",
     )
     add(
         "--target-step-ms",
@@ -417,6 +425,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_verify=args.speculative_verify,
         speculative_acceptance=args.speculative_acceptance,
+        kv_storage=args.kv_storage,
     )
     return ServerConfig(
         host=args.host,
