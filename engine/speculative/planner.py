@@ -17,6 +17,7 @@ per-slot generation so a new, resumed or reused slot gets the prior (§3.3.1).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import deque
@@ -56,7 +57,7 @@ class BudgetDecision:
     tier: the verify-graph row tier the scheduled step pads to (None: verify-all, or eager
         because the base rows exceed the largest tier).
     predicted_ms: the table's step time for the decision (None without a table).
-    reason: "scheduled", "verify_all", "eager" or "no_table".
+    reason: "scheduled", "verify_all", "eager", "no_table" or "fixed" (`FixedPlanner`).
     """
 
     budget: int
@@ -79,18 +80,38 @@ class VerifyPlanner(Protocol):
         """The step's calibrated survivals [N, L] (host copy), for the population prior."""
         ...
 
+    def record_step_time(self, decision: BudgetDecision, measured_ms: float) -> None:
+        """The measured time of the step `decision` planned (the cost model's online check)."""
+        ...
+
+    @property
+    def metrics(self) -> PlannerMetrics:
+        """The planner's counters (§5.1)."""
+        ...
+
 
 class FixedPlanner:
-    """Verify all: B = Σ cap."""
+    """Verify all: B = Σ cap (reason `fixed`)."""
+
+    def __init__(self) -> None:
+        self.metrics = PlannerMetrics()
 
     def budget(self, rows: Sequence[PlanRow], prefill_rows: int) -> int:
         return sum(row.cap for row in rows)
 
     def plan(self, rows: Sequence[PlanRow], prefill_rows: int) -> BudgetDecision:
-        return BudgetDecision(budget=self.budget(rows, prefill_rows), is_verify_all=True)
+        start = time.perf_counter()
+        decision = BudgetDecision(
+            budget=self.budget(rows, prefill_rows), is_verify_all=True, reason="fixed"
+        )
+        self.metrics.count(decision, rows, (time.perf_counter() - start) * 1e6)
+        return decision
 
     def observe(self, survivals: torch.Tensor, request_count: int) -> None:
         return None
+
+    def record_step_time(self, decision: BudgetDecision, measured_ms: float) -> None:
+        return None  # no cost model to check
 
 
 def allocate(survivals: torch.Tensor, caps: torch.Tensor, budget: int) -> torch.Tensor:
@@ -199,6 +220,7 @@ class PlannerMetrics:
 
     steps_by_reason: planner decisions per `BudgetDecision.reason`.
     steps_by_tier: scheduled steps per chosen verify tier.
+    steps_by_budget: planner decisions per budget B (the budget histogram).
     budget_total / rows_total / no_history_rows: Σ B, Σ planned requests, Σ requests planned
         with the prior (`spec_planner_no_history_fraction` = no_history_rows / rows_total).
     cpu_us_total: Σ role-1 time on the host.
@@ -207,11 +229,16 @@ class PlannerMetrics:
 
     steps_by_reason: dict[str, int] = field(default_factory=dict)
     steps_by_tier: dict[int, int] = field(default_factory=dict)
+    steps_by_budget: dict[int, int] = field(default_factory=dict)
     budget_total: int = 0
     rows_total: int = 0
     no_history_rows: int = 0
     cpu_us_total: float = 0.0
     step_time: StepTimeMonitor = field(default_factory=StepTimeMonitor)
+
+    def copy(self) -> PlannerMetrics:
+        """An independent copy (for snapshots read while steps run)."""
+        return copy.deepcopy(self)
 
     @property
     def no_history_fraction(self) -> float:
@@ -221,6 +248,7 @@ class PlannerMetrics:
         self.steps_by_reason[decision.reason] = self.steps_by_reason.get(decision.reason, 0) + 1
         if decision.tier is not None and not decision.is_verify_all:
             self.steps_by_tier[decision.tier] = self.steps_by_tier.get(decision.tier, 0) + 1
+        self.steps_by_budget[decision.budget] = self.steps_by_budget.get(decision.budget, 0) + 1
         self.budget_total += decision.budget
         self.rows_total += len(rows)
         self.no_history_rows += sum(row.survivals is None for row in rows)

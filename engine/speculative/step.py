@@ -2,7 +2,8 @@
 
     chunks       decode rows with `num_draft_slots` (cap) > 0 draft; prefill chunks do not
     draft        DraftSource.propose(anchors at p)          → K drafts, logits q, confidences
-    allocate     planner.allocate(survivals, caps, budget)  → L_r ≤ cap_r verified drafts
+    allocate     planner.allocate(survivals, caps, budget)  → L_r ≤ cap_r verified drafts;
+                 a verify-all step (`draft_verify_all`) takes L_r = cap_r (the fixed path)
     forward      one ragged target forward: [anchor, d_1..d_L] at p..p+L, plus prefill chunks
     masks        per verify row (the grammar walks the drafts, `GrammarTracker.draft_mask`)
     accept       `acceptance.verify`: a_r accepted, a_r + 1 tokens emitted
@@ -154,8 +155,11 @@ class SpeculativeStep:
             proposal = self.drafts.propose(requests)
             width = self.config.num_speculative_tokens
             survival = proposal.confidence[:, :width].float().cumprod(1)
-            caps = ints_to_device([chunks[i].num_draft_slots for i in drafting], dev)
-            chosen = allocate(survival, caps, output.draft_budget).tolist()
+            if output.draft_verify_all:  # the fixed path: every cap, no ranking
+                chosen = [chunks[i].num_draft_slots for i in drafting]
+            else:
+                caps = ints_to_device([chunks[i].num_draft_slots for i in drafting], dev)
+                chosen = allocate(survival, caps, output.draft_budget).tolist()
             tokens = proposal.drafts[:, :width].tolist()
             for row, (i, n) in enumerate(zip(drafting, chosen, strict=True)):
                 lengths[i] = n
