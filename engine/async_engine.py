@@ -131,6 +131,10 @@ class EngineConfig:
         CPU, it verifies every draft too).
     speculative_acceptance: `rejection` (sampled output has the non-speculative distribution)
         or `coupled` (seeded output is bit-identical to the non-speculative one).
+    speculative_calibration: an STS calibration file for the confidence head (`python -m
+        engine.speculative.sts fit`); refused when fitted for another draft count. None =
+        identity. speculative_record: where steps that verified every draft append their
+        (confidences, accepted) records for fitting one.
     kv_storage: `quantized` (window rows MXFP8, global rows and index keys FP4, the model's
         own storage) or `exact` (the compute dtype: batch-invariant numerics, so greedy tokens
         do not move with the batch's composition; the lossless checks of speculation use it).
@@ -165,13 +169,15 @@ class EngineConfig:
     speculative_verify: str = "scheduled"
     speculative_acceptance: str = "rejection"
     kv_storage: str = "quantized"
+    speculative_calibration: str | None = None
+    speculative_record: str | None = None
 
     def __post_init__(self) -> None:
         if self.host_kv_cache_bytes is not None and self.host_kv_cache_bytes < 0:
             raise ValueError("host_kv_cache_bytes must be >= 0")
         self.dir_tiers()  # raises ValueError for a bad directory-tier option
         resolve_engram_placement(self.engram_placement, self.device, 1)  # ValueError if unknown
-        self.speculative_config(on_cuda=False, has_drafter=True)  # ValueError for bad options
+        self.speculative_config(on_cuda=True, has_drafter=True)  # ValueError for bad options
         if self.kv_storage not in KV_STORAGES:
             raise ValueError(f"kv_storage must be one of {KV_STORAGES}, not {self.kv_storage!r}")
         if self.swa_replay not in ("bounded", "exact"):
@@ -207,6 +213,8 @@ class EngineConfig:
             num_speculative_tokens=self.num_speculative_tokens,
             verify=self.speculative_verify,
             acceptance=self.speculative_acceptance,
+            calibration=self.speculative_calibration,
+            record=self.speculative_record,
         )
 
     @property

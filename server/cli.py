@@ -172,6 +172,21 @@ def build_parser() -> argparse.ArgumentParser:
         "or coupled noise (seeded output bit-identical to decoding without speculation)",
     )
     add(
+        "--speculative-calibration",
+        default=None,
+        metavar="PATH",
+        help="STS calibration of the DSpark confidence head (a file from `python -m "
+        "engine.speculative.sts fit`, fitted for --num-speculative-tokens drafts); default: "
+        "the head's raw confidences",
+    )
+    add(
+        "--speculative-record",
+        default=None,
+        metavar="PATH",
+        help="append (confidences, drafts accepted, temperature) of every request-step that "
+        "verified all its drafts to this JSON-lines file, to fit a calibration from",
+    )
+    add(
         "--kv-storage",
         choices=list(KV_STORAGES),
         default=_ENGINE_DEFAULTS.kv_storage,
@@ -426,6 +441,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         speculative_verify=args.speculative_verify,
         speculative_acceptance=args.speculative_acceptance,
         kv_storage=args.kv_storage,
+        speculative_calibration=args.speculative_calibration,
+        speculative_record=args.speculative_record,
     )
     return ServerConfig(
         host=args.host,
