@@ -11,8 +11,8 @@ Two roles, split so that verification stays lossless (§3.2):
 of §3.6). `ScheduledPlanner` maximises expected committed tokens per millisecond over a
 profiled `StepTimeTable`, evaluated at CUDA-graph tier edges (§3.3, §3.5); `plan` also says
 whether the step is verify-all (routed to the fixed-shape path) and which tier it pads to.
-`SurvivalHistory` turns a step's survivals into the `PlanRow`s of the step two later, with a
-per-slot generation so a new, resumed or reused slot gets the prior (§3.3.1).
+`SurvivalHistory` keeps each request's survivals for the step two later, with the request's
+generation (preemption count) so a new or resumed request gets the prior (§3.3.1).
 """
 
 from __future__ import annotations
@@ -141,47 +141,39 @@ def allocate(survivals: torch.Tensor, caps: torch.Tensor, budget: int) -> torch.
 
 
 class SurvivalHistory:
-    """Each slot's calibrated survivals of recent steps, for planning `lag` steps later (§3.2).
+    """Each request's calibrated survivals of recent steps, for planning `lag` steps later
+    (§3.2), keyed by request id.
 
-    `start(slot)` bumps the slot's generation (a request admitted, resumed after preemption, or
-    the slot reused); survivals recorded under an older generation are never returned, so such
-    a request plans with the prior (§3.3.1). Not thread-safe; one owner (the engine loop).
+    Each entry carries the request's generation (its preemption count): survivals recorded
+    under another generation are never returned, so a resumed request plans with the prior
+    (§3.3.1), as a new one does. `lag` entries per request suffice: entries are recorded at
+    distinct steps before the planned one, and at most lag − 1 of them are newer than
+    step − lag. Not thread-safe; one owner (the scheduler's `DraftScheduling`).
     """
 
     def __init__(self, lag: int = 2) -> None:
         if lag < 1:
             raise ValueError("the lag must be ≥ 1: a budget from the current drafts is lossy")
         self.lag = lag
-        self._generation: dict[int, int] = {}
-        self._entries: dict[int, deque[tuple[int, int, tuple[float, ...]]]] = {}
+        self._entries: dict[str, deque[tuple[int, int, tuple[float, ...]]]] = {}
 
-    def start(self, slot: int) -> None:
-        """A new occupant of `slot`: forget its history."""
-        self._generation[slot] = self._generation.get(slot, 0) + 1
-        self._entries.pop(slot, None)
+    def record(
+        self, step: int, request_id: str, generation: int, survivals: Sequence[float]
+    ) -> None:
+        """Survivals S_1..S_L the request's drafts had in `step` (after its draft)."""
+        entries = self._entries.setdefault(request_id, deque(maxlen=self.lag))
+        entries.append((step, generation, tuple(float(s) for s in survivals)))
 
-    def record(self, step: int, slots: Sequence[int], survivals: torch.Tensor) -> None:
-        """Survivals [len(slots), L] computed in `step` (after its draft; host copy)."""
-        values = survivals.detach().to("cpu", torch.float64).tolist()
-        for slot, row in zip(slots, values, strict=True):
-            entries = self._entries.setdefault(slot, deque(maxlen=self.lag + 1))
-            entries.append((step, self._generation.get(slot, 0), tuple(row)))
-
-    def lagged(self, step: int, slot: int) -> tuple[float, ...] | None:
-        """The newest survivals of `slot`'s current occupant recorded at or before `step − lag`,
-        or None (no such history: the planner's prior)."""
-        generation = self._generation.get(slot, 0)
-        for recorded, gen, row in reversed(self._entries.get(slot, ())):
+    def lagged(self, step: int, request_id: str, generation: int) -> tuple[float, ...] | None:
+        """The newest survivals of this generation of the request recorded at or before
+        `step − lag`, or None (no such history: the planner's prior)."""
+        for recorded, gen, row in reversed(self._entries.get(request_id, ())):
             if recorded <= step - self.lag and gen == generation:
                 return row
         return None
 
-    def rows(self, step: int, slots: Sequence[int], caps: Sequence[int]) -> list[PlanRow]:
-        """The `PlanRow`s for planning `step`."""
-        return [
-            PlanRow(cap=cap, survivals=self.lagged(step, slot))
-            for slot, cap in zip(slots, caps, strict=True)
-        ]
+    def forget(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
 
 
 # ---------------------------------------------------------------- metrics

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
 from engine.speculative import planner as planners
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.planner import BudgetDecision, FixedPlanner, PlanRow, VerifyPlanner
+from engine.speculative.planner import (
+    BudgetDecision,
+    FixedPlanner,
+    PlanRow,
+    SurvivalHistory,
+    VerifyPlanner,
+)
 
 # Steps between the step that published a request's survivals and the step that plans with them.
 LAG = 2
@@ -48,13 +53,6 @@ def build_planner(config: SpeculativeConfig, model: object, max_requests: int) -
     return factory(model, config.num_speculative_tokens, max_requests=max_requests)
 
 
-@dataclass(frozen=True)
-class _Published:
-    step: int
-    generation: int  # the request's preemption count: resumed requests have no history
-    survivals: tuple[float, ...]
-
-
 class DraftScheduling:
     """Caps and budgets for one scheduler (see the module docstring). Not thread-safe."""
 
@@ -62,7 +60,7 @@ class DraftScheduling:
         self.num_speculative_tokens = num_speculative_tokens
         self.planner = planner
         self._num_steps = 0  # budgets planned so far (the step index of the next one)
-        self._history: dict[str, list[_Published]] = {}
+        self._history = SurvivalHistory(LAG)
         self._decision: BudgetDecision | None = None  # the last plan, until its step is timed
 
     def cap(self, request: Request, max_model_len: int) -> int:
@@ -101,7 +99,10 @@ class DraftScheduling:
         total = sum(cap for _, cap in rows)
         if total == 0:
             return BudgetDecision(budget=0, is_verify_all=True, reason="no_drafts")
-        plan_rows = [PlanRow(cap, self._lagged(request, step)) for request, cap in rows]
+        plan_rows = [
+            PlanRow(cap, self._history.lagged(step, request.request_id, request.num_preemptions))
+            for request, cap in rows
+        ]
         decision = self.planner.plan(plan_rows, num_prefill_rows)
         budget = max(0, min(total, decision.budget))
         if budget != decision.budget:
@@ -125,18 +126,9 @@ class DraftScheduling:
             request = requests.get(request_id)
             if request is None:
                 continue
-            entries = self._history.setdefault(request_id, [])
-            entries.append(_Published(step, request.num_preemptions, values))
-            del entries[:-LAG]
+            self._history.record(step, request_id, request.num_preemptions, values)
         if survivals:
             self.planner.observe(torch.tensor(list(survivals.values())), len(survivals))
 
     def forget(self, request_id: str) -> None:
-        self._history.pop(request_id, None)
-
-    def _lagged(self, request: Request, step: int) -> tuple[float, ...] | None:
-        """The newest survivals at least LAG steps old of this generation, or None."""
-        for entry in reversed(self._history.get(request.request_id, ())):
-            if entry.step <= step - LAG and entry.generation == request.num_preemptions:
-                return entry.survivals
-        return None
+        self._history.forget(request_id)
