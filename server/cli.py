@@ -183,8 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative-record",
         default=None,
         metavar="PATH",
-        help="append (confidences, drafts accepted, temperature) of every request-step that "
-        "verified all its drafts to this JSON-lines file, to fit a calibration from",
+        help="append (confidences, drafts accepted, temperature) of every uncensored "
+        "request-step (all drafts verified, or one rejected) to this JSON-lines file, to fit a "
+        "calibration from",
     )
     add(
         "--kv-storage",
