@@ -31,7 +31,7 @@ from engine.kv_cache.host import DEFAULT_HOST_FRACTION, default_host_bytes
 from engine.kv_cache.store.dirstore import DirStoreConfig
 from engine.kv_cache.store.ttl import DEFAULT_TTL_SPEC, TTLPolicy
 from engine.model_runner import DirTiersConfig, ModelRunner, build_prefix_reuse
-from engine.models import DeepseekV41ForCausalLM, load_model
+from engine.models import DeepseekV41ForCausalLM, Numerics, load_model
 from engine.models.deepseek_v41.engram_store import ENGRAM_PLACEMENTS as ENGRAM_PLACEMENTS
 from engine.models.deepseek_v41.engram_store import resolve_engram_placement
 from engine.models.deepseek_v41.state import ModelState, slot_payload_len
@@ -64,6 +64,7 @@ DEFAULT_TARGET_STEP_MS = {"cpu": 2000.0, "cuda": 500.0}
 ACTIVATION_MEMORY_FRACTION = 0.5
 # About 1,300 full V4.1 slots of ~3 MB (`cache.md` §3.2): minutes of an agent fleet's turns.
 DEFAULT_RESUME_SLOT_MEMORY = 4 << 30
+KV_STORAGES = ("quantized", "exact")
 
 
 class EngineClosedError(RuntimeError):
@@ -130,6 +131,13 @@ class EngineConfig:
         CPU, it verifies every draft too).
     speculative_acceptance: `rejection` (sampled output has the non-speculative distribution)
         or `coupled` (seeded output is bit-identical to the non-speculative one).
+    speculative_calibration: an STS calibration file for the confidence head (`python -m
+        engine.speculative.sts fit`); refused when fitted for another draft count. None =
+        identity. speculative_record: where steps that verified every draft append their
+        (confidences, accepted) records for fitting one.
+    kv_storage: `quantized` (window rows MXFP8, global rows and index keys FP4, the model's
+        own storage) or `exact` (the compute dtype: batch-invariant numerics, so greedy tokens
+        do not move with the batch's composition; the lossless checks of speculation use it).
     """
 
     model: str = "default"
@@ -160,13 +168,18 @@ class EngineConfig:
     num_speculative_tokens: int = 5
     speculative_verify: str = "scheduled"
     speculative_acceptance: str = "rejection"
+    kv_storage: str = "quantized"
+    speculative_calibration: str | None = None
+    speculative_record: str | None = None
 
     def __post_init__(self) -> None:
         if self.host_kv_cache_bytes is not None and self.host_kv_cache_bytes < 0:
             raise ValueError("host_kv_cache_bytes must be >= 0")
         self.dir_tiers()  # raises ValueError for a bad directory-tier option
         resolve_engram_placement(self.engram_placement, self.device, 1)  # ValueError if unknown
-        self.speculative_config(on_cuda=False, has_drafter=True)  # ValueError for bad options
+        self.speculative_config(on_cuda=True, has_drafter=True)  # ValueError for bad options
+        if self.kv_storage not in KV_STORAGES:
+            raise ValueError(f"kv_storage must be one of {KV_STORAGES}, not {self.kv_storage!r}")
         if self.swa_replay not in ("bounded", "exact"):
             raise ValueError(f"swa_replay must be bounded or exact, not {self.swa_replay!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -182,6 +195,11 @@ class EngineConfig:
         if self.resume_slot_memory < 0:
             raise ValueError("resume_slot_memory must be >= 0")
 
+    @property
+    def numerics(self) -> Numerics:
+        """The model numerics these options select (`kv_storage`)."""
+        return Numerics(kv_quantize=self.kv_storage == "quantized")
+
     def speculative_config(self, *, on_cuda: bool, has_drafter: bool) -> SpeculativeConfig:
         """The speculation these options select for a model on CUDA (or not) with (or without)
         the DSpark drafter. Raises ValueError for a bad value, or `dspark` without a drafter."""
@@ -195,6 +213,8 @@ class EngineConfig:
             num_speculative_tokens=self.num_speculative_tokens,
             verify=self.speculative_verify,
             acceptance=self.speculative_acceptance,
+            calibration=self.speculative_calibration,
+            record=self.speculative_record,
         )
 
     @property
@@ -632,6 +652,7 @@ def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
         dtype=getattr(torch, config.dtype),
         quantized_experts=config.quantized_experts,
         engram_placement=plan.engram_placement,
+        numerics=config.numerics,
     )
     logger.info("the engine holds its weights: %s", describe_held(model))
     if device.type == "cuda" and config.cuda_graphs:

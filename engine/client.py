@@ -26,6 +26,7 @@ from engine.kv_cache.store.dirstore import DirStoreStats
 from engine.outputs import Delta
 from engine.sampling_params import SamplingParams
 from engine.speculative.metrics import SpeculativeMetrics
+from engine.speculative.planner import PlannerMetrics
 
 if TYPE_CHECKING:
     from engine.distributed.config import ParallelConfig
@@ -88,6 +89,7 @@ class RankSnapshot:
     num_kv_tokens: int
     prefix_cache: PrefixCacheSnapshot | None = None
     speculative: SpeculativeMetrics | None = None  # a copy; None with speculation off
+    planner: PlannerMetrics | None = None  # the verification planner's counters (a copy)
 
     @property
     def is_idle(self) -> bool:
@@ -224,6 +226,9 @@ def rank_snapshot(core: EngineCore, rank: int = 0) -> RankSnapshot:
         speculative=None
         if core.runner.speculative is None
         else core.runner.speculative.metrics.copy(),
+        planner=None
+        if core.scheduler.speculation is None
+        else core.scheduler.speculation.planner.metrics.copy(),
     )
 
 

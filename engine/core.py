@@ -55,5 +55,8 @@ class EngineCore:
             failed = {rid: internal_error_message(rid) for rid in ids}
             return ModelOutput(sampled={}, logprobs={}, failed=failed)
         if not scheduled.is_empty:
-            self.scheduler.step_budget.observe(scheduled.shape, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.scheduler.step_budget.observe(scheduled.shape, elapsed)
+            if self.scheduler.speculation is not None:
+                self.scheduler.speculation.record_step_time(elapsed * 1e3)
         return model_output

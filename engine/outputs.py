@@ -94,6 +94,7 @@ class SchedulerOutput:
     num_tokens: int
     finished_request_ids: tuple[str, ...] = ()  # freed since the last step (runner may drop state)
     draft_budget: int = 0  # speculation: drafts the step verifies, all requests together
+    draft_verify_all: bool = True  # speculation: every cap is verified (the fixed path, no ranking)
 
     @property
     def is_empty(self) -> bool:

@@ -75,6 +75,7 @@ from engine.outputs import (
 )
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.speculative.planner import BudgetDecision
 from engine.step_budget import StepBudget, StepShape
 
 if TYPE_CHECKING:
@@ -533,18 +534,20 @@ class Scheduler:
                     num_draft_slots=plan.num_draft_slots.get(request_id, 0),
                 )
             )
+        decision = self._draft_plan(plan)
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(
             chunks=tuple(chunks),
             num_tokens=sum(plan.num_new_tokens.values()),
             finished_request_ids=finished,
-            draft_budget=self._draft_budget(plan),
+            draft_budget=decision.budget,
+            draft_verify_all=decision.is_verify_all,
         )
 
-    def _draft_budget(self, plan: _StepPlan) -> int:
+    def _draft_plan(self, plan: _StepPlan) -> BudgetDecision:
         """The planner's budget for the step's draft slots (0 without speculation)."""
         if self.speculation is None:
-            return 0
+            return BudgetDecision(budget=0, is_verify_all=True, reason="off")
         rows, other_rows = [], 0
         for rid, num_new in plan.num_new_tokens.items():
             request = self._requests[rid]
@@ -553,7 +556,7 @@ class Scheduler:
             if samples:
                 rows.append((request, plan.num_draft_slots.get(rid, 0)))
             other_rows += num_new - samples
-        return self.speculation.budget(rows, other_rows)
+        return self.speculation.plan(rows, other_rows)
 
     # ---------------------------------------------------------------- update helpers
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.async_engine import ENGRAM_PLACEMENTS, EngineConfig
+from engine.async_engine import ENGRAM_PLACEMENTS, KV_STORAGES, EngineConfig
 from engine.distributed.config import ParallelConfig
 from engine.kv_cache.host import default_host_bytes
 from server.config import ServerConfig
@@ -170,6 +170,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=_ENGINE_DEFAULTS.speculative_acceptance,
         help="sampled requests: rejection sampling (same distribution as without speculation) "
         "or coupled noise (seeded output bit-identical to decoding without speculation)",
+    )
+    add(
+        "--speculative-calibration",
+        default=None,
+        metavar="PATH",
+        help="STS calibration of the DSpark confidence head (a file from `python -m "
+        "engine.speculative.sts fit`, fitted for --num-speculative-tokens drafts); default: "
+        "the head's raw confidences",
+    )
+    add(
+        "--speculative-record",
+        default=None,
+        metavar="PATH",
+        help="append (confidences, drafts accepted, temperature) of every uncensored "
+        "request-step (all drafts verified, or one rejected) to this JSON-lines file, to fit a "
+        "calibration from",
+    )
+    add(
+        "--kv-storage",
+        choices=list(KV_STORAGES),
+        default=_ENGINE_DEFAULTS.kv_storage,
+        help="how KV rows are stored: quantized (MXFP8 window rows, FP4 global rows and index "
+        "keys, as the model was trained) or exact (the compute dtype; batch-invariant greedy "
+        "tokens, more memory)",
     )
     add(
         "--target-step-ms",
@@ -417,6 +441,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_verify=args.speculative_verify,
         speculative_acceptance=args.speculative_acceptance,
+        kv_storage=args.kv_storage,
+        speculative_calibration=args.speculative_calibration,
+        speculative_record=args.speculative_record,
     )
     return ServerConfig(
         host=args.host,

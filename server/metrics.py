@@ -144,6 +144,7 @@ class ServerMetrics:
         self.resume_slot_count = gauge("resume_slots", "Resume slots held.")
         self._tiers = _TierMetrics(reg, model_name)
         self._speculative = _SpeculativeMetrics(reg, model_name)
+        self._planner = _PlannerMetrics(reg, model_name)
         for metric in (
             self.num_requests_in_flight,
             self.prompt_tokens,
@@ -248,6 +249,7 @@ class ServerMetrics:
             self._tiers.refresh(ranks)
             self._refresh_resume_slots([c.resume_slots for c in caches if c.resume_slots])
         self._speculative.refresh(ranks)
+        self._planner.refresh(ranks)
 
     def _refresh_resume_slots(self, pools: list[ResumeSlotStats]) -> None:
         if not pools:
@@ -337,6 +339,85 @@ class _SpeculativeMetrics:
                 total = sum(v[k] for v in values if k < len(v))
                 if total:
                     gauge.labels(self._model, str(k)).set(total)
+
+
+class _PlannerMetrics:
+    """The verification planner (`dspark.md` §3, §5.1), summed over ranks: counters of
+    decisions by reason, scheduled steps by verify tier, Σ budget B, planned requests and
+    role-1 CPU time; gauges with the budget histogram (decisions by B), the fraction of planned
+    requests that had no survival history (the prior), and the EMA of measured / predicted step
+    time per tier (`fixed` for verify-all steps; weighted by the ranks' step counts)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self._model = model_name
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(
+                f"deepinfer:spec_planner_{name}", doc, ["model_name", *labels], registry=registry
+            )
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(
+                f"deepinfer:spec_planner_{name}", doc, ["model_name", *labels], registry=registry
+            )
+
+        self._decisions = counter("decisions", "Planner decisions by reason.", "reason")
+        self._tier_steps = counter("tier_steps", "Scheduled steps by verify tier (rows).", "tier")
+        self._budget = counter("budget_tokens", "Drafts budgeted (sum of B over decisions).")
+        self._rows = counter("rows", "Requests planned (sum over decisions).")
+        self._cpu = counter("cpu_us", "Role-1 planning time on the host, microseconds.")
+        self._budget_steps = gauge("budget_steps", "Planner decisions with budget B.", "budget")
+        self._no_history = gauge(
+            "no_history_fraction", "Planned requests without survival history (the prior)."
+        )
+        self._ratio = gauge(
+            "step_time_ratio", "EMA of measured / predicted step time per verify tier.", "tier"
+        )
+        self._seen: dict[tuple[str, str], float] = {}
+
+    def _advance(self, counter, key: tuple[str, str], total: float, *labels: str) -> None:
+        counter.labels(self._model, *labels).inc(max(0, total - self._seen.get(key, 0)))
+        self._seen[key] = total
+
+    def refresh(self, ranks) -> None:
+        snaps = [snap.planner for snap in ranks if snap.planner is not None]
+        if not snaps:
+            return
+        for counter, name in (
+            (self._decisions, "steps_by_reason"),
+            (self._tier_steps, "steps_by_tier"),
+        ):
+            totals: dict[str, int] = {}
+            for snap in snaps:
+                for key, value in getattr(snap, name).items():
+                    totals[str(key)] = totals.get(str(key), 0) + value
+            for key, total in totals.items():
+                self._advance(counter, (name, key), total, key)
+        for counter, name in (
+            (self._budget, "budget_total"),
+            (self._rows, "rows_total"),
+            (self._cpu, "cpu_us_total"),
+        ):
+            self._advance(counter, (name, ""), sum(getattr(s, name) for s in snaps))
+        budgets: dict[int, int] = {}
+        for snap in snaps:
+            for b, n in snap.steps_by_budget.items():
+                budgets[b] = budgets.get(b, 0) + n
+        for b, n in budgets.items():
+            self._budget_steps.labels(self._model, str(b)).set(n)
+        rows = sum(s.rows_total for s in snaps)
+        no_history = sum(s.no_history_rows for s in snaps)
+        self._no_history.labels(self._model).set(no_history / rows if rows else 0.0)
+        weighted: dict[str, tuple[float, int]] = {}
+        for snap in snaps:
+            monitor = snap.step_time
+            for tier, ratio in monitor.ratios.items():
+                total, count = weighted.get(str(tier), (0.0, 0))
+                n = monitor.counts[tier]
+                weighted[str(tier)] = (total + ratio * n, count + n)
+        for tier, (total, count) in weighted.items():
+            if count:
+                self._ratio.labels(self._model, tier).set(total / count)
 
 
 class _TierMetrics:

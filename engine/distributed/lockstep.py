@@ -45,6 +45,11 @@ class LockstepRunner:
         """The wrapped runner's `ModelRunner.replay_rows` (read by the rank's snapshot)."""
         return self.runner.replay_rows
 
+    @property
+    def speculative(self):
+        """The wrapped runner's `ModelRunner.speculative` (its metrics feed the snapshot)."""
+        return self.runner.speculative
+
     def release(self, request_ids: list[str]) -> None:
         self.runner.release(request_ids)
 

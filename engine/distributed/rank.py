@@ -141,6 +141,7 @@ def load_rank_model(
         quantized_experts=config.quantized_experts,
         expert_parallel=ep,
         engram_placement=plan.engram_placement,
+        numerics=config.numerics,
     )
     logger.info("holds its weights: %s", describe_held(model))
     if device.type == "cuda" and config.cuda_graphs:

@@ -19,12 +19,20 @@ class SpeculativeConfig:
     acceptance: sampled requests accept by `rejection` sampling (same distribution as without
         speculation) or `coupled` (draft and target share the Gumbel noise of each position:
         seeded output is the same bits as without speculation, `dspark.md` §2.5).
+    calibration: an STS calibration file (`engine/speculative/sts.py`, fitted for
+        `num_speculative_tokens` drafts): the confidence head's outputs pass through it before
+        the planner sees them; None = identity.
+    record: a JSON-lines file the step appends (raw confidences, drafts accepted, temperature)
+        to for every request-step that verified all its drafts: `python -m
+        engine.speculative.sts fit` fits a calibration from it; None = no recording.
     """
 
     method: str = "off"
     num_speculative_tokens: int = 5
     verify: str = "scheduled"
     acceptance: str = "rejection"
+    calibration: str | None = None
+    record: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -40,6 +48,10 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}")
+        if not self.is_enabled and (self.calibration or self.record):
+            raise ValueError(
+                "--speculative-calibration and --speculative-record need --speculative dspark"
+            )
 
     @property
     def is_enabled(self) -> bool:

@@ -11,12 +11,13 @@ Two roles, split so that verification stays lossless (§3.2):
 of §3.6). `ScheduledPlanner` maximises expected committed tokens per millisecond over a
 profiled `StepTimeTable`, evaluated at CUDA-graph tier edges (§3.3, §3.5); `plan` also says
 whether the step is verify-all (routed to the fixed-shape path) and which tier it pads to.
-`SurvivalHistory` turns a step's survivals into the `PlanRow`s of the step two later, with a
-per-slot generation so a new, resumed or reused slot gets the prior (§3.3.1).
+`SurvivalHistory` keeps each request's survivals for the step two later, with the request's
+generation (preemption count) so a new or resumed request gets the prior (§3.3.1).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import deque
@@ -56,7 +57,7 @@ class BudgetDecision:
     tier: the verify-graph row tier the scheduled step pads to (None: verify-all, or eager
         because the base rows exceed the largest tier).
     predicted_ms: the table's step time for the decision (None without a table).
-    reason: "scheduled", "verify_all", "eager" or "no_table".
+    reason: "scheduled", "verify_all", "eager", "no_table" or "fixed" (`FixedPlanner`).
     """
 
     budget: int
@@ -79,18 +80,38 @@ class VerifyPlanner(Protocol):
         """The step's calibrated survivals [N, L] (host copy), for the population prior."""
         ...
 
+    def record_step_time(self, decision: BudgetDecision, measured_ms: float) -> None:
+        """The measured time of the step `decision` planned (the cost model's online check)."""
+        ...
+
+    @property
+    def metrics(self) -> PlannerMetrics:
+        """The planner's counters (§5.1)."""
+        ...
+
 
 class FixedPlanner:
-    """Verify all: B = Σ cap."""
+    """Verify all: B = Σ cap (reason `fixed`)."""
+
+    def __init__(self) -> None:
+        self.metrics = PlannerMetrics()
 
     def budget(self, rows: Sequence[PlanRow], prefill_rows: int) -> int:
         return sum(row.cap for row in rows)
 
     def plan(self, rows: Sequence[PlanRow], prefill_rows: int) -> BudgetDecision:
-        return BudgetDecision(budget=self.budget(rows, prefill_rows), is_verify_all=True)
+        start = time.perf_counter()
+        decision = BudgetDecision(
+            budget=self.budget(rows, prefill_rows), is_verify_all=True, reason="fixed"
+        )
+        self.metrics.count(decision, rows, (time.perf_counter() - start) * 1e6)
+        return decision
 
     def observe(self, survivals: torch.Tensor, request_count: int) -> None:
         return None
+
+    def record_step_time(self, decision: BudgetDecision, measured_ms: float) -> None:
+        return None  # no cost model to check
 
 
 def allocate(survivals: torch.Tensor, caps: torch.Tensor, budget: int) -> torch.Tensor:
@@ -120,47 +141,39 @@ def allocate(survivals: torch.Tensor, caps: torch.Tensor, budget: int) -> torch.
 
 
 class SurvivalHistory:
-    """Each slot's calibrated survivals of recent steps, for planning `lag` steps later (§3.2).
+    """Each request's calibrated survivals of recent steps, for planning `lag` steps later
+    (§3.2), keyed by request id.
 
-    `start(slot)` bumps the slot's generation (a request admitted, resumed after preemption, or
-    the slot reused); survivals recorded under an older generation are never returned, so such
-    a request plans with the prior (§3.3.1). Not thread-safe; one owner (the engine loop).
+    Each entry carries the request's generation (its preemption count): survivals recorded
+    under another generation are never returned, so a resumed request plans with the prior
+    (§3.3.1), as a new one does. `lag` entries per request suffice: entries are recorded at
+    distinct steps before the planned one, and at most lag − 1 of them are newer than
+    step − lag. Not thread-safe; one owner (the scheduler's `DraftScheduling`).
     """
 
     def __init__(self, lag: int = 2) -> None:
         if lag < 1:
             raise ValueError("the lag must be ≥ 1: a budget from the current drafts is lossy")
         self.lag = lag
-        self._generation: dict[int, int] = {}
-        self._entries: dict[int, deque[tuple[int, int, tuple[float, ...]]]] = {}
+        self._entries: dict[str, deque[tuple[int, int, tuple[float, ...]]]] = {}
 
-    def start(self, slot: int) -> None:
-        """A new occupant of `slot`: forget its history."""
-        self._generation[slot] = self._generation.get(slot, 0) + 1
-        self._entries.pop(slot, None)
+    def record(
+        self, step: int, request_id: str, generation: int, survivals: Sequence[float]
+    ) -> None:
+        """Survivals S_1..S_L the request's drafts had in `step` (after its draft)."""
+        entries = self._entries.setdefault(request_id, deque(maxlen=self.lag))
+        entries.append((step, generation, tuple(float(s) for s in survivals)))
 
-    def record(self, step: int, slots: Sequence[int], survivals: torch.Tensor) -> None:
-        """Survivals [len(slots), L] computed in `step` (after its draft; host copy)."""
-        values = survivals.detach().to("cpu", torch.float64).tolist()
-        for slot, row in zip(slots, values, strict=True):
-            entries = self._entries.setdefault(slot, deque(maxlen=self.lag + 1))
-            entries.append((step, self._generation.get(slot, 0), tuple(row)))
-
-    def lagged(self, step: int, slot: int) -> tuple[float, ...] | None:
-        """The newest survivals of `slot`'s current occupant recorded at or before `step − lag`,
-        or None (no such history: the planner's prior)."""
-        generation = self._generation.get(slot, 0)
-        for recorded, gen, row in reversed(self._entries.get(slot, ())):
+    def lagged(self, step: int, request_id: str, generation: int) -> tuple[float, ...] | None:
+        """The newest survivals of this generation of the request recorded at or before
+        `step − lag`, or None (no such history: the planner's prior)."""
+        for recorded, gen, row in reversed(self._entries.get(request_id, ())):
             if recorded <= step - self.lag and gen == generation:
                 return row
         return None
 
-    def rows(self, step: int, slots: Sequence[int], caps: Sequence[int]) -> list[PlanRow]:
-        """The `PlanRow`s for planning `step`."""
-        return [
-            PlanRow(cap=cap, survivals=self.lagged(step, slot))
-            for slot, cap in zip(slots, caps, strict=True)
-        ]
+    def forget(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
 
 
 # ---------------------------------------------------------------- metrics
@@ -199,6 +212,7 @@ class PlannerMetrics:
 
     steps_by_reason: planner decisions per `BudgetDecision.reason`.
     steps_by_tier: scheduled steps per chosen verify tier.
+    steps_by_budget: planner decisions per budget B (the budget histogram).
     budget_total / rows_total / no_history_rows: Σ B, Σ planned requests, Σ requests planned
         with the prior (`spec_planner_no_history_fraction` = no_history_rows / rows_total).
     cpu_us_total: Σ role-1 time on the host.
@@ -207,11 +221,16 @@ class PlannerMetrics:
 
     steps_by_reason: dict[str, int] = field(default_factory=dict)
     steps_by_tier: dict[int, int] = field(default_factory=dict)
+    steps_by_budget: dict[int, int] = field(default_factory=dict)
     budget_total: int = 0
     rows_total: int = 0
     no_history_rows: int = 0
     cpu_us_total: float = 0.0
     step_time: StepTimeMonitor = field(default_factory=StepTimeMonitor)
+
+    def copy(self) -> PlannerMetrics:
+        """An independent copy (for snapshots read while steps run)."""
+        return copy.deepcopy(self)
 
     @property
     def no_history_fraction(self) -> float:
@@ -221,6 +240,7 @@ class PlannerMetrics:
         self.steps_by_reason[decision.reason] = self.steps_by_reason.get(decision.reason, 0) + 1
         if decision.tier is not None and not decision.is_verify_all:
             self.steps_by_tier[decision.tier] = self.steps_by_tier.get(decision.tier, 0) + 1
+        self.steps_by_budget[decision.budget] = self.steps_by_budget.get(decision.budget, 0) + 1
         self.budget_total += decision.budget
         self.rows_total += len(rows)
         self.no_history_rows += sum(row.survivals is None for row in rows)

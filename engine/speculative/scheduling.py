@@ -2,7 +2,8 @@
 
 The scheduler asks, for each decoding request, how many drafts it may verify (`cap`: never past
 `max_tokens` or the context limit, none for rows whose sampling reads the tokens before them),
-reserves KV for them, and asks the planner for the step's budget B from survivals published at
+reserves KV for them, and asks the planner for the step's budget B (and whether it is
+verify-all, which runs the fixed path) from survivals published at
 least `LAG` steps before (`dspark.md` §3.2: the budget never sees the drafts it admits). The
 runner then verifies the top-B slots by the current survivals (`planner.allocate`).
 
@@ -11,15 +12,21 @@ Pure Python on the host, like the scheduler; the planner's `observe` receives a 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
 from engine.speculative import planner as planners
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.planner import FixedPlanner, PlanRow, VerifyPlanner
+from engine.speculative.planner import (
+    BudgetDecision,
+    FixedPlanner,
+    PlanRow,
+    SurvivalHistory,
+    VerifyPlanner,
+)
 
 # Steps between the step that published a request's survivals and the step that plans with them.
 LAG = 2
@@ -46,13 +53,6 @@ def build_planner(config: SpeculativeConfig, model: object, max_requests: int) -
     return factory(model, config.num_speculative_tokens, max_requests=max_requests)
 
 
-@dataclass(frozen=True)
-class _Published:
-    step: int
-    generation: int  # the request's preemption count: resumed requests have no history
-    survivals: tuple[float, ...]
-
-
 class DraftScheduling:
     """Caps and budgets for one scheduler (see the module docstring). Not thread-safe."""
 
@@ -60,7 +60,8 @@ class DraftScheduling:
         self.num_speculative_tokens = num_speculative_tokens
         self.planner = planner
         self._num_steps = 0  # budgets planned so far (the step index of the next one)
-        self._history: dict[str, list[_Published]] = {}
+        self._history = SurvivalHistory(LAG)
+        self._decision: BudgetDecision | None = None  # the last plan, until its step is timed
 
     def cap(self, request: Request, max_model_len: int) -> int:
         """Drafts a decoding request may verify after its last token this step.
@@ -84,20 +85,37 @@ class DraftScheduling:
             cap = min(cap, budget.max_tokens - request.num_output_tokens - 1)
         return max(0, cap)
 
-    def budget(self, rows: Sequence[tuple[Request, int]], num_prefill_rows: int) -> int:
-        """The step's draft budget; advances the step.
+    def plan(self, rows: Sequence[tuple[Request, int]], num_prefill_rows: int) -> BudgetDecision:
+        """The step's draft budget and its path (`planner.plan`); advances the step.
 
         rows: every request that samples this step with its cap (0 for a last prefill chunk
         or a row that may not draft); num_prefill_rows: the step's other target rows (prefill
-        rows that do not sample), the planner's M₀.
+        rows that do not sample), the planner's M₀. A step without draft slots asks no planner
+        (budget 0, verify-all).
         """
         step = self._num_steps
         self._num_steps += 1
+        self._decision = None
         total = sum(cap for _, cap in rows)
         if total == 0:
-            return 0
-        plan_rows = [PlanRow(cap, self._lagged(request, step)) for request, cap in rows]
-        return max(0, min(total, self.planner.budget(plan_rows, num_prefill_rows)))
+            return BudgetDecision(budget=0, is_verify_all=True, reason="no_drafts")
+        plan_rows = [
+            PlanRow(cap, self._history.lagged(step, request.request_id, request.num_preemptions))
+            for request, cap in rows
+        ]
+        decision = self.planner.plan(plan_rows, num_prefill_rows)
+        budget = max(0, min(total, decision.budget))
+        if budget != decision.budget:
+            decision = dataclasses.replace(decision, budget=budget)
+        self._decision = decision
+        return decision
+
+    def record_step_time(self, measured_ms: float) -> None:
+        """The measured time of the step last planned (once; nothing for a step that asked no
+        planner)."""
+        if self._decision is not None:
+            self.planner.record_step_time(self._decision, measured_ms)
+            self._decision = None
 
     def observe(
         self, survivals: Mapping[str, tuple[float, ...]], requests: Mapping[str, Request]
@@ -108,18 +126,9 @@ class DraftScheduling:
             request = requests.get(request_id)
             if request is None:
                 continue
-            entries = self._history.setdefault(request_id, [])
-            entries.append(_Published(step, request.num_preemptions, values))
-            del entries[:-LAG]
+            self._history.record(step, request_id, request.num_preemptions, values)
         if survivals:
             self.planner.observe(torch.tensor(list(survivals.values())), len(survivals))
 
     def forget(self, request_id: str) -> None:
-        self._history.pop(request_id, None)
-
-    def _lagged(self, request: Request, step: int) -> tuple[float, ...] | None:
-        """The newest survivals at least LAG steps old of this generation, or None."""
-        for entry in reversed(self._history.get(request.request_id, ())):
-            if entry.step <= step - LAG and entry.generation == request.num_preemptions:
-                return entry.survivals
-        return None
+        self._history.forget(request_id)

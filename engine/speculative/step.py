@@ -2,7 +2,9 @@
 
     chunks       decode rows with `num_draft_slots` (cap) > 0 draft; prefill chunks do not
     draft        DraftSource.propose(anchors at p)          → K drafts, logits q, confidences
-    allocate     planner.allocate(survivals, caps, budget)  → L_r ≤ cap_r verified drafts
+                 (through the STS calibration when one is configured: the survivals)
+    allocate     planner.allocate(survivals, caps, budget)  → L_r ≤ cap_r verified drafts;
+                 a verify-all step (`draft_verify_all`) takes L_r = cap_r (the fixed path)
     forward      one ragged target forward: [anchor, d_1..d_L] at p..p+L, plus prefill chunks
     masks        per verify row (the grammar walks the drafts, `GrammarTracker.draft_mask`)
     accept       `acceptance.verify`: a_r accepted, a_r + 1 tokens emitted
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +38,8 @@ from engine.speculative.config import SpeculativeConfig
 from engine.speculative.drafts import DraftRequests, DraftSource, Proposal
 from engine.speculative.metrics import SpeculativeMetrics
 from engine.speculative.planner import allocate
+from engine.speculative.records import AcceptanceRecord, RecordWriter, is_uncensored
+from engine.speculative.sts import StsCalibration
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -63,6 +68,12 @@ class SpeculativeStep:
         self.config = config
         self.drafts = drafts
         self.metrics = SpeculativeMetrics(config.num_speculative_tokens)
+        self.calibration = (
+            None
+            if config.calibration is None
+            else StsCalibration.load(Path(config.calibration), config.num_speculative_tokens)
+        )
+        self.recorder = None if config.record is None else RecordWriter(Path(config.record))
 
     @torch.inference_mode()
     def execute(self, runner: ModelRunner, output: SchedulerOutput) -> ModelOutput:
@@ -111,6 +122,8 @@ class SpeculativeStep:
         )
         if grammar is not None:
             grammar.commit_tokens(ids, infos, emitted)
+        if self.recorder is not None and proposal is not None:
+            self.recorder.write(self._records(proposal, infos, plan, verdict.accepted))
         self.metrics.observe(
             plan.is_drafting,
             plan.lengths,
@@ -153,9 +166,16 @@ class SpeculativeStep:
             )
             proposal = self.drafts.propose(requests)
             width = self.config.num_speculative_tokens
-            survival = proposal.confidence[:, :width].float().cumprod(1)
-            caps = ints_to_device([chunks[i].num_draft_slots for i in drafting], dev)
-            chosen = allocate(survival, caps, output.draft_budget).tolist()
+            raw = proposal.confidence[:, :width].float()
+            if self.calibration is None:
+                survival = raw.cumprod(1)
+            else:
+                survival = self.calibration.survivals(raw, [i.params.temperature for i in infos])
+            if output.draft_verify_all:  # the fixed path: every cap, no ranking
+                chosen = [chunks[i].num_draft_slots for i in drafting]
+            else:
+                caps = ints_to_device([chunks[i].num_draft_slots for i in drafting], dev)
+                chosen = allocate(survival, caps, output.draft_budget).tolist()
             tokens = proposal.drafts[:, :width].tolist()
             for row, (i, n) in enumerate(zip(drafting, chosen, strict=True)):
                 lengths[i] = n
@@ -172,6 +192,27 @@ class SpeculativeStep:
             survivals=survivals,
         )
         return proposal, plan
+
+    def _records(
+        self,
+        proposal: Proposal,
+        infos: list[SamplingInfo],
+        plan: _Plan,
+        accepted: list[int],
+    ) -> list[AcceptanceRecord]:
+        """The uncensored request-steps of this step, with their raw confidences."""
+        width = self.config.num_speculative_tokens
+        confidence = proposal.confidence[:, :width].float().tolist()
+        records, row = [], 0
+        for info, drafted, n, a in zip(
+            infos, plan.is_drafting, plan.lengths, accepted, strict=True
+        ):
+            if not drafted:
+                continue
+            if is_uncensored(n, a, width):
+                records.append(AcceptanceRecord(tuple(confidence[row]), a, info.params.temperature))
+            row += 1
+        return records
 
     def _verify_rows(
         self,

@@ -9,17 +9,26 @@ of role 2 is unchanged by calibration; only the budget moves.
 Labels come from steps where every draft was verified (uncensored) and must follow the
 acceptance rule in force: one temperature vector per regime (`regime_of`). A calibration file
 fitted for another number of drafts is refused.
+
+Fitting from the engine's records (`--speculative-record PATH`, `records.py`):
+
+    python -m engine.speculative.sts fit --records PATH [--records ...] --out CALIBRATION.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from engine.speculative.records import AcceptanceRecord, read_records
 
 ECE_BINS = 15
 DEFAULT_GRID = tuple(10 ** (-1 + i / 20) for i in range(41))  # 0.1 .. 10, 41 points
@@ -139,6 +148,18 @@ class StsCalibration:
         regime = regime_of(temperature)
         return self.fits.get(regime) or StsFit.identity(self.num_speculative_tokens)
 
+    def survivals(self, confidence: Tensor, temperatures: Sequence[float]) -> Tensor:
+        """Calibrated survivals [N, L] of raw confidences [N, L ≤ num_speculative_tokens],
+        row r by the fit of its request's regime (`temperatures[r]`)."""
+        temps = torch.tensor(
+            [self.fit_for(t).temperatures for t in temperatures],
+            dtype=torch.float64,
+            device=confidence.device,
+        ).reshape(len(temperatures), self.num_speculative_tokens)
+        width = confidence.shape[-1]
+        calibrated = torch.sigmoid(confidence_logits(confidence) / temps[:, :width])
+        return calibrated.cumprod(-1).to(confidence.dtype)
+
     def save(self, path: Path) -> None:
         payload = {
             "num_speculative_tokens": self.num_speculative_tokens,
@@ -157,20 +178,74 @@ class StsCalibration:
     @classmethod
     def load(cls, path: Path, num_speculative_tokens: int) -> StsCalibration:
         """Read a calibration file; ValueError when it was fitted for another number of drafts
-        (or is malformed)."""
-        payload = json.loads(path.read_text())
-        stored = int(payload["num_speculative_tokens"])
+        (or is unreadable or malformed)."""
+        try:
+            payload = json.loads(path.read_text())
+            stored = int(payload["num_speculative_tokens"])
+            fits = {
+                regime: StsFit(
+                    tuple(float(t) for t in data["temperatures"]),
+                    tuple(data["ece_before"]),
+                    tuple(data["ece_after"]),
+                    int(data["n"]),
+                )
+                for regime, data in payload["fits"].items()
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path}: not an STS calibration file ({exc})") from exc
         if stored != num_speculative_tokens:
             raise ValueError(
-                f"{path}: STS temperatures fitted for {stored} drafts, not {num_speculative_tokens}"
+                f"{path}: STS temperatures fitted for {stored} drafts, not "
+                f"{num_speculative_tokens} (--num-speculative-tokens)"
             )
-        fits = {
-            regime: StsFit(
-                tuple(data["temperatures"]),
-                tuple(data["ece_before"]),
-                tuple(data["ece_after"]),
-                int(data["n"]),
-            )
-            for regime, data in payload["fits"].items()
-        }
         return cls(stored, fits)
+
+
+MIN_SAMPLES = 50  # a regime with fewer uncensored records keeps the identity
+
+
+def fit_records(
+    records: Sequence[AcceptanceRecord], min_samples: int = MIN_SAMPLES
+) -> StsCalibration:
+    """One `StsFit` per regime with at least `min_samples` records (all of one width)."""
+    widths = {len(r.confidence) for r in records}
+    if len(widths) != 1:
+        raise ValueError(f"records of one draft count needed, got widths {sorted(widths)}")
+    (width,) = widths
+    fits = {}
+    for regime in REGIMES:
+        mine = [r for r in records if regime_of(r.temperature) == regime]
+        if len(mine) < min_samples:
+            continue
+        confidence = torch.tensor([r.confidence for r in mine], dtype=torch.float64)
+        accepted = torch.tensor([r.accepted for r in mine])
+        fits[regime] = fit_sts(confidence_logits(confidence), prefix_labels(accepted, width))
+    return StsCalibration(width, fits)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.speculative.sts")
+    commands = parser.add_subparsers(dest="command", required=True)
+    fit = commands.add_parser("fit", help="fit STS temperatures from acceptance records")
+    fit.add_argument("--records", type=Path, action="append", required=True)
+    fit.add_argument("--out", type=Path, required=True)
+    fit.add_argument("--min-samples", type=int, default=MIN_SAMPLES)
+    args = parser.parse_args(argv)
+    records = [r for path in args.records for r in read_records(path)]
+    if not records:
+        print("no records", file=sys.stderr)
+        return 1
+    calibration = fit_records(records, args.min_samples)
+    calibration.save(args.out)
+    for regime, fitted in calibration.fits.items():
+        temps = ", ".join(f"{t:.3g}" for t in fitted.temperatures)
+        before = ", ".join(f"{e:.3f}" for e in fitted.ece_before)
+        after = ", ".join(f"{e:.3f}" for e in fitted.ece_after)
+        print(f"{regime}: n={fitted.num_samples} T=[{temps}] ECE [{before}] -> [{after}]")
+    if not calibration.fits:
+        print(f"no regime has {args.min_samples} records: identity", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -33,6 +33,7 @@ from engine.models.deepseek_v41.state import BLOCK_TOKENS, TOKEN_RING
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.speculative.drafts import DraftRequests, Proposal
+from engine.speculative.planner import BudgetDecision, PlannerMetrics
 
 EOS_ID = 1
 
@@ -262,10 +263,20 @@ class HalfPlanner:
     """A budget of half the drafts (rounded down): `allocate` then keeps the best-ranked half
     by the current survivals, so requests verify different prefix lengths in one step."""
 
+    def __init__(self) -> None:
+        self.metrics = PlannerMetrics()
+
     def budget(self, rows, prefill_rows: int) -> int:
         return sum(row.cap for row in rows) // 2
 
+    def plan(self, rows, prefill_rows: int) -> BudgetDecision:
+        budget = self.budget(rows, prefill_rows)
+        return BudgetDecision(budget, is_verify_all=budget == sum(r.cap for r in rows))
+
     def observe(self, survivals, request_count: int) -> None:
+        return None
+
+    def record_step_time(self, decision, measured_ms: float) -> None:
         return None
 
 

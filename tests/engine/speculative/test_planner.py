@@ -154,21 +154,29 @@ def test_the_budget_never_depends_on_the_current_or_previous_step():
     drafts → different survivals) get the same budget for step t."""
     table = linear_table(graph_tiers(600), 10.0, 0.05)
     gen = torch.Generator().manual_seed(3)
-    slots = list(range(24))
+    ids = [f"r{i}" for i in range(24)]
     caps = [G] * 12 + [2] * 12
     shared = [torch.rand(24, G, generator=gen).cumprod(1) for _ in range(6)]
+
+    def rows(history, step):
+        return [PlanRow(c, history.lagged(step, r, 0)) for r, c in zip(ids, caps, strict=True)]
+
+    def record(history, step, surv):
+        for r, row in zip(ids, surv.tolist(), strict=True):
+            history.record(step, r, 0, row)
+
     budgets = []
     for variant in range(4):
         history, planner = SurvivalHistory(lag=2), ScheduledPlanner(table, G)
         for step, surv in enumerate(shared):
-            planner.plan(history.rows(step, slots, caps), 0)
-            history.record(step, slots, surv)
-            planner.observe(surv, len(slots))
+            planner.plan(rows(history, step), 0)
+            record(history, step, surv)
+            planner.observe(surv, len(ids))
         t = len(shared) + 1
         other = torch.rand(24, G, generator=torch.Generator().manual_seed(variant)).cumprod(1)
-        planner.plan(history.rows(t - 1, slots, caps), 0)
-        history.record(t - 1, slots, other)  # step t−1's survivals
-        budgets.append(planner.plan(history.rows(t, slots, caps), 0).budget)  # before step t
+        planner.plan(rows(history, t - 1), 0)
+        record(history, t - 1, other)  # step t−1's survivals
+        budgets.append(planner.plan(rows(history, t), 0).budget)  # before step t
     assert len(set(budgets)) == 1
 
 
@@ -236,17 +244,21 @@ def test_a_lagged_budget_is_lossless_where_the_current_one_is_not():
 # ---------------------------------------------------------------- history and prior (§3.3.1)
 
 
-def test_history_returns_survivals_two_steps_old_of_the_same_occupant_only():
+def test_history_returns_survivals_two_steps_old_of_the_same_generation_only():
     history = SurvivalHistory(lag=2)
-    history.start(0)
-    history.start(1)
-    for step in range(4):
-        history.record(step, [0, 1], torch.full((2, G), 0.1 * (step + 1)))
-    assert history.lagged(4, 0) == pytest.approx((0.3,) * G)  # recorded at step 2
-    assert history.lagged(3, 0) == pytest.approx((0.2,) * G)
-    history.start(1)  # slot reused (new request, or resumed after preemption)
-    assert history.lagged(4, 1) is None
-    assert history.rows(4, [0, 1], [3, 5])[1] == PlanRow(cap=5, survivals=None)
+    for step in range(4):  # each step is planned before its survivals are recorded
+        if step == 1:
+            assert history.lagged(step, "a", 0) is None  # nothing two steps old yet
+        if step == 3:
+            assert history.lagged(step, "a", 0) == pytest.approx((0.2,) * G)  # from step 1
+        for request_id in ("a", "b"):
+            history.record(step, request_id, 0, (0.1 * (step + 1),) * G)
+    assert history.lagged(4, "a", 0) == pytest.approx((0.3,) * G)  # recorded at step 2
+    assert history.lagged(4, "b", 1) is None  # b resumed after a preemption: the prior
+    history.record(4, "b", 1, (0.9,) * G)
+    assert history.lagged(6, "b", 1) == pytest.approx((0.9,) * G)
+    history.forget("a")
+    assert history.lagged(4, "a", 0) is None
     with pytest.raises(ValueError):
         SurvivalHistory(lag=0)
 
