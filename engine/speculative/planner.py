@@ -23,9 +23,10 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # the scheduler imports this module: it stays torch-free
+    import torch
 
 from engine.speculative.step_times import StepTimeTable
 
@@ -121,6 +122,8 @@ def allocate(survivals: torch.Tensor, caps: torch.Tensor, budget: int) -> torch.
     r ascending (a tie-break that never looks at values), so each request's slots are a prefix.
     Slots with survival below 1e-6 are never taken.
     """
+    import torch
+
     rows, width = survivals.shape
     if rows == 0 or budget <= 0:
         return torch.zeros(rows, dtype=torch.long, device=survivals.device)
@@ -313,6 +316,8 @@ class ScheduledPlanner:
         """Fold the first `request_count` rows of a step's survivals [N, L] into the prior."""
         if request_count <= 0:
             return
+        import torch
+
         rows = survivals[:request_count].detach().to("cpu", torch.float64)
         width = min(rows.shape[1], self.num_speculative_tokens)
         mean = rows[:, :width].mean(0).tolist()
