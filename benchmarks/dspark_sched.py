@@ -230,6 +230,7 @@ class VerifyPolicy:
         fixed = arm in ("fixed", "aa")
         self.planner = FixedPlanner() if fixed else ScheduledPlanner(table, G)
         self.history = SurvivalHistory(lag=2)
+        self.generations: dict[int, int] = {}  # per slot: a restarted request is a new one
 
     def lengths(self, step: int, survivals: torch.Tensor, caps: list[int]):
         slots = list(range(len(caps)))
@@ -239,7 +240,13 @@ class VerifyPolicy:
                 for c, s in zip(caps, survivals.tolist(), strict=True)
             ]
         else:
-            rows = self.history.rows(step, slots, caps)
+            rows = [
+                PlanRow(
+                    cap=cap,
+                    survivals=self.history.lagged(step, str(slot), self.generations.get(slot, 0)),
+                )
+                for slot, cap in zip(slots, caps, strict=True)
+            ]
         decision = self.planner.plan(rows, prefill_rows=0)
         caps_t = torch.tensor(caps, device=survivals.device)
         if decision.is_verify_all:
@@ -253,10 +260,11 @@ class VerifyPolicy:
         return lengths, decision
 
     def observe(self, step: int, survivals: torch.Tensor, restarted: list[int]) -> None:
-        self.history.record(step, list(range(survivals.shape[0])), survivals)
+        for slot, row in enumerate(survivals.tolist()):
+            self.history.record(step, str(slot), self.generations.get(slot, 0), row)
         self.planner.observe(survivals, survivals.shape[0])
         for slot in restarted:
-            self.history.start(slot)
+            self.generations[slot] = self.generations.get(slot, 0) + 1
 
 
 def head_survivals(arm: str, fit: StsFit, pi: np.ndarray, raw: np.ndarray, device) -> torch.Tensor:
