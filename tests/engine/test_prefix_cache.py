@@ -340,6 +340,25 @@ class CachingHarness(Harness):
         )
         self.scheduler = Scheduler(self.config, self.kv, prefix_reuse=PrefixReuse(config, self.kv))
         self.runner = ReplayingFakeRunner(self.cache, self.requests)
+        self.aborted: set[str] = set()
+
+    def maybe_abort(self, rng: random.Random, probability: float = 0.03) -> None:
+        """Abort a random request with this probability (remembered if it was unfinished)."""
+        if self.requests and rng.random() < probability:
+            rid = rng.choice(list(self.requests))
+            if not self.requests[rid].is_finished:
+                self.aborted.add(rid)
+            self.abort(rid)
+
+    def check_outputs_equal_the_reference(self) -> None:
+        """Every request that was not aborted (nor failed) produced the fake model's uncached
+        output; the others ended as aborted."""
+        for rid, request in self.requests.items():
+            if rid in self.aborted or request.error is not None:
+                assert request.finish_reason is FinishReason.ABORT
+                continue
+            expected = reference_output(request.prompt_token_ids, 7, request.params.max_tokens)
+            assert request.output_token_ids == expected, rid
 
     def check_all_finished(self) -> None:
         super().check_all_finished()
@@ -418,22 +437,12 @@ def test_randomized_schedules_with_sharing_keep_invariants(seed: int) -> None:
         replay_tokens=rng.choice([1, 3, 4, 8]),
     )
     stems = [[rng.randrange(1, 50) for _ in range(30)] for _ in range(3)]
-    aborted: set[str] = set()
     for _ in range(120):
         if len(h.requests) < 30 and rng.random() < 0.35:
             stem = rng.choice(stems)
             prompt = stem[: rng.randrange(1, 30)] + [rng.randrange(1, 50)] * rng.randrange(0, 3)
             h.add(f"r{len(h.requests)}", prompt, max_tokens=rng.randrange(1, 12), seed=7)
-        if h.requests and rng.random() < 0.03:
-            rid = rng.choice(list(h.requests))
-            if not h.requests[rid].is_finished:
-                aborted.add(rid)
-            h.abort(rid)
+        h.maybe_abort(rng)
         h.step()
     h.run()
-    for rid, request in h.requests.items():
-        if rid in aborted or request.error is not None:
-            assert request.finish_reason is FinishReason.ABORT
-            continue
-        expected = reference_output(request.prompt_token_ids, 7, request.params.max_tokens)
-        assert request.output_token_ids == expected, rid
+    h.check_outputs_equal_the_reference()

@@ -236,7 +236,6 @@ def test_randomized_turns_with_preemption_and_aborts_keep_outputs_and_references
     # Each conversation's next turn extends its latest request's tokens so far (prompt +
     # outputs once it finished: then its slot can serve; earlier, only blocks can).
     latest = [h.add(f"first{c}", rng.randrange(3, 12), max_tokens=3, seed=7) for c in range(3)]
-    aborted: set[str] = set()
     for _ in range(150):
         if len(h.requests) < 30 and rng.random() < 0.3:
             conv = rng.randrange(len(latest))
@@ -246,18 +245,10 @@ def test_randomized_turns_with_preemption_and_aborts_keep_outputs_and_references
                 latest[conv] = h.add(
                     f"r{len(h.requests)}", prompt, max_tokens=rng.randrange(1, 8), seed=7
                 )
-        if h.requests and rng.random() < 0.03:
-            rid = rng.choice(list(h.requests))
-            if not h.requests[rid].is_finished:
-                aborted.add(rid)
-            h.abort(rid)
+        h.maybe_abort(rng)
         h.step()
     h.run()
-    for rid, request in h.requests.items():
-        if rid in aborted or request.error is not None:
-            continue
-        expected = reference_output(request.prompt_token_ids, 7, request.params.max_tokens)
-        assert request.output_token_ids == expected, rid
+    h.check_outputs_equal_the_reference()
 
 
 # ---------------------------------------------------------------------------- the model
