@@ -58,6 +58,20 @@ class _Timing:
     num_output_tokens: int = 0
 
 
+class _CumulativeCounters:
+    """Prometheus counters fed from cumulative totals (the engine's snapshots): each `advance`
+    adds what a (counter, labels) total grew by since the last call."""
+
+    def __init__(self, model_name: str) -> None:
+        self._model = model_name
+        self._seen: dict[tuple[object, ...], float] = {}
+
+    def advance(self, counter: Counter, total: float, *labels: str) -> None:
+        key = (counter, *labels)
+        counter.labels(self._model, *labels).inc(max(0, total - self._seen.get(key, 0)))
+        self._seen[key] = total
+
+
 class ServerMetrics:
     """The recorder the protocol routes call; every `on_*` call mutates only metrics state.
 
@@ -73,6 +87,7 @@ class ServerMetrics:
         self._clock = clock
         self._requests: dict[str, _Timing] = {}
         self._model = model_name
+        self._cumulative = _CumulativeCounters(model_name)
         reg = self.registry
         labels = ("model_name",)
 
@@ -119,7 +134,6 @@ class ServerMetrics:
             "replayed": counter("prefix_cache_replayed_tokens", "Cached tokens recomputed."),
             "evicted": counter("prefix_cache_evicted_blocks", "Cached blocks evicted."),
         }
-        self._prefix_totals = dict.fromkeys(self.prefix_cache, 0)
         self.replayed_rows = Counter(
             PREFIX + "prefix_cache_replayed_rows",
             "Cached positions recomputed on prefix hits, by layer stack (encoder, decoder).",
@@ -130,7 +144,6 @@ class ServerMetrics:
             "prefix_cache_decoder_skipped_rows",
             "Rows of replaying prefills that skipped the decoder layers (bounded replay).",
         )
-        self._row_totals = {"encoder": 0, "decoder": 0, "decoder_skipped": 0}
         self.prefix_cache_blocks = gauge("prefix_cache_blocks", "Blocks indexed by the cache.")
         # Resume slots (`engine/kv_cache/resume.py`; counters advanced like the above).
         self.resume_slots = {
@@ -139,7 +152,6 @@ class ServerMetrics:
             "corrupt": counter("resume_slot_corrupt", "Slots dropped for a checksum mismatch."),
             "evicted": counter("resume_slot_evictions", "Slots evicted for room."),
         }
-        self._resume_totals = dict.fromkeys(self.resume_slots, 0)
         self.resume_slot_bytes = gauge("resume_slot_bytes", "Host bytes held by resume slots.")
         self.resume_slot_count = gauge("resume_slots", "Resume slots held.")
         self._tiers = _TierMetrics(reg, model_name)
@@ -232,20 +244,17 @@ class ServerMetrics:
                 "evicted": sum(c.num_evicted_blocks for c in caches),
             }
             for name, total in totals.items():
-                self.prefix_cache[name].labels(self._model).inc(total - self._prefix_totals[name])
-            self._prefix_totals = totals
+                self._cumulative.advance(self.prefix_cache[name], total)
             self.prefix_cache_blocks.labels(self._model).set(
                 sum(c.num_cached_blocks for c in caches)
             )
-            rows = {k: sum(c.replayed_rows.get(k, 0) for c in caches) for k in self._row_totals}
+            rows = {
+                k: sum(c.replayed_rows.get(k, 0) for c in caches)
+                for k in ("encoder", "decoder", "decoder_skipped")
+            }
             for stack in ("encoder", "decoder"):
-                self.replayed_rows.labels(self._model, stack).inc(
-                    rows[stack] - self._row_totals[stack]
-                )
-            self.decoder_skipped_rows.labels(self._model).inc(
-                rows["decoder_skipped"] - self._row_totals["decoder_skipped"]
-            )
-            self._row_totals = rows
+                self._cumulative.advance(self.replayed_rows, rows[stack], stack)
+            self._cumulative.advance(self.decoder_skipped_rows, rows["decoder_skipped"])
             self._tiers.refresh(ranks)
             self._refresh_resume_slots([c.resume_slots for c in caches if c.resume_slots])
         self._speculative.refresh(ranks)
@@ -261,8 +270,7 @@ class ServerMetrics:
             "evicted": sum(p.num_evicted for p in pools),
         }
         for name, total in totals.items():
-            self.resume_slots[name].labels(self._model).inc(total - self._resume_totals[name])
-        self._resume_totals = totals
+            self._cumulative.advance(self.resume_slots[name], total)
         self.resume_slot_bytes.labels(self._model).set(sum(p.num_bytes for p in pools))
         self.resume_slot_count.labels(self._model).set(sum(p.num_slots for p in pools))
 
@@ -313,23 +321,19 @@ class _SpeculativeMetrics:
             ["model_name", "rows"],
             registry=registry,
         )
-        self._seen: dict[tuple[str, str], int] = {}
-
-    def _advance(self, counter, key: tuple[str, str], total: int, *labels: str) -> None:
-        counter.labels(self._model, *labels).inc(max(0, total - self._seen.get(key, 0)))
-        self._seen[key] = total
+        self._cumulative = _CumulativeCounters(model_name)
 
     def refresh(self, ranks) -> None:
         snaps = [snap.speculative for snap in ranks if snap.speculative is not None]
         if not snaps:
             return
         for field, counter in self._counters.items():
-            self._advance(counter, (field, ""), sum(getattr(s, field) for s in snaps))
+            self._cumulative.advance(counter, sum(getattr(s, field) for s in snaps))
         for kind, counter in self._per_position.items():
             values = [getattr(s, f"{kind}_per_position") for s in snaps]
             for pos in range(1, max(len(v) for v in values)):
                 total = sum(v[pos] for v in values if pos < len(v))
-                self._advance(counter, (kind, str(pos)), total, str(pos))
+                self._cumulative.advance(counter, total, str(pos))
         for gauge, name in (
             (self._accept_length, "accept_length"),
             (self._verify_rows, "verify_rows_per_step"),
@@ -373,11 +377,7 @@ class _PlannerMetrics:
         self._ratio = gauge(
             "step_time_ratio", "EMA of measured / predicted step time per verify tier.", "tier"
         )
-        self._seen: dict[tuple[str, str], float] = {}
-
-    def _advance(self, counter, key: tuple[str, str], total: float, *labels: str) -> None:
-        counter.labels(self._model, *labels).inc(max(0, total - self._seen.get(key, 0)))
-        self._seen[key] = total
+        self._cumulative = _CumulativeCounters(model_name)
 
     def refresh(self, ranks) -> None:
         snaps = [snap.planner for snap in ranks if snap.planner is not None]
@@ -392,13 +392,13 @@ class _PlannerMetrics:
                 for key, value in getattr(snap, name).items():
                     totals[str(key)] = totals.get(str(key), 0) + value
             for key, total in totals.items():
-                self._advance(counter, (name, key), total, key)
+                self._cumulative.advance(counter, total, key)
         for counter, name in (
             (self._budget, "budget_total"),
             (self._rows, "rows_total"),
             (self._cpu, "cpu_us_total"),
         ):
-            self._advance(counter, (name, ""), sum(getattr(s, name) for s in snaps))
+            self._cumulative.advance(counter, sum(getattr(s, name) for s in snaps))
         budgets: dict[int, int] = {}
         for snap in snaps:
             for b, n in snap.steps_by_budget.items():
@@ -462,7 +462,7 @@ class _TierMetrics:
             ("model_name", "src", "dst"),
             registry=registry,
         )
-        self._totals: dict[tuple[object, ...], float] = {}
+        self._cumulative = _CumulativeCounters(model_name)
 
     def refresh(self, ranks: Sequence[RankSnapshot]) -> None:
         totals: dict[tuple[object, ...], float] = {}
@@ -507,7 +507,6 @@ class _TierMetrics:
                 ):
                     gauges[gauge, "host"] = gauges.get((gauge, "host"), 0) + value
         for (metric, *labels), total in totals.items():
-            metric.labels(self._model, *labels).inc(total - self._totals.get((metric, *labels), 0))
-            self._totals[(metric, *labels)] = total
+            self._cumulative.advance(metric, total, *labels)
         for (gauge, tier), value in gauges.items():
             gauge.labels(self._model, tier).set(value)
