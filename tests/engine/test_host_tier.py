@@ -23,7 +23,11 @@ from engine.kv_cache.store.format import padded_len
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from tests.engine.engine_checks import assert_all_released
-from tests.engine.test_prefix_cache import FINGERPRINT, CachingHarness
+from tests.engine.test_prefix_cache import (
+    FINGERPRINT,
+    CachingHarness,
+    run_random_shared_prefix_schedule,
+)
 from tests.engine.test_scheduler import BLOCK_TOKENS, reference_output
 
 # ---------------------------------------------------------------------------- the pool
@@ -292,16 +296,7 @@ def test_randomized_schedules_with_a_host_tier_keep_invariants(seed: int) -> Non
         max_model_len=48,
         replay_tokens=rng.choice([1, 3, 4, 8]),
     )
-    stems = [[rng.randrange(1, 50) for _ in range(30)] for _ in range(3)]
-    for _ in range(120):
-        if len(h.requests) < 30 and rng.random() < 0.35:
-            stem = rng.choice(stems)
-            prompt = stem[: rng.randrange(1, 30)] + [rng.randrange(1, 50)] * rng.randrange(0, 3)
-            h.add(f"r{len(h.requests)}", prompt, max_tokens=rng.randrange(1, 12), seed=7)
-        h.maybe_abort(rng)
-        h.step()
-    h.run()
-    h.check_outputs_equal_the_reference()
+    run_random_shared_prefix_schedule(h, rng)
 
 
 # ---------------------------------------------------------------------------- tiny engine

@@ -422,6 +422,21 @@ def test_preempted_request_rematches_its_own_blocks() -> None:
         ), rid
 
 
+def run_random_shared_prefix_schedule(h: CachingHarness, rng: random.Random) -> None:
+    """120 steps of random adds (prompts cut from 3 shared stems) and aborts, then run to the
+    end; the harness checks integrity after every operation, and the outputs here."""
+    stems = [[rng.randrange(1, 50) for _ in range(30)] for _ in range(3)]
+    for _ in range(120):
+        if len(h.requests) < 30 and rng.random() < 0.35:
+            stem = rng.choice(stems)
+            prompt = stem[: rng.randrange(1, 30)] + [rng.randrange(1, 50)] * rng.randrange(0, 3)
+            h.add(f"r{len(h.requests)}", prompt, max_tokens=rng.randrange(1, 12), seed=7)
+        h.maybe_abort(rng)
+        h.step()
+    h.run()
+    h.check_outputs_equal_the_reference()
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_randomized_schedules_with_sharing_keep_invariants(seed: int) -> None:
@@ -436,13 +451,4 @@ def test_randomized_schedules_with_sharing_keep_invariants(seed: int) -> None:
         max_model_len=48,
         replay_tokens=rng.choice([1, 3, 4, 8]),
     )
-    stems = [[rng.randrange(1, 50) for _ in range(30)] for _ in range(3)]
-    for _ in range(120):
-        if len(h.requests) < 30 and rng.random() < 0.35:
-            stem = rng.choice(stems)
-            prompt = stem[: rng.randrange(1, 30)] + [rng.randrange(1, 50)] * rng.randrange(0, 3)
-            h.add(f"r{len(h.requests)}", prompt, max_tokens=rng.randrange(1, 12), seed=7)
-        h.maybe_abort(rng)
-        h.step()
-    h.run()
-    h.check_outputs_equal_the_reference()
+    run_random_shared_prefix_schedule(h, rng)
