@@ -152,16 +152,7 @@ def test_committed_state_equals_one_token_decoding_after_every_step(tiny_model_e
         mine, theirs = _request("r0", prompt, max_tokens), _request("r0", prompt, max_tokens)
         _admit_with_references(spec, [mine], want, source)
         _admit_with_references(ref, [theirs], want, one_source)
-        while True:
-            before = mine.num_computed_tokens
-            spec.step()
-            if mine.is_finished:
-                break
-            widths.add(mine.num_computed_tokens - before)
-            while theirs.num_computed_tokens < mine.num_computed_tokens:
-                ref.step()
-            assert theirs.num_computed_tokens == mine.num_computed_tokens
-            _assert_same_state(spec, ref, "r0", mine.num_computed_tokens)
+        widths |= _commit_widths_with_equal_state(spec, ref, mine, theirs)
         assert mine.output_token_ids == want["r0"]
         assert ref.runner.speculative.metrics.num_accepted == 0
     assert widths >= {1, 2, 3, 4, 5, 6}, widths
@@ -191,6 +182,23 @@ def _state_rows(core: EngineCore, request_id: str, p: int) -> dict[str, torch.Te
             rows[f"pending.{src}"] = ring[slot, ((p - 1) // 2) % ring.shape[1]]
     rows["tokens"] = state.tokens[slot, [q % TOKEN_RING for q in range(max(0, p - 3), p)]]
     return rows
+
+
+def _commit_widths_with_equal_state(spec, ref, mine, theirs) -> set[int]:
+    """Step `spec` to the end of `mine`, and after each step `ref` (one token per step) up to
+    the same position; the committed state of both must be equal there. Returns the widths
+    (tokens committed per step) `spec` took."""
+    widths: set[int] = set()
+    while True:
+        before = mine.num_computed_tokens
+        spec.step()
+        if mine.is_finished:
+            return widths
+        widths.add(mine.num_computed_tokens - before)
+        while theirs.num_computed_tokens < mine.num_computed_tokens:
+            ref.step()
+        assert theirs.num_computed_tokens == mine.num_computed_tokens
+        _assert_same_state(spec, ref, "r0", mine.num_computed_tokens)
 
 
 def _assert_same_state(spec: EngineCore, ref: EngineCore, request_id: str, p: int) -> None:
@@ -246,15 +254,7 @@ def test_default_model_greedy_tokens_and_state_equal_one_token_decoding(
         mine, theirs = _request("r0", prompt, max_tokens), _request("r0", prompt, max_tokens)
         _admit_with_references(spec, [mine], want, source)
         _admit_with_references(ref, [theirs], want, one_source)
-        while True:
-            before = mine.num_computed_tokens
-            spec.step()
-            if mine.is_finished:
-                break
-            widths.add(mine.num_computed_tokens - before)
-            while theirs.num_computed_tokens < mine.num_computed_tokens:
-                ref.step()
-            _assert_same_state(spec, ref, "r0", mine.num_computed_tokens)
+        widths |= _commit_widths_with_equal_state(spec, ref, mine, theirs)
         assert mine.output_token_ids == want["r0"]
     assert widths == set(range(1, num_speculative_tokens + 2)), widths
 
