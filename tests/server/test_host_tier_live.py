@@ -55,15 +55,16 @@ def test_evicted_prompt_is_served_from_the_host_tier(tmp_path) -> None:
         first = client.chat.completions.create(**a)
         num_blocks = first.usage.prompt_tokens // 128
         assert num_blocks >= 8 and first.usage.prompt_tokens_details.cached_tokens == 0
+        stored_blocks = num_blocks  # the prompts' token counts differ with their random seeds
         for other in (b, c):  # each needs most of the 16 GPU blocks: a's are evicted
-            client.chat.completions.create(**other)
+            stored_blocks += client.chat.completions.create(**other).usage.prompt_tokens // 128
         again = client.chat.completions.create(**a)
         assert again.usage.prompt_tokens_details.cached_tokens == num_blocks * 128
         assert again.choices[0].message.content == first.choices[0].message.content
         host_tokens = _metric(url, "deepinfer:prefix_cache_hit_tokens_total", tier="host")
         assert host_tokens >= (num_blocks - 2) * 128
         assert _metric(url, "deepinfer:kv_tier_hit_blocks_total", tier="host") * 128 == host_tokens
-        assert _metric(url, "deepinfer:kv_cache_blocks", tier="host") >= 3 * num_blocks
+        assert _metric(url, "deepinfer:kv_cache_blocks", tier="host") >= stored_blocks
         capacity = _metric(url, "deepinfer:kv_cache_capacity_bytes", tier="host")
         assert 255 << 20 < capacity <= 256 << 20  # whole slots within the budget
         assert _metric(url, "deepinfer:kv_bytes_total", src="gpu", dst="host") > 0
