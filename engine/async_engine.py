@@ -129,8 +129,9 @@ class EngineConfig:
     speculative_verify: `fixed` verifies every draft; `scheduled` the planner's budget
         (`engine/speculative/planner.py`; without a step-time table, i.e. eager mode and the
         CPU, it verifies every draft too).
-    speculative_acceptance: `rejection` (sampled output has the non-speculative distribution)
-        or `coupled` (seeded output is bit-identical to the non-speculative one).
+    speculative_acceptance: `rejection` or `block` (token-wise rejection sampling or block
+        verification: sampled output has the non-speculative distribution) or `coupled`
+        (seeded output is bit-identical to the non-speculative one).
     speculative_calibration: an STS calibration file for the confidence head (`python -m
         engine.speculative.sts fit`); refused when fitted for another draft count. None =
         identity. speculative_record: where steps that verified every draft append their

@@ -166,10 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--speculative-acceptance",
-        choices=["rejection", "coupled"],
+        choices=["rejection", "block", "coupled"],
         default=_ENGINE_DEFAULTS.speculative_acceptance,
-        help="sampled requests: rejection sampling (same distribution as without speculation) "
-        "or coupled noise (seeded output bit-identical to decoding without speculation)",
+        help="sampled requests: rejection sampling token by token or block verification (both "
+        "the same distribution as without speculation; block never accepts fewer drafts in "
+        "expectation), or coupled noise (seeded output bit-identical to decoding without "
+        "speculation)",
     )
     add(
         "--speculative-calibration",

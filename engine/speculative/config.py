@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 METHODS = ("off", "dspark")
 VERIFY_MODES = ("scheduled", "fixed")
-ACCEPTANCE_MODES = ("rejection", "coupled")
+ACCEPTANCE_MODES = ("rejection", "block", "coupled")
 
 
 @dataclass(frozen=True)
@@ -16,9 +16,11 @@ class SpeculativeConfig:
     num_speculative_tokens: drafts proposed per request and step (1 ≤ k ≤ the drafter's block).
     verify: how many drafts a step verifies: `fixed` all of them (up to each request's cap),
         `scheduled` the planner's budget (`engine/speculative/planner.py`).
-    acceptance: sampled requests accept by `rejection` sampling (same distribution as without
-        speculation) or `coupled` (draft and target share the Gumbel noise of each position:
-        seeded output is the same bits as without speculation, `dspark.md` §2.5).
+    acceptance: sampled requests accept by `rejection` sampling, token by token, or by `block`
+        verification (the drafts decided jointly, never fewer accepted in expectation; both give
+        the distribution without speculation, `dspark.md` §2.2, §2.4), or `coupled` (draft and
+        target share the Gumbel noise of each position: seeded output is the same bits as
+        without speculation, §2.5).
     calibration: an STS calibration file (`engine/speculative/sts.py`, fitted for
         `num_speculative_tokens` drafts): the confidence head's outputs pass through it before
         the planner sees them; None = identity.

@@ -33,7 +33,7 @@ from engine.model_runner import token_logprobs
 from engine.models import ints_to_device
 from engine.outputs import ModelOutput, SamplingInfo, ScheduledChunk, SchedulerOutput, TokenLogprob
 from engine.sampler import NoisePurpose, SamplingBatch, process_logits
-from engine.speculative.acceptance import VerifyRows, verify
+from engine.speculative.acceptance import SAMPLED_RULES, VerifyRows, block_draft_seeds, verify
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.drafts import DraftRequests, DraftSource, Proposal
 from engine.speculative.metrics import SpeculativeMetrics
@@ -153,11 +153,15 @@ class SpeculativeStep:
             infos = [chunks[i].sampling for i in drafting]
             is_sampled = tuple(not info.params.is_greedy for info in infos)
             coupled = self.config.acceptance == "coupled"
+            positions = ints_to_device([_anchor_position(chunks[i]) for i in drafting], dev)
+            seeds = sampling_seeds(infos, dev)
+            if self.config.acceptance == "block":
+                seeds = block_draft_seeds(seeds, positions)
             requests = DraftRequests(
                 anchors=ints_to_device([chunks[i].token_ids[-1] for i in drafting], dev),
-                positions=ints_to_device([_anchor_position(chunks[i]) for i in drafting], dev),
+                positions=positions,
                 slots=ints_to_device([chunks[i].slot for i in drafting], dev),
-                seeds=sampling_seeds(infos, dev),
+                seeds=seeds,
                 temperatures=torch.tensor(
                     [info.params.temperature for info in infos], dtype=torch.float32, device=dev
                 ),
@@ -223,7 +227,8 @@ class SpeculativeStep:
         plan: _Plan,
         proposal: Proposal | None,
     ) -> VerifyRows:
-        """The flat verify rows: proposals, which rows use rejection, their draft logits."""
+        """The flat verify rows: proposals, which rows test against q (by rejection or block
+        verification), their draft logits."""
         dev = processed.device
         proposals: list[int] = []
         rejection: list[bool] = []
@@ -232,7 +237,7 @@ class SpeculativeStep:
         for info, n, tokens, drafted in zip(
             infos, plan.lengths, plan.drafts, plan.is_drafting, strict=True
         ):
-            uses_rejection = self.config.acceptance == "rejection" and not info.params.is_greedy
+            uses_rejection = self.config.acceptance in SAMPLED_RULES and not info.params.is_greedy
             for j in range(n):
                 if uses_rejection:
                     q_rows.append((len(proposals), proposal_row, j))
@@ -259,6 +264,7 @@ class SpeculativeStep:
             seeds=sampling.seeds,
             positions=sampling.positions,
             lengths=plan.lengths,
+            sampled_rule="block" if self.config.acceptance == "block" else "rejection",
         )
 
 

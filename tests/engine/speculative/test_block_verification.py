@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.sampler import NoisePurpose, counter_hash, gumbel_from_hash, noise_keys
-from engine.speculative.acceptance import VerifyRows, verify
+from engine.speculative.acceptance import VerifyRows, block_draft_seeds, verify
 
 GAMMA = 3
 Tree = dict[tuple[int, ...], list[float]]
@@ -259,3 +259,14 @@ def test_verify_draws_the_block_rule_outcomes(n: int) -> None:
     if n >= 2:
         wrong = _joint(p, q, vocab, n, weighted_residual=False)
         assert _chi2_pvalue(observed, wrong) < 1e-6
+
+
+def test_block_draft_seeds_are_fresh_per_step_and_independent_of_the_batch_row() -> None:
+    """Drafts of a block-verified request at one position get new noise at every anchor (the
+    last step's block decision read them), and the same noise in any batch row."""
+    seeds = torch.tensor([5, 5, 5, -3, 1 << 62], dtype=torch.long)
+    anchors = torch.tensor([10, 11, 12, 10, 10], dtype=torch.long)
+    got = block_draft_seeds(seeds, anchors)
+    assert len(set(got.tolist())) == 5
+    flipped = block_draft_seeds(seeds.flip(0), anchors.flip(0))
+    assert torch.equal(flipped, got.flip(0))

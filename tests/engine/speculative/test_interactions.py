@@ -204,10 +204,14 @@ def _record_schedules(engine: AsyncEngine) -> list:
     return outputs
 
 
-def test_sampled_outputs_have_the_non_speculative_distribution(tiny_model_exact_kv) -> None:
-    """Rejection sampling end to end: 2 × 480 seeded requests, temperature 1 over a top-4
-    slice; the first token, the second and the third have the same distribution with and
-    without speculation (two-sample chi-square, Bonferroni α = 1e-3 over 3 tests)."""
+@pytest.mark.parametrize("acceptance", ["rejection", "block"])
+def test_sampled_outputs_have_the_non_speculative_distribution(
+    tiny_model_exact_kv, acceptance: str
+) -> None:
+    """Rejection sampling and block verification end to end: 2 × 480 seeded requests,
+    temperature 1 over a top-4 slice; the first token, the second and the third have the same
+    distribution with and without speculation (two-sample chi-square, Bonferroni α = 1e-3 over
+    3 tests)."""
     model = tiny_model_exact_kv
     prompt = _prompt(6)
     count = 480
@@ -222,9 +226,16 @@ def test_sampled_outputs_have_the_non_speculative_distribution(tiny_model_exact_
     # Drafts: the greedy continuation (fixed tokens, so q is one-hot; accepted w.p. p(d)).
     greedy = _run(_engine(model), [(prompt, SamplingParams(temperature=0.0, max_tokens=3))])
     source = HistoryDrafts(model.config.vocab_size, _references([(prompt, greedy[0])]))
-    engine = _engine(model, source, speculative="dspark", max_num_seqs=160)
+    engine = _engine(
+        model, source, speculative="dspark", max_num_seqs=160, speculative_acceptance=acceptance
+    )
     spec = _run(engine, jobs(10_000))
-    assert engine.core.runner.speculative.metrics.num_accepted > 0
+    metrics = engine.core.runner.speculative.metrics
+    assert metrics.num_accepted > 0
+    # The counters agree: the histogram of a + 1, accepted drafts, first-position acceptance.
+    assert metrics.num_request_steps == sum(metrics.accept_length)
+    assert metrics.num_accepted == sum(k * c for k, c in enumerate(metrics.accept_length[1:]))
+    assert metrics.accepted_per_position[1] == sum(metrics.accept_length[2:])
     for k in range(3):
         a = [_outputs(r)[0][k] for r in plain]
         b = [_outputs(r)[0][k] for r in spec]
@@ -270,7 +281,7 @@ def test_grammar_constrained_outputs_stay_valid(tiny_model_exact_kv, tiny_checkp
     greedy = SamplingParams(temperature=0, max_tokens=30)
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=30)
     jobs = [([0, 20 + i, 40], p, regex) for i, p in enumerate((greedy, sampled, greedy))]
-    for acceptance in ("rejection", "coupled"):
+    for acceptance in ("rejection", "block", "coupled"):
         want = _run(_engine(model), jobs)
         got, metrics = _speculative_run(model, jobs, want, speculative_acceptance=acceptance)
         assert metrics.num_accepted > 0
@@ -286,15 +297,17 @@ def test_grammar_constrained_outputs_stay_valid(tiny_model_exact_kv, tiny_checkp
 def test_the_dspark_drafter_samples_position_keyed_drafts(tiny_model_exact_kv) -> None:
     """The product drafter on sampled requests: in the coupled mode its drafts use the target
     sampler's noise, so seeded outputs equal decoding without speculation bit for bit; in the
-    rejection mode its Markov-corrected logits are the q of the test (outputs well formed)."""
+    rejection and block modes its Markov-corrected logits are the q of the test (outputs well
+    formed)."""
     model = tiny_model_exact_kv
     params = SamplingParams(temperature=0.9, seed=21, n=2, max_tokens=24, ignore_eos=True)
     jobs = [(_prompt(8), params), (_prompt(11), params)]
     want = _run(_engine(model), jobs)
     coupled = _engine(model, speculative="dspark", speculative_acceptance="coupled")
     assert [_outputs(r) for r in _run(coupled, jobs)] == [_outputs(r) for r in want]
-    rejection = _engine(model, speculative="dspark")
-    got = _run(rejection, jobs)
-    assert all(len(tokens) == 24 for run in got for tokens in _outputs(run).values())
-    assert rejection.core.runner.speculative.metrics.num_verified > 0
-    assert_all_released(rejection)
+    for acceptance in ("rejection", "block"):
+        engine = _engine(model, speculative="dspark", speculative_acceptance=acceptance)
+        got = _run(engine, jobs)
+        assert all(len(tokens) == 24 for run in got for tokens in _outputs(run).values())
+        assert engine.core.runner.speculative.metrics.num_verified > 0
+        assert_all_released(engine)
