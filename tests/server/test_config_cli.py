@@ -227,6 +227,9 @@ def test_cli_speculative_options():
         3,
         "coupled",
     )
+    block = engine("--speculative", "dspark", "--speculative-acceptance", "block")
+    assert block.speculative_config(on_cuda=False, has_drafter=True).acceptance == "block"
+    assert default.speculative_acceptance == "rejection"
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         engine("--num-speculative-tokens", "0")
     with pytest.raises(ValueError, match="DSpark drafter"):
