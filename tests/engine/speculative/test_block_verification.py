@@ -190,7 +190,9 @@ TRIALS = 60_000
 ANCHOR = 40  # the anchor's absolute position
 
 
-def _verify_trials(p: Tree, q: Tree, vocab: int, n: int) -> list[tuple[tuple, tuple]]:
+def _verify_trials(
+    p: Tree, q: Tree, vocab: int, n: int, device: str = "cpu"
+) -> list[tuple[tuple, tuple]]:
     """TRIALS seeded block steps with drafts drawn from q: (drafts, emitted) per trial."""
     g = torch.Generator().manual_seed(n)
     drafts = torch.zeros(TRIALS, n, dtype=torch.long)
@@ -210,13 +212,13 @@ def _verify_trials(p: Tree, q: Tree, vocab: int, n: int) -> list[tuple[tuple, tu
     proposals = torch.cat([drafts, torch.full((TRIALS, 1), -1)], 1).reshape(-1)
     verdict = verify(
         VerifyRows(
-            processed=logp,
-            targets=targets,
-            proposals=proposals,
-            draft_logits=logq,
-            rejection=proposals >= 0,
-            seeds=seeds,
-            positions=positions,
+            processed=logp.to(device),
+            targets=targets.to(device),
+            proposals=proposals.to(device),
+            draft_logits=logq.to(device),
+            rejection=(proposals >= 0).to(device),
+            seeds=seeds.to(device),
+            positions=positions.to(device),
             lengths=[n] * TRIALS,
             sampled_rule="block",
         )
@@ -248,13 +250,14 @@ def _joint(p: Tree, q: Tree, vocab: int, n: int, **variant) -> dict:
     }
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_verify_draws_the_block_rule_outcomes(n: int) -> None:
+def test_verify_draws_the_block_rule_outcomes(n: int, device: str) -> None:
     """The implementation's (drafts, emitted) frequencies fit the exact probabilities; the
     unweighted-residual variant's probabilities are rejected by the same data (power)."""
     vocab = 4
     p, q = _tree(vocab, GAMMA, 17, zeros=False)  # the residuals differ a lot (power)
-    observed = Counter(_verify_trials(p, q, vocab, n))
+    observed = Counter(_verify_trials(p, q, vocab, n, device))
     assert _chi2_pvalue(observed, _joint(p, q, vocab, n)) > 1e-3
     if n >= 2:
         wrong = _joint(p, q, vocab, n, weighted_residual=False)
