@@ -42,31 +42,51 @@ def _tree(vocab: int, depth: int, seed: int, *, zeros: bool) -> tuple[Tree, Tree
     return p, q
 
 
-def _block_outcomes(
-    p: Tree, q: Tree, drafts: tuple[int, ...], *, weighted_residual: bool = True
-) -> dict[tuple[int, ...], float]:
-    """P(emitted tokens | drafts) under block verification, exactly (float64): the formulas of
-    `dspark.md` §2.4. `weighted_residual=False` is the wrong variant normalize(max(p − q, 0))."""
+def _block_terms(
+    p: Tree, q: Tree, drafts: tuple[int, ...], context: tuple[int, ...] = ()
+) -> tuple[list[float], list[float]]:
+    """(w_0..w_L, h_0..h_L) of `dspark.md` §2.4 for drafts after `context`, exactly."""
     n = len(drafts)
     w = [1.0]
     for i, d in enumerate(drafts):
-        ctx = drafts[:i]
+        ctx = (*context, *drafts[:i])
         w.append(min(1.0, w[-1] * p[ctx][d] / q[ctx][d]) if q[ctx][d] > 0 else 0.0)
     h = [1.0]  # h_0 = 1: η = 0 when no coin passes
     for i in range(1, n + 1):
         if i == n:
             h.append(w[n])
             continue
-        ctx = drafts[:i]
+        ctx = (*context, *drafts[:i])
         rho = sum(max(w[i] * a - b, 0.0) for a, b in zip(p[ctx], q[ctx], strict=True))
         den = rho + 1.0 - w[i]
         h.append(1.0 if den == 0 else rho / den)
+    return w, h
+
+
+def _block_outcomes(
+    p: Tree,
+    q: Tree,
+    drafts: tuple[int, ...],
+    *,
+    weighted_residual: bool = True,
+    context: tuple[int, ...] = (),
+    coin_floors: dict[int, float] | None = None,
+) -> dict[tuple[int, ...], float]:
+    """P(emitted tokens | drafts) under block verification, exactly (float64): keys are the
+    context, then the emitted tokens. `weighted_residual=False` is the wrong variant
+    normalize(max(p − q, 0)); `coin_floors` {i: a} makes coin u_i uniform on (a, 1) instead of
+    (0, 1) (a coin already read, and failed, by an earlier step)."""
+    n = len(drafts)
+    w, h = _block_terms(p, q, drafts, context)
+    floors = coin_floors or {}
     out: dict[tuple[int, ...], float] = {}
     survive = 1.0  # P(no coin above i passes)
     for i in range(n, -1, -1):
-        prob = h[i] * survive
-        survive *= 1.0 - h[i]
-        ctx = drafts[:i]
+        a = floors.get(i, 0.0)
+        stop = 1.0 if i == 0 else max(h[i] - a, 0.0) / (1.0 - a)
+        prob = stop * survive
+        survive *= 1.0 - stop
+        ctx = (*context, *drafts[:i])
         if i == n:
             row = p[ctx]
         else:
@@ -98,12 +118,12 @@ def _token_outcomes(p: Tree, q: Tree, drafts: tuple[int, ...]) -> dict[tuple[int
     return out
 
 
-def _draft_sequences(q: Tree, vocab: int, n: int):
-    """Every draft sequence of length n with its probability under q."""
+def _draft_sequences(q: Tree, vocab: int, n: int, context: tuple[int, ...] = ()):
+    """Every draft sequence of length n after `context` with its probability under q."""
     for drafts in itertools.product(range(vocab), repeat=n):
         prob = 1.0
         for i, d in enumerate(drafts):
-            prob *= q[drafts[:i]][d]
+            prob *= q[(*context, *drafts[:i])][d]
         if prob > 0:
             yield drafts, prob
 
@@ -161,6 +181,48 @@ def test_an_unweighted_residual_is_detected(vocab, seed, zeros) -> None:
     p, q = _tree(vocab, GAMMA, seed, zeros=zeros)
     for n in (2, 3):
         assert _max_error(_first_tokens(p, q, vocab, n, _unweighted), _target(p, vocab, n)) > 1e-4
+
+
+def _complete(p: Tree, vocab: int, emitted: tuple[int, ...], mass: float, length: int, dist):
+    """Add `mass` on `emitted` (cut at `length`), completed by target sampling, to `dist`."""
+    emitted = emitted[:length]
+    for tail in itertools.product(range(vocab), repeat=length - len(emitted)):
+        seq, m = emitted, mass
+        for y in tail:
+            m *= p[seq][y]
+            seq = (*seq, y)
+        dist[seq] = dist.get(seq, 0.0) + m
+
+
+def _two_steps(p: Tree, q: Tree, vocab: int, n: int, *, reused_coins: bool) -> dict:
+    """The exact distribution of the first 2n + 2 tokens after two block steps of n drafts.
+    With `reused_coins`, the second step's coins are the first step's at the same positions
+    (as coins keyed by the draft's position would be): step 1 read u_k for every k ≤ n and
+    η = i means u_k > h_k for k > i, so step 2's draft j (at position i + 1 + j) meets a coin
+    uniform on (h_{i+1+j}, 1) while i + 1 + j ≤ n."""
+    dist: dict[tuple[int, ...], float] = {}
+    for drafts, q_prob in _draft_sequences(q, vocab, n):
+        _, h = _block_terms(p, q, drafts)
+        for first, prob in _block_outcomes(p, q, drafts).items():
+            eta = len(first) - 1
+            floors = {k - eta - 1: h[k] for k in range(eta + 2, n + 1)} if reused_coins else {}
+            for second, q2 in _draft_sequences(q, vocab, n, first):
+                outcomes = _block_outcomes(p, q, second, context=first, coin_floors=floors)
+                for emitted, prob2 in outcomes.items():
+                    _complete(p, vocab, emitted, q_prob * prob * q2 * prob2, 2 * n + 2, dist)
+    return dist
+
+
+@pytest.mark.parametrize(("vocab", "seed"), [(3, 4), (4, 5)])
+def test_consecutive_block_steps_need_fresh_coins(vocab: int, seed: int) -> None:
+    """Two block steps in a row follow the target exactly with fresh coins (keyed by the
+    step's anchor, as `acceptance.py` keys them) and do not with coins keyed by position,
+    which the second step would read again after the first one read and conditioned them."""
+    n = 2
+    p, q = _tree(vocab, 2 * n + 1, seed, zeros=False)
+    want = _target(p, vocab, 2 * n + 1)
+    assert _max_error(_two_steps(p, q, vocab, n, reused_coins=False), want) < 1e-12
+    assert _max_error(_two_steps(p, q, vocab, n, reused_coins=True), want) > 1e-4
 
 
 def _expected_accepted(p: Tree, q: Tree, vocab: int, n: int, outcomes) -> float:
