@@ -1,7 +1,9 @@
 """Speculation counters (`dspark.md` §5.1), kept by the runner's speculative step (plain ints).
 
 Per request-step that drafted: K drafts proposed, L verified, a accepted (a + 1 tokens
-committed). Per position k (1-based): how often draft k was verified, and accepted.
+committed). Per position k (1-based): how often draft k was verified, and accepted (k ≤ a: under
+block verification, where the drafts are decided jointly, a is η and draft k counts as accepted
+when it lies in the accepted prefix).
 """
 
 from __future__ import annotations
