@@ -10,6 +10,7 @@ storage: token equality needs batch-invariant numerics (see `test_lossless.py`).
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 
@@ -18,6 +19,7 @@ import torch
 
 from engine.async_engine import AsyncEngine, EngineConfig
 from engine.models.deepseek_v41.state import TOKEN_RING
+from engine.sampler import counter_hash, gumbel_from_hash, noise_keys
 from engine.sampling_params import SamplingParams
 from engine.speculative.drafts import DraftRequests, Proposal
 from tests.engine.engine_checks import assert_all_released
@@ -57,6 +59,25 @@ class HistoryDrafts:
         logits = torch.full((*drafts.shape, self.vocab_size), float("-inf"))
         logits.scatter_(2, drafts[..., None], 0.0)
         return Proposal(drafts, logits, torch.full(drafts.shape, 0.5))
+
+
+class MixtureDrafts(HistoryDrafts):
+    """Sampled drafts: q = 0.6 on `HistoryDrafts`' token + 0.4 uniform, drawn with the
+    request's draft noise (seeds and purpose as the engine passes them), so the verified q is
+    not one-hot and block verification's weights reach the residual."""
+
+    def propose(self, requests: DraftRequests) -> Proposal:
+        centers = super().propose(requests).drafts
+        vocab = torch.arange(self.vocab_size)
+        logq = torch.full((*centers.shape, self.vocab_size), math.log(0.4 / self.vocab_size))
+        logq.scatter_(2, centers[..., None], math.log(0.6 + 0.4 / self.vocab_size))
+        drafts = torch.empty_like(centers)
+        for s in range(self.num_drafts):
+            keys = noise_keys(requests.seeds, requests.positions + s + 1, requests.purpose)
+            drawn = (logq[:, s] + gumbel_from_hash(counter_hash(keys, vocab))).argmax(-1)
+            sampled = torch.tensor(requests.is_sampled)
+            drafts[:, s] = torch.where(sampled, drawn, centers[:, s])
+        return Proposal(drafts, logq, torch.full(drafts.shape, 0.5))
 
 
 def _engine(model, draft_source=None, **overrides) -> AsyncEngine:
@@ -240,6 +261,36 @@ def test_sampled_outputs_have_the_non_speculative_distribution(
         a = [_outputs(r)[0][k] for r in plain]
         b = [_outputs(r)[0][k] for r in spec]
         assert _two_sample_pvalue(a, b) > 1e-3 / 3, k
+
+
+def test_block_verification_of_sampled_drafts_keeps_the_distribution(tiny_model_exact_kv) -> None:
+    """Block verification with sampled, non-one-hot drafts (`MixtureDrafts` around the
+    continuations of the run without speculation) and chains of up to 3 verified drafts:
+    2 × 320 seeded requests of 5 tokens; each of tokens 2..5 has the distribution without
+    speculation (two-sample chi-square, Bonferroni α = 1e-3 over 4 tests)."""
+    model = tiny_model_exact_kv
+    prompt = _prompt(6)
+    count = 320
+
+    def jobs(first_seed: int):
+        return [
+            (prompt, SamplingParams(temperature=1.0, top_k=4, seed=first_seed + i, max_tokens=5))
+            for i in range(count)
+        ]
+
+    plain = _run(_engine(model, max_num_seqs=160), jobs(0))
+    source = MixtureDrafts(model.config.vocab_size, _references([(prompt, r) for r in plain]))
+    engine = _engine(
+        model, source, speculative="dspark", max_num_seqs=160, speculative_acceptance="block"
+    )
+    spec = _run(engine, jobs(10_000))
+    metrics = engine.core.runner.speculative.metrics
+    assert sum(metrics.accept_length[3:]) > 0  # some steps accepted 2 drafts or more
+    assert metrics.num_accepted == sum(k * c for k, c in enumerate(metrics.accept_length[1:]))
+    for k in range(1, 5):
+        a = [_outputs(r)[0][k] for r in plain]
+        b = [_outputs(r)[0][k] for r in spec]
+        assert _two_sample_pvalue(a, b) > 1e-3 / 4, k
 
 
 def _two_sample_pvalue(a: list[int], b: list[int]) -> float:
