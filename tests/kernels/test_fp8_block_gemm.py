@@ -1,0 +1,181 @@
+"""The FP8 block-scaled dense GEMM and its activation quantizer against their torch references.
+
+Triton's interpreter runs the FP8 kernels themselves (float8e4nv loads, stores and `tl.dot` on
+FP8 operands are exact there; its float32 → FP8 cast is not, which is why the kernels round in
+float32 first — see the kernel module's NOTE), so the CPU suite checks the real code on small
+tiles; the `gpu` tests repeat the checks at the released model's widths with the compiled tiles.
+Errors are relative Frobenius norms against the reference (dequantize both operands, multiply
+in float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.deepseek_v41.weight_formats import fp8_block_dequantize, fp8_block_quantize
+from kernels.fp8_block_gemm import (
+    GemmConfig,
+    fp8_block_gemm,
+    fp8_block_gemm_reference,
+    quantize_activations,
+    quantize_activations_reference,
+)
+from tests.kernels.interpreted import run_interpreted
+
+BLOCK = 32
+
+# (M, K, N, groups, config or None, also from codes): K at the released widths (5120 hidden,
+# 1280 q_lora, 2304 expert width) with N cut to keep the interpreter fast; M = 1, 16, 128, 1000;
+# an N that is not a multiple of the tile (96), K splits, and the grouped form of `wo_a` (8
+# groups). The pre-quantized input runs on the cheaper cases (the interpreter takes ~1 s per
+# 100 K steps).
+CASES = [
+    (1, 5120, 128, 1, GemmConfig(16, 128, split_k=2), True),
+    (16, 1280, 256, 1, None, False),
+    (128, 2304, 64, 1, None, False),
+    (1000, 256, 96, 1, None, True),
+    (5, 128, 64, 8, None, True),
+]
+
+
+def _operands(m: int, k: int, n: int, groups: int, device: str = "cpu"):
+    generator = torch.Generator().manual_seed(m * 7 + k + n)
+    # rows of very different magnitudes, one all-zero row: per-row scales must follow them
+    x = torch.randn(m, groups * k, generator=generator)
+    x *= torch.logspace(-3, 2, m)[:, None]
+    if m > 1:
+        x[m // 2] = 0
+    w = torch.randn(groups * n, k, generator=generator) * k**-0.5
+    weight, scale = fp8_block_quantize(w, BLOCK)
+    return x.to(device), weight.to(device), scale.to(device)
+
+
+def _rel(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    ours, reference = ours.float().cpu(), reference.float().cpu()
+    return float((ours - reference).norm() / reference.norm())
+
+
+def gemm_errors(device: str = "cpu") -> list[list[float]]:
+    """Per case: [in-kernel quantization, pre-quantized codes (0 when not run)] relative errors
+    and the output itemsize of the codes' default (bf16)."""
+    result = []
+    for m, k, n, groups, config, from_codes in CASES:
+        x, weight, scale = _operands(m, k, n, groups, device)
+        reference = fp8_block_gemm_reference(x, weight, scale, block=BLOCK, groups=groups)
+        fused = fp8_block_gemm(
+            x, weight, scale, block=BLOCK, groups=groups, out_dtype=torch.float32, config=config
+        )
+        if not from_codes:
+            result.append([_rel(fused, reference), 0.0, 2])
+            continue
+        codes, x_scale = quantize_activations(x, BLOCK)
+        split = fp8_block_gemm(
+            codes, weight, scale, block=BLOCK, groups=groups, x_scale=x_scale, config=config
+        )
+        result.append([_rel(fused, reference), _rel(split, reference), split.dtype.itemsize])
+    return result
+
+
+def quantizer_mismatches(device: str = "cpu") -> list[int]:
+    """Bytes that differ from the reference: codes, scales (rows of mixed magnitudes, zeros,
+    subnormal-range values, values on and next to the 448·2^e boundaries)."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(41, 160, generator=generator) * torch.logspace(-40, 30, 41)[:, None]
+    x[3] = 0
+    x[4, :32] = 448.0
+    x[5, :32] = torch.linspace(-449.0, 449.0, 32)
+    x[6, :32] = 2.0**-130
+    x = x.to(device)
+    codes, scales = quantize_activations(x, BLOCK)
+    ref_codes, ref_scales = quantize_activations_reference(x.cpu(), BLOCK)
+    return [
+        int((codes.view(torch.uint8).cpu() != ref_codes.view(torch.uint8)).sum()),
+        int((scales.view(torch.uint8).cpu() != ref_scales.view(torch.uint8)).sum()),
+    ]
+
+
+_INTERPRETED = """
+import json
+from tests.kernels.test_fp8_block_gemm import gemm_errors, quantizer_mismatches
+print(json.dumps({"gemm": gemm_errors(), "quantizer": quantizer_mismatches()}))
+"""
+
+
+def test_kernels_match_their_references_in_the_triton_interpreter() -> None:
+    result = run_interpreted(_INTERPRETED)
+    assert result["quantizer"] == [0, 0]
+    for fused, split, out_bytes in result["gemm"]:
+        assert fused < 1e-6 and split < 1e-2  # fp32 output; bf16 output (default for codes)
+        assert out_bytes == 2
+
+
+def test_reference_is_the_dequantized_product_of_the_quantized_activations() -> None:
+    x, weight, scale = _operands(16, 256, 64, 1)
+    codes, x_scale = quantize_activations_reference(x, BLOCK)
+    a = codes.float().unflatten(-1, (-1, BLOCK)) * torch.ldexp(
+        torch.ones(()), x_scale.view(torch.uint8).int() - 127
+    ).unsqueeze(-1)
+    expected = a.flatten(-2) @ fp8_block_dequantize(weight, scale, BLOCK).t()
+    got = fp8_block_gemm_reference(x, weight, scale, block=BLOCK)
+    assert _rel(got, expected) < 1e-6
+    # FP8 activations cost ~2.5 % of the product's norm against the bf16/fp32 dense path.
+    dense = x @ fp8_block_dequantize(weight, scale, BLOCK).t()
+    assert 1e-3 < _rel(got, dense) < 5e-2
+
+
+def test_quantized_codes_follow_the_power_of_two_rule() -> None:
+    x = torch.tensor([[448.0] + [0.0] * 31, [449.0] + [1.0] * 31, [0.0] * 32])
+    codes, scales = quantize_activations_reference(x, BLOCK)
+    assert scales.view(torch.uint8).tolist() == [[127], [128], [0]]  # 2^0, 2^1, all-zero row
+    assert codes.float()[1, 0] == 224.0  # 449 / 2, rounded to the e4m3 grid
+
+
+def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
+    x, weight, scale = _operands(4, 64, 64, 1)
+    with pytest.raises(ValueError, match="K % block"):
+        fp8_block_gemm(x[:, :48], weight[:, :48], scale, block=BLOCK)
+    with pytest.raises(ValueError, match="scales"):
+        fp8_block_gemm(x, weight, scale[:1], block=BLOCK)
+    with pytest.raises(ValueError, match="groups"):
+        fp8_block_gemm(x, weight, scale, block=BLOCK, groups=3)
+    with pytest.raises(ValueError, match="power of two"):
+        fp8_block_gemm(x, weight, scale, block=24)
+    with pytest.raises(ValueError, match="CUDA"):
+        fp8_block_gemm(x, weight, scale, block=BLOCK)
+    with pytest.raises(ValueError, match="CUDA"):
+        quantize_activations(x, BLOCK)
+
+
+# ---- on the GPU: compiled tiles (wgmma), the released model's dense shapes ------------------
+
+# (M, K, N, groups): wq_a, wkv, wq_b, wo_a (8 groups), wo_b, shared w1 and w2 at M = 1 .. 4096.
+GPU_SHAPES = [
+    (1, 5120, 1280, 1),
+    (16, 5120, 512, 1),
+    (64, 1280, 32768, 1),
+    (128, 4096, 1024, 8),
+    (256, 8192, 5120, 1),
+    (1000, 5120, 2304, 1),
+    (4096, 2304, 5120, 1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, n, groups", GPU_SHAPES)
+def test_cuda_gemm_matches_reference(m: int, k: int, n: int, groups: int) -> None:
+    x, weight, scale = _operands(m, k, n, groups, "cuda")
+    reference = fp8_block_gemm_reference(x, weight, scale, block=BLOCK, groups=groups)
+    fp32 = fp8_block_gemm(x, weight, scale, block=BLOCK, groups=groups, out_dtype=torch.float32)
+    bf16 = fp8_block_gemm(x.bfloat16(), weight, scale, block=BLOCK, groups=groups)
+    codes, x_scale = quantize_activations(x, BLOCK)
+    split = fp8_block_gemm(codes, weight, scale, block=BLOCK, groups=groups, x_scale=x_scale)
+    assert _rel(fp32, reference) < 1e-5
+    # bf16 input rounds x before its FP8 quantization; bf16 output rounds once at the end
+    assert _rel(bf16, reference) < 2e-2 and _rel(split, reference) < 1e-2
+    assert bf16.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_cuda_quantizer_matches_reference_bytes() -> None:
+    assert quantizer_mismatches("cuda") == [0, 0]
