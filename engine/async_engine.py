@@ -65,6 +65,7 @@ ACTIVATION_MEMORY_FRACTION = 0.5
 # About 1,300 full V4.1 slots of ~3 MB (`cache.md` §3.2): minutes of an agent fleet's turns.
 DEFAULT_RESUME_SLOT_MEMORY = 4 << 30
 KV_STORAGES = ("quantized", "exact")
+DENSE_GEMMS = ("bf16", "fp8")
 
 
 class EngineClosedError(RuntimeError):
@@ -139,6 +140,12 @@ class EngineConfig:
     kv_storage: `quantized` (window rows MXFP8, global rows and index keys FP4, the model's
         own storage) or `exact` (the compute dtype: batch-invariant numerics, so greedy tokens
         do not move with the batch's composition; the lossless checks of speculation use it).
+    dense_gemm: how the checkpoint's FP8 dense linears (attention projections, shared
+        experts, indexer queries, Engram and DSpark projections) run: `bf16` dequantised to
+        the compute dtype at load (the reference numerics), or `fp8` kept FP8 with their tile
+        scales and multiplied on FP8 tensor cores with activations quantized per (row, 32
+        columns) (`engine/models/deepseek_v41/dense.py`; half the bytes). `fp8` needs CUDA,
+        bfloat16 and quantized KV storage (the exact storage is the reference mode).
     """
 
     model: str = "default"
@@ -172,6 +179,7 @@ class EngineConfig:
     kv_storage: str = "quantized"
     speculative_calibration: str | None = None
     speculative_record: str | None = None
+    dense_gemm: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.host_kv_cache_bytes is not None and self.host_kv_cache_bytes < 0:
@@ -195,11 +203,30 @@ class EngineConfig:
             raise ValueError("activation_memory_bytes must be > 0")
         if self.resume_slot_memory < 0:
             raise ValueError("resume_slot_memory must be >= 0")
+        self._check_dense_gemm()
+
+    def _check_dense_gemm(self) -> None:
+        if self.dense_gemm not in DENSE_GEMMS:
+            raise ValueError(f"dense_gemm must be one of {DENSE_GEMMS}, not {self.dense_gemm!r}")
+        if self.dense_gemm != "fp8":
+            return
+        if torch.device(self.device).type != "cuda" or self.dtype != "bfloat16":
+            raise ValueError(
+                "--dense-gemm fp8 runs on FP8 tensor cores: it needs --device cuda and --dtype "
+                f"bfloat16 (got {self.device}, {self.dtype}); on the CPU use bf16"
+            )
+        if self.kv_storage == "exact":
+            raise ValueError(
+                "--dense-gemm fp8 changes the model's numerics; --kv-storage exact (the "
+                "reference, batch-invariant mode) keeps --dense-gemm bf16"
+            )
 
     @property
     def numerics(self) -> Numerics:
-        """The model numerics these options select (`kv_storage`)."""
-        return Numerics(kv_quantize=self.kv_storage == "quantized")
+        """The model numerics these options select (`kv_storage`, `dense_gemm`)."""
+        return Numerics(
+            kv_quantize=self.kv_storage == "quantized", dense_fp8=self.dense_gemm == "fp8"
+        )
 
     def speculative_config(self, *, on_cuda: bool, has_drafter: bool) -> SpeculativeConfig:
         """The speculation these options select for a model on CUDA (or not) with (or without)

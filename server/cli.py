@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.async_engine import ENGRAM_PLACEMENTS, KV_STORAGES, EngineConfig
+from engine.async_engine import DENSE_GEMMS, ENGRAM_PLACEMENTS, KV_STORAGES, EngineConfig
 from engine.distributed.config import ParallelConfig
 from engine.kv_cache.host import default_host_bytes
 from server.config import ServerConfig
@@ -196,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how KV rows are stored: quantized (MXFP8 window rows, FP4 global rows and index "
         "keys, as the model was trained) or exact (the compute dtype; batch-invariant greedy "
         "tokens, more memory)",
+    )
+    add(
+        "--dense-gemm",
+        choices=list(DENSE_GEMMS),
+        default=_ENGINE_DEFAULTS.dense_gemm,
+        help="the checkpoint's FP8 dense linears (attention, shared experts): bf16 = "
+        "dequantised at load (reference numerics); fp8 = kept FP8 and run on FP8 tensor cores "
+        "with activations quantized per (row, 32 columns), half the bytes (CUDA, bfloat16, "
+        "quantized KV storage)",
     )
     add(
         "--target-step-ms",
@@ -444,6 +453,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         speculative_verify=args.speculative_verify,
         speculative_acceptance=args.speculative_acceptance,
         kv_storage=args.kv_storage,
+        dense_gemm=args.dense_gemm,
         speculative_calibration=args.speculative_calibration,
         speculative_record=args.speculative_record,
     )

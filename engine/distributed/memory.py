@@ -11,9 +11,9 @@ experts: every rank holds all of it), `engram` (the Engram tables, listed apart 
 dominate the released model) and `experts` (this rank's `n_routed_experts / N` routed experts
 of every layer). With the `host` Engram placement (`engram_store.py`) the tables are not in a
 rank's plan but in the node's host plan: one copy mapped by every rank of the node. Bytes are
-counted in the format the loader keeps: FP8 weights dequantised to the load dtype, MXFP4
-experts as stored on CUDA in bf16 (else dequantised), Engram tables FP8 + scales, the
-float32-kept weights in float32.
+counted in the format the loader keeps: FP8 dense weights dequantised to the load dtype (as
+stored, FP8 + tile scales, with `--dense-gemm fp8`), MXFP4 experts as stored on CUDA in bf16
+(else dequantised), Engram tables FP8 + scales, the float32-kept weights in float32.
 
 `RELEASED_EP_SIZE`: the deployment whose per-rank memory is printed at every start (the
 released DeepSeek-V4.1-Flash on one 8-GPU host).
@@ -35,6 +35,7 @@ from engine.models.deepseek_v41.checkpoint_loader import (
     is_routed_expert,
     loaded_sizes,
     read_config,
+    stored_kinds,
 )
 from engine.models.deepseek_v41.config import DeepseekV41Config, config_with
 from engine.models.deepseek_v41.engram_store import resolve_engram_placement
@@ -134,13 +135,14 @@ def planned_weight_bytes(
     quantized_experts: bool = False,
     engram_placement: str = "device",
     include_dspark: bool = True,
+    dense_fp8: bool = False,
 ) -> WeightBytes:
     """What `load_model` will hold on one of `ep_size` ranks (every rank alike) on its device
     (CPU ranks: in their process), from the inventory of `cfg` alone; the Engram tables only
-    with the `device` placement. Raises ValueError when `ep_size` does not divide the routed
-    experts."""
+    with the `device` placement; FP8 dense weights as stored with `dense_fp8`. Raises
+    ValueError when `ep_size` does not divide the routed experts."""
     placement = ExpertPlacement(cfg.n_routed_experts, ep_size, 0)
-    stored_kinds = ("mxfp4",) if quantized_experts else ()
+    kept = stored_kinds(quantized_experts, dense_fp8)
     specs = full_inventory(cfg) if include_dspark else text_inventory(cfg)
     sizes = []
     for spec in specs:
@@ -150,7 +152,7 @@ def planned_weight_bytes(
             expert = int(_EXPERT_ID.search(spec.name).group(1))
             if expert not in placement.local_experts:
                 continue
-        for dt, nbytes in loaded_sizes(spec, cfg.fp8_block_size, dtype, stored_kinds).items():
+        for dt, nbytes in loaded_sizes(spec, cfg.fp8_block_size, dtype, kept).items():
             sizes.append((spec.name, dt, nbytes))
     return WeightBytes.of(sizes)
 
@@ -184,7 +186,12 @@ def plan_weights(config: EngineConfig, model_path: str | Path, ep_size: int) -> 
     cfg = read_config(model_path)
     placement = resolve_engram_placement(config.engram_placement, config.device, ep_size)
     device = planned_weight_bytes(
-        cfg, ep_size, getattr(torch, config.dtype), config.quantized_experts, placement
+        cfg,
+        ep_size,
+        getattr(torch, config.dtype),
+        config.quantized_experts,
+        placement,
+        dense_fp8=config.numerics.dense_fp8,
     )
     return MemoryPlan(device, planned_host_bytes(cfg, placement), placement)
 
@@ -235,7 +242,14 @@ def plan_released(config: EngineConfig) -> MemoryPlan:
     cfg = config_with()
     placement = resolve_engram_placement(config.engram_placement, config.device, RELEASED_EP_SIZE)
     dtype = getattr(torch, config.dtype)
-    device = planned_weight_bytes(cfg, RELEASED_EP_SIZE, dtype, config.quantized_experts, placement)
+    device = planned_weight_bytes(
+        cfg,
+        RELEASED_EP_SIZE,
+        dtype,
+        config.quantized_experts,
+        placement,
+        dense_fp8=config.numerics.dense_fp8,
+    )
     return MemoryPlan(device, planned_host_bytes(cfg, placement), placement)
 
 

@@ -254,3 +254,22 @@ def test_scheduled_verification_selects_the_scheduled_planner(tiny_model):
     scheduled = planner("scheduled")
     assert isinstance(scheduled, ScheduledPlanner) and scheduled.table is None  # eager: no table
     assert isinstance(planner("fixed"), FixedPlanner)
+
+
+def test_cli_dense_gemm():
+    def engine(*argv: str) -> EngineConfig:
+        return config_from_args(build_parser().parse_args(list(argv))).engine
+
+    assert engine().dense_gemm == "bf16" and not engine().numerics.dense_fp8
+    chosen = engine("--device", "cuda", "--dtype", "bfloat16", "--dense-gemm", "fp8")
+    assert chosen.numerics.dense_fp8 and chosen.numerics.kv_quantize
+    with pytest.raises(ValueError, match="needs --device cuda and --dtype bfloat16"):
+        engine("--device", "cpu", "--dense-gemm", "fp8")
+    with pytest.raises(ValueError, match="needs --device cuda and --dtype bfloat16"):
+        EngineConfig(device="cuda", dtype="float32", dense_gemm="fp8")
+    with pytest.raises(ValueError, match="kv-storage exact"):
+        EngineConfig(device="cuda", dtype="bfloat16", dense_gemm="fp8", kv_storage="exact")
+    with pytest.raises(ValueError, match="dense_gemm must be one of"):
+        EngineConfig(dense_gemm="int8")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--dense-gemm", "fp16"])

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.dense import grouped_linear
 from engine.models.deepseek_v41.kv_formats import KVCodec
 from engine.models.deepseek_v41.primitives import apply_rope, rms_norm
 from engine.models.deepseek_v41.state import BLOCK_TOKENS, PAIR_RING, ModelState, StepBatch
@@ -204,10 +205,8 @@ class Attention(nn.Module):
         """Inverse rotation and the grouped output projection. Pure and token-parallel."""
         cfg = self.cfg
         o = apply_rope(o, positions, self.freqs, inverse=True)
-        groups = cfg.o_groups
-        wo_a = self.wo_a.weight.view(groups, cfg.o_lora_rank, -1)
-        u = torch.einsum("tgi,goi->tgo", o.reshape(o.shape[0], groups, -1), wo_a)
-        return self.wo_b(u.flatten(1))
+        u = grouped_linear(self.wo_a, o.flatten(1), cfg.o_groups)
+        return self.wo_b(u)
 
     # ---- window -------------------------------------------------------------------------------
 

@@ -308,6 +308,12 @@ STORED_TORCH_DTYPES = {
 }
 
 
+def stored_kinds(quantized_experts: bool, dense_fp8: bool) -> tuple[str, ...]:
+    """The storage kinds a model holds as stored, not dequantised: MXFP4 routed experts with
+    `quantized_experts`, FP8 dense linears with `dense_fp8` (`Numerics.dense_fp8`)."""
+    return (("mxfp4",) if quantized_experts else ()) + (("fp8",) if dense_fp8 else ())
+
+
 def loaded_sizes(
     spec: TensorSpec, fp8_block: int, dtype: torch.dtype, stored_kinds: tuple[str, ...] = ()
 ) -> dict[torch.dtype, int]:

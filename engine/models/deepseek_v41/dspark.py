@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from engine.models.deepseek_v41.attention import Attention, KVCodecs, RMSNorm
 from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.dense import grouped_linear
 from engine.models.deepseek_v41.primitives import apply_rope, mhc_combine
 
 _NEG_INF = float("-inf")
@@ -74,10 +75,7 @@ def _stage_attention(
     probs = torch.cat((logits, sink), -1).softmax(-1)[..., :-1]
     o = torch.einsum("bshk,bkd->bshd", probs, keys).to(x.dtype)
     o = apply_rope(o, positions, attn.freqs, inverse=True)
-    groups = cfg.o_groups
-    wo_a = attn.wo_a.weight.view(groups, cfg.o_lora_rank, -1)
-    u = torch.einsum("bsgi,goi->bsgo", o.reshape(b, s, groups, -1), wo_a)
-    return attn.wo_b(u.flatten(2))
+    return attn.wo_b(grouped_linear(attn.wo_a, o.flatten(2), cfg.o_groups))
 
 
 class DSpark(nn.ModuleList):
@@ -115,7 +113,7 @@ class DSpark(nn.ModuleList):
     def context_rows(self, features: Tensor, positions: Tensor, codecs: KVCodecs) -> list[Tensor]:
         """Per stage, the stored context rows for target features [T, 3·D] at positions [T]."""
         first = self[0]
-        c = first.main_norm(first.main_proj(features.to(first.main_proj.weight.dtype)))
+        c = first.main_norm(first.main_proj(features.to(first.main_norm.weight.dtype)))
         rows = []
         for stage in self:
             attn = stage.attn

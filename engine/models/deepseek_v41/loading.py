@@ -21,6 +21,7 @@ from engine.models.deepseek_v41.checkpoint_loader import (
     load_checkpoint,
     read_config,
     routed_expert_filter,
+    stored_kinds,
 )
 from engine.models.deepseek_v41.config import DeepseekV41Config
 from engine.models.deepseek_v41.engram import HostEngramTable
@@ -80,7 +81,8 @@ def load_model(
     engram_placement: str = "device",
 ) -> DeepseekV41ForCausalLM:
     """Load a released-format checkpoint; FP8/MXFP4 weights are dequantised to `dtype`, except
-    routed experts with `quantized_experts` (kept MXFP4, a quarter of the bf16 bytes).
+    routed experts with `quantized_experts` (kept MXFP4, a quarter of the bf16 bytes) and dense
+    linears with `numerics.dense_fp8` (kept FP8 + tile scales, half the bf16 bytes).
 
     expert_parallel: load the model of one EP rank — only that rank's routed experts are read
     from the shards (every header is still validated); raises `CheckpointError` when the EP
@@ -114,7 +116,7 @@ def load_model(
         device="cpu",
         include_dspark=include_dspark,
         progress=progress,
-        stored_kinds=("mxfp4",) if quantized_experts else (),
+        stored_kinds=stored_kinds(quantized_experts, (numerics or Numerics()).dense_fp8),
         include=include,
         progress_desc=desc,
     )

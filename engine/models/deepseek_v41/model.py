@@ -29,6 +29,7 @@ from engine.distributed.expert_parallel import ExpertParallel
 from engine.models.deepseek_v41.attention import Attention, KVCodecs, RMSNorm, StepContext
 from engine.models.deepseek_v41.block_layout import LAYOUT_NAME
 from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.dense import keep_dense_fp8
 from engine.models.deepseek_v41.dspark import DraftOutput, DSpark
 from engine.models.deepseek_v41.engram import Engram, HostEngramTable
 from engine.models.deepseek_v41.engram_hash import (
@@ -36,6 +37,7 @@ from engine.models.deepseek_v41.engram_hash import (
     build_engram_hash_tables,
     engram_hash_ids,
 )
+from engine.models.deepseek_v41.inventory import full_inventory, text_inventory
 from engine.models.deepseek_v41.kv_formats import KVCodec, make_codec
 from engine.models.deepseek_v41.moe import MoE
 from engine.models.deepseek_v41.primitives import (
@@ -70,12 +72,17 @@ class Numerics:
         add a token's expert outputs in ascending expert id (`moe.py`): the MoE output of a
         token does not depend on the other tokens of the step nor on where experts live
         (`scaleout.md` §2.3 (b)). Slower (one expert call per row).
+    dense_fp8: keep the checkpoint's FP8 dense linears as stored and run them on FP8 tensor
+        cores with activations quantized per (row, 32 columns) (`dense.py`; `model.md` §13 item
+        4: the activation quantization of FP8 GEMMs is backend-dependent). False dequantizes
+        them to the compute dtype (the reference numerics).
     """
 
     kv_quantize: bool = True
     kv_nemo_variant: bool = False
     moe_weight_before_down: bool = False
     moe_batch_invariant: bool = False
+    dense_fp8: bool = False
 
     @classmethod
     def nemo_reference(cls, kv_quantize: bool = True) -> Numerics:
@@ -300,6 +307,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=dtype)
         self.mtp = DSpark(cfg, main, dtype, quantized_experts) if include_dspark else None
         self.quantized_experts = quantized_experts
+        if self.numerics.dense_fp8:
+            specs = full_inventory(cfg) if include_dspark else text_inventory(cfg)
+            fp8 = {spec.name: spec.shape for spec in specs if spec.kind == "fp8"}
+            keep_dense_fp8(self, fp8, cfg.fp8_block_size)
         for module in self.modules():
             if isinstance(module, MoE):
                 module.weight_before_down = self.numerics.moe_weight_before_down

@@ -4,7 +4,8 @@ The checkpoint writer draws on the CPU so that bytes are reproducible everywhere
 slow for the ~50 GB of one EP8 rank. Here every tensor of the inventory is drawn on `device` with
 the writer's distributions (`init_mean_std`) and put into a model built on `meta`:
 
-    bf16 / f32 / fp8 (dense)   drawn in the model dtype (fp32 where the model keeps fp32)
+    bf16 / f32 / fp8 (dense)   drawn in the model dtype (fp32 where the model keeps fp32);
+                               fp8 block-quantised as stored with `numerics.dense_fp8`
     mxfp4 (routed experts)     random e2m1 codes, scale 2^-8 (std ≈ 0.012, like 1/sqrt(5120));
                                kept packed with `quantized_experts`, else dequantised
     fp8_rows (Engram tables)   drawn then row-quantised to FP8 (as stored)
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.deepseek_v41.checkpoint_loader import keeps_fp32
+from engine.models.deepseek_v41.checkpoint_loader import keeps_fp32, stored_kinds
 from engine.models.deepseek_v41.checkpoint_writer import init_mean_std
 from engine.models.deepseek_v41.config import DeepseekV41Config
 from engine.models.deepseek_v41.inventory import TensorSpec, full_inventory, text_inventory
-from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from engine.models.deepseek_v41.model import DeepseekV41ForCausalLM, Numerics
 from engine.models.deepseek_v41.weight_formats import (
     MXFP4_BLOCK,
+    fp8_block_quantize,
     fp8_row_quantize,
     mxfp4_dequantize,
 )
@@ -39,18 +41,25 @@ def random_model(
     quantized_experts: bool = True,
     include_dspark: bool = True,
     seed: int = 0,
+    numerics: Numerics | None = None,
 ) -> DeepseekV41ForCausalLM:
     """`cfg`'s model with random weights drawn on `device` (see the module docstring)."""
     device = torch.device(device)
+    numerics = numerics or Numerics()
+    kept = stored_kinds(quantized_experts, numerics.dense_fp8)
     generator = torch.Generator(device=device).manual_seed(seed)
     specs = full_inventory(cfg) if include_dspark else text_inventory(cfg)
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(
-            cfg, dtype, include_dspark=include_dspark, quantized_experts=quantized_experts
+            cfg,
+            dtype,
+            numerics,
+            include_dspark=include_dspark,
+            quantized_experts=quantized_experts,
         )
     tensors: dict[str, torch.Tensor] = {}
     for spec in specs:
-        tensors.update(_draw(spec, device, dtype, quantized_experts, generator))
+        tensors.update(_draw(spec, cfg.fp8_block_size, device, dtype, kept, generator))
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if missing or unexpected:
         raise RuntimeError(f"random weights do not match the model: {missing[:5]} {unexpected[:5]}")
@@ -65,9 +74,10 @@ def random_model(
 
 def _draw(
     spec: TensorSpec,
+    fp8_block: int,
     device: torch.device,
     dtype: torch.dtype,
-    quantized_experts: bool,
+    kept: tuple[str, ...],
     generator: torch.Generator,
 ) -> dict[str, torch.Tensor]:
     if spec.kind == "mxfp4":
@@ -78,7 +88,7 @@ def _draw(
         )
         scale = scale_bytes.to(device).view(torch.float8_e8m0fnu)
         packed = packed.to(torch.int8)
-        if quantized_experts:
+        if "mxfp4" in kept:
             return {spec.name: packed, spec.scale_name: scale}
         return {spec.name: mxfp4_dequantize(packed, scale, dtype=dtype)}
     mean, std = init_mean_std(spec)
@@ -94,4 +104,8 @@ def _draw(
         return {spec.name: torch.cat(weights), spec.scale_name: torch.cat(scales)}
     target = torch.float32 if keeps_fp32(spec.name) else dtype
     values = torch.randn(spec.shape, generator=generator, device=device, dtype=torch.float32)
-    return {spec.name: values.mul_(std).add_(mean).to(target)}
+    values = values.mul_(std).add_(mean)
+    if spec.kind == "fp8" and "fp8" in kept:
+        weight, scale = fp8_block_quantize(values, fp8_block)
+        return {spec.name: weight, spec.scale_name: scale}
+    return {spec.name: values.to(target)}
