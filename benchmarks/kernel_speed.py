@@ -29,7 +29,15 @@ bf16); GB/s counts the bf16 rows read and written.
 
 sparse_mqa: one ratio-2 attention layer at 8K context: decode steps of S sequences (T = S) and
 a 1,024-token prefill chunk; "before" the torch reference (gather + decode [T, 640, 512] fp32
-rows, direct softmax), "after" the kernel; GB/s counts the rows read. Writes kernel_speed.json.
+rows, direct softmax), "after" the kernel; GB/s counts the rows read.
+
+fp8_gemm: the released model's FP8 dense GEMMs (`kernels.fp8_block_gemm`, `--dense-gemm fp8`) at
+M = T tokens: attention wq_a, wkv, wq_b, wo_a (8 groups), wo_b, the indexer's wq_b, the shared
+expert's w1 (= w3) and w2. "before" is torch.matmul on the bf16-dequantised weight (the default
+path; torch.bmm for wo_a's groups), "after" the FP8 kernel quantizing x inside its K loop (one
+launch), "after (codes)" `quantize_activations` + the kernel on codes. Timed with CUDA events
+(`triton.testing.do_bench`, median); printed in µs and TFLOP/s (2·M·N·K over the time); GB/s
+counts the weight bytes (FP8 + scales) plus x in and y out. Writes kernel_speed.json.
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ from engine.models.deepseek_v41.kv_formats import (
 )
 from engine.models.deepseek_v41.moe import MoE, _block_m
 from engine.models.deepseek_v41.primitives import rope_frequencies
+from engine.models.deepseek_v41.weight_formats import fp8_block_dequantize, fp8_block_quantize
+from kernels.fp8_block_gemm import fp8_block_gemm, fp8_block_gemm_reference, quantize_activations
 from kernels.grouped_mxfp4_gemm import (
     DECODE_MAX_BLOCK_M,
     _decode_kernel,
@@ -310,6 +320,69 @@ def attention_rows(sequences: list[int], device: torch.device) -> list[dict]:
     return rows
 
 
+# (name, N per group, K, groups) of the released model's FP8 dense linears (model.md §5.3).
+DENSE_GEMMS = [
+    ("attn.wq_a", 1280, 5120, 1),
+    ("attn.wkv", 512, 5120, 1),
+    ("attn.wq_b", 32768, 1280, 1),
+    ("attn.wo_a (8 groups)", 1024, 4096, 8),
+    ("attn.wo_b", 5120, 8192, 1),
+    ("indexer.wq_b", 4096, 1280, 1),
+    ("shared w1 (= w3)", 2304, 5120, 1),
+    ("shared w2", 5120, 2304, 1),
+]
+
+
+def _bench_us(fn) -> float:
+    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def fp8_gemm_rows(tokens: list[int], device: torch.device) -> list[dict]:
+    """bf16 torch.matmul vs the FP8 block GEMM at the released model's dense shapes."""
+    rows = []
+    for name, n, k, groups in DENSE_GEMMS:
+        weight, scale = fp8_block_quantize(torch.randn(groups * n, k, device=device) * k**-0.5)
+        dense = fp8_block_dequantize(weight, scale, dtype=torch.bfloat16)
+        grouped = dense.view(groups, n, k).transpose(1, 2)  # [G, K, N]
+        for m in tokens:
+            x = torch.randn(m, groups * k, device=device).bfloat16()
+            if groups == 1:
+
+                def bf16(x=x, w=dense):
+                    return torch.matmul(x, w.t())
+            else:
+
+                def bf16(x=x, w=grouped, g=groups):
+                    return torch.bmm(x.unflatten(-1, (g, -1)).transpose(0, 1), w).transpose(0, 1)
+
+            def fp8(x=x, w=weight, s=scale, g=groups):
+                return fp8_block_gemm(x, w, s, groups=g)
+
+            def fp8_codes(x=x, w=weight, s=scale, g=groups):
+                codes, x_scale = quantize_activations(x)
+                return fp8_block_gemm(codes, w, s, groups=g, x_scale=x_scale)
+
+            with torch.inference_mode():
+                before, after, codes_us = _bench_us(bf16), _bench_us(fp8), _bench_us(fp8_codes)
+                reference = fp8_block_gemm_reference(x, weight, scale, groups=groups)
+                error = _relative(fp8(), reference)
+            flops = 2 * m * groups * n * k
+            moved = groups * n * k * (1 + 1 / 1024) + m * groups * (k + n) * 2
+            rates = [
+                f"{us:9.1f} µs {flops / us / 1e6:7.1f} TFLOP/s" for us in (before, after, codes_us)
+            ]
+            print(
+                f"fp8_gemm {name:<22} M={m:>5}: bf16 {rates[0]} | fp8 {rates[1]} | "
+                f"fp8 (codes) {rates[2]} | rel {error:.1e}",
+                flush=True,
+            )
+            for label, us in ((name, after), (f"{name} (codes)", codes_us)):
+                row = _row(f"fp8_gemm {label}", m, before / 1e3, us / 1e3, moved, flops, error)
+                row["before_tflops"] = flops / before / 1e6
+                rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
@@ -322,6 +395,7 @@ def main() -> None:
         "rms_norm": rms_norm_rows,
         "rope": rope_rows,
         "attention": lambda _tokens, device: attention_rows([16, 64, 256], device),
+        "fp8_gemm": fp8_gemm_rows,
     }
     parser.add_argument("--only", nargs="*", choices=sorted(groups), default=sorted(groups))
     args = parser.parse_args()

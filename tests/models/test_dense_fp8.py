@@ -148,8 +148,9 @@ def test_cuda_graphs_replay_the_fp8_kernels(tiny_checkpoint: Path) -> None:
             model.forward_step(batch, state)
             if graphs:
                 model.enable_cuda_graphs()
+            positions = [len(p) for p in prompts]
             step = sequential_batch(
-                [[7]] * 4, [len(p) for p in prompts], [0, 1, 2, 3], batch.block_tables, device="cuda"
+                [[7]] * 4, positions, [0, 1, 2, 3], batch.block_tables, device="cuda"
             )
             logits = model.forward_step(step, state).logits.float()
         assert model.graph_failures() == {}
