@@ -84,7 +84,7 @@ def _e4m3_rne(y):
 
 
 @triton.jit
-def _quantize_slab(x):
+def quantize_slab(x):
     """float32 [R, B] → (e4m3 codes [R, B], int32 biased exponents [R]) per row."""
     exponent = _group_exponent(tl.max(tl.abs(x), axis=1))
     inv = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^-e, e in [-127, 127]
@@ -111,7 +111,7 @@ def _quantize_kernel(
     in_rows = rows < num_rows
     offsets = rows.to(tl.int64)[:, None] * width + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=in_rows[:, None], other=0.0).to(tl.float32)
-    codes, biased = _quantize_slab(x)
+    codes, biased = quantize_slab(x)
     tl.store(codes_ptr + offsets, codes, mask=in_rows[:, None])
     groups = width // BLOCK
     tl.store(scale_ptr + rows.to(tl.int64) * groups + group, biased.to(tl.uint8), mask=in_rows)
@@ -200,7 +200,7 @@ def _fp8_block_gemm_kernel(
     for _ in range(first, last):
         if QUANTIZE_A:
             a = tl.load(a_ptrs, mask=in_rows[:, None], other=0.0).to(tl.float32)
-            a, a_biased = _quantize_slab(a)
+            a, a_biased = quantize_slab(a)
         else:
             a = tl.load(a_ptrs, mask=in_rows[:, None], other=0.0)
             a_biased = tl.load(as_ptrs, mask=in_rows, other=0).to(tl.int32)

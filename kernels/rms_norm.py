@@ -4,6 +4,10 @@
 
 The torch version (`rms_norm_reference`, below) is ~6 launches;
 the model normalises ~8 times per layer. One program per row, the whole row in registers.
+
+`rms_norm_fp8` also emits the FP8 activation codes and per-32 scales of its output for the FP8
+dense GEMM that follows a norm (`kernels.fp8_block_gemm`, the codes input): the same bytes as
+`quantize_activations(rms_norm(x, w, eps))` in one launch instead of two.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
+from kernels.fp8_block_gemm import quantize_slab
 
-__all__ = ["rms_norm", "rms_norm_reference"]
+__all__ = ["rms_norm", "rms_norm_fp8", "rms_norm_reference"]
 
 MAX_WIDTH = 16384
 
@@ -32,6 +37,77 @@ def _rms_norm_kernel(
     if HAS_WEIGHT:
         y = y * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    codes_ptr,
+    scale_ptr,
+    width,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < width
+    x = tl.load(x_ptr + row * width + cols, mask=in_row, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)
+    if HAS_WEIGHT:
+        y = y * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * width + cols, y, mask=in_row)
+    # the codes of the rounded output, as a consumer reading `out` would quantize it
+    codes, biased = quantize_slab(tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)))
+    group_cols = tl.reshape(cols, (BLOCK // GROUP, GROUP))
+    tl.store(codes_ptr + row * width + group_cols, codes, mask=group_cols < width)
+    groups = tl.arange(0, BLOCK // GROUP)
+    num_groups = width // GROUP
+    tl.store(scale_ptr + row * num_groups + groups, biased.to(tl.uint8), mask=groups < num_groups)
+
+
+def rms_norm_fp8(
+    x: Tensor, weight: Tensor | None, eps: float, block: int = 32
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(`rms_norm(x, weight, eps)`, its FP8 codes, its float8_e8m0fnu scales per `block`
+    columns) in one launch; codes and scales equal `quantize_activations` of the output.
+
+    Raises:
+        ValueError: as `rms_norm`, or a width that is not a multiple of `block` (a power of
+            two ≥ 16).
+    """
+    width = x.shape[-1]
+    if width > MAX_WIDTH or (weight is not None and weight.shape != (width,)):
+        got = None if weight is None else tuple(weight.shape)
+        raise ValueError(f"rows of at most {MAX_WIDTH}, weight of their width; got {width}, {got}")
+    if block < 16 or block & (block - 1) or width % block:
+        raise ValueError(f"the width ({width}) must be a multiple of the block ({block})")
+    check_runnable(x, "rms_norm_fp8")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((*x.shape[:-1], width // block), dtype=torch.uint8, device=x.device)
+    num_rows = x.numel() // max(width, 1)
+    if num_rows and width:
+        size = max(triton.next_power_of_2(width), block)
+        _rms_norm_fp8_kernel[(num_rows,)](
+            x,
+            weight.contiguous() if weight is not None else x,
+            out,
+            codes,
+            scales,
+            width,
+            eps,
+            HAS_WEIGHT=weight is not None,
+            BLOCK=size,
+            GROUP=block,
+            num_warps=min(16, max(1, size // 512)),
+        )
+    return out, codes, scales.view(torch.float8_e8m0fnu)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:

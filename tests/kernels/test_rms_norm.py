@@ -67,3 +67,59 @@ def test_kernel_matches_reference_on_cuda(case) -> None:
     x, weight = _inputs(case, "cuda")
     ours = rms_norm(x, weight, EPS)
     assert ours.isfinite().all() and ulps(ours, rms_norm_reference(x, weight, EPS)) <= 16
+
+
+# ---- RMSNorm emitting the FP8 codes of its output (kernels.fp8_block_gemm's codes input) ------
+
+FP8_CASES = [
+    ((5, 5120), "float32", True),
+    ((3, 2, 1280), "bfloat16", True),
+    ((4, 96), "float32", False),
+    ((0, 64), "float32", True),
+]
+
+
+def fp8_mismatches(device: str = "cpu") -> list[list[int]]:
+    """Per case: elements of (output, codes, scales) that differ from `rms_norm` followed by
+    `quantize_activations` (the two launches the fused kernel replaces)."""
+    from kernels.fp8_block_gemm import quantize_activations
+    from kernels.rms_norm import rms_norm_fp8
+
+    result = []
+    for case in FP8_CASES:
+        x, weight = _inputs(case, device)
+        if x.shape[0] > 1:
+            x[1] = 0
+        fused = rms_norm_fp8(x, weight, EPS)
+        out = rms_norm(x, weight, EPS)
+        separate = (out, *quantize_activations(out))
+        result.append(
+            [
+                int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+                for a, b in zip(fused, separate, strict=True)
+            ]
+        )
+    return result
+
+
+_FP8_INTERPRETED = """
+import json
+from tests.kernels.test_rms_norm import fp8_mismatches
+print(json.dumps(fp8_mismatches()))
+"""
+
+
+def test_fp8_emitting_norm_equals_norm_then_quantize_in_the_interpreter() -> None:
+    assert run_interpreted(_FP8_INTERPRETED) == [[0, 0, 0]] * len(FP8_CASES)
+
+
+def test_fp8_emitting_norm_rejects_widths_off_the_block() -> None:
+    from kernels.rms_norm import rms_norm_fp8
+
+    with pytest.raises(ValueError, match="multiple of the block"):
+        rms_norm_fp8(torch.zeros(2, 80), None, EPS)
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_emitting_norm_equals_norm_then_quantize() -> None:
+    assert fp8_mismatches("cuda") == [[0, 0, 0]] * len(FP8_CASES)
