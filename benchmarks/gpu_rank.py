@@ -2,13 +2,14 @@
 
     python3 benchmarks/gpu_rank.py [--prefill 4096 16384 32768] [--decode 16 64 256]
                                    [--context 8192] [--steps 5] [--profile] [--eager]
-                                   [--out DIR]
+                                   [--dense-gemm {bf16,fp8}] [--out DIR]
     python3 benchmarks/gpu_rank.py --smoke            # the `tiny` preset on the CPU, seconds
 
 The configuration is `shared/design/performance.md`'s: all 40 layers at real widths, 48 routed
 experts per layer with top-6 routing, Engram tables for a 2 M vocabulary, DSpark stages with 16
 experts; random weights drawn on the GPU (`random_model`), routed experts kept MXFP4, the rest
-bf16. It measures the two ceilings (device copy bandwidth; bf16 and fp8 matmul rates), then:
+bf16 (`--dense-gemm fp8`: the dense linears kept FP8, `kernels/fp8_block_gemm`). It measures
+the two ceilings (device copy bandwidth; bf16 and fp8 matmul rates), then:
 
 * prefill: one sequence, one chunk of N tokens from position 0 (exact mode: every layer runs on
   every token), step time and tokens/s;
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 
 from engine import envs
-from engine.models import DeepseekV41Config, StepBatch, preset_config
+from engine.models import DeepseekV41Config, Numerics, StepBatch, preset_config
 from engine.models.deepseek_v41.config import config_with
 from engine.models.deepseek_v41.random_init import random_model
 
@@ -428,6 +429,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on the CPU")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--dense-gemm", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--out", type=Path, default=envs.benchmark_out_dir())
     args = parser.parse_args()
     if args.smoke:
@@ -443,7 +445,9 @@ def main() -> None:
     start = time.perf_counter()
     limits = results["ceilings"] = ceilings(device)
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in limits.items()})}", flush=True)
-    model = random_model(cfg, device, dtype, quantized_experts=True)
+    numerics = Numerics(dense_fp8=args.dense_gemm == "fp8")
+    results["dense_gemm"] = args.dense_gemm
+    model = random_model(cfg, device, dtype, quantized_experts=True, numerics=numerics)
     results["cuda_graphs"] = device.type == "cuda" and not args.eager
     if results["cuda_graphs"]:
         model.enable_cuda_graphs()
