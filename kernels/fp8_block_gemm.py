@@ -8,7 +8,10 @@ e4m3 with a ue8m0 scale, the MXFP8 rule of the window rows (`s = 2^e`, e the sma
 with amax ≤ 448·2^e, clamped to [-127, 127]; codes round to nearest even; all-zero groups take
 e = -127). Every B-wide slab of K is one FP8 tensor-core product (fp32 result, `tl.dot` on
 float8e4nv operands: wgmma on sm90) that is scaled and added into an fp32 accumulator, so the
-tensor core's reduced-precision accumulation never spans more than B products.
+tensor core's reduced-precision accumulation never spans more than B products. Below 64 rows
+per tile Triton emits `mma.sync` on f16 instead (e4m3 → f16 is exact; the same products), which
+the weight-bound small-M launches can afford (`tests/kernels/test_fp8_block_gemm.py` compiles
+both for sm90 without a GPU and checks the PTX).
 
 Two inputs: activations already quantized (`quantize_activations`, or a producer that emits
 codes and scales), or float activations quantized inside the GEMM's K loop (QUANTIZE_A: one
@@ -49,7 +52,7 @@ __all__ = [
 ]
 
 E4M3_MAX = 448.0
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: (t + M) - M rounds 0 <= t < 2^22 to nearest even
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 · 2^23: (t + M) − M rounds 0 ≤ t < 2^22 to even
 
 
 # ---- shared device functions ------------------------------------------------------------------

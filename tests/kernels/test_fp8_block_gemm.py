@@ -179,3 +179,70 @@ def test_cuda_gemm_matches_reference(m: int, k: int, n: int, groups: int) -> Non
 @pytest.mark.gpu
 def test_cuda_quantizer_matches_reference_bytes() -> None:
     assert quantizer_mismatches("cuda") == [0, 0]
+
+
+# ---- compiled for sm90 without a GPU: what the interpreter cannot show ------------------------
+
+
+def _compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, aligned: set[str]) -> str:
+    """PTX of `kernel` compiled for sm90 (Triton's bundled ptxas), with the 16-divisibility
+    that a launch on aligned tensors and widths gets; every argument is typed in `types` or
+    given in `constexprs`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    names = kernel.arg_names
+    signature = {name: types.get(name, "constexpr") for name in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}
+    )
+    return compiled.asm["ptx"]
+
+
+_GEMM_TYPES = {
+    "w_ptr": "*fp8e4nv",
+    "w_scale_ptr": "*u8",
+    "out_ptr": "*bf16",
+    **{name: "i32" for name in ("M", "N", "K", "blocks_per_split")},
+    **{f"stride_{s}": "i32" for s in ("am", "asm", "wsn", "os", "om")},
+}
+_GEMM_ALIGNED = {"a_ptr", "a_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "N", "K", "stride_am"}
+
+
+@pytest.mark.parametrize("quantize_a", [True, False])
+def test_gemm_compiles_to_fp8_wgmma_with_pipelined_loads(quantize_a: bool) -> None:
+    from kernels.fp8_block_gemm import _fp8_block_gemm_kernel
+
+    a_types = {"a_ptr": "*bf16", "a_scale_ptr": "*bf16"} if quantize_a else {
+        "a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8"
+    }  # fmt: skip
+    constexprs = {"QUANTIZE_A": quantize_a, "BLOCK": 32, "BLOCK_M": 64, "BLOCK_N": 128}
+    ptx = _compile_for_hopper(
+        _fp8_block_gemm_kernel, {**_GEMM_TYPES, **a_types}, constexprs, _GEMM_ALIGNED
+    )
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert "cp.async" in ptx  # software-pipelined loads (num_stages)
+
+
+def test_quantizers_compile_for_hopper() -> None:
+    from kernels.fp8_block_gemm import _quantize_kernel
+    from kernels.rms_norm import _rms_norm_fp8_kernel
+
+    ptx = _compile_for_hopper(
+        _quantize_kernel,
+        {"x_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scale_ptr": "*u8", "num_rows": "i32",
+         "width": "i32"},
+        {"BLOCK": 32, "ROWS": 16},
+        {"x_ptr", "codes_ptr", "scale_ptr", "width"},
+    )  # fmt: skip
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    ptx = _compile_for_hopper(
+        _rms_norm_fp8_kernel,
+        {"x_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*fp8e4nv",
+         "scale_ptr": "*u8", "width": "i32", "eps": "fp32"},
+        {"HAS_WEIGHT": True, "BLOCK": 8192, "GROUP": 32},
+        {"x_ptr", "weight_ptr", "out_ptr", "codes_ptr", "scale_ptr", "width"},
+    )  # fmt: skip
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
