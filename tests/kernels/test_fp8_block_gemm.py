@@ -170,7 +170,9 @@ def test_cuda_gemm_matches_reference(m: int, k: int, n: int, groups: int) -> Non
     bf16 = fp8_block_gemm(x.bfloat16(), weight, scale, block=BLOCK, groups=groups)
     codes, x_scale = quantize_activations(x, BLOCK)
     split = fp8_block_gemm(codes, weight, scale, block=BLOCK, groups=groups, x_scale=x_scale)
-    assert _rel(fp32, reference) < 1e-5
+    # FP8 wgmma adds a 32-product slab with fewer mantissa bits than fp32 (~14, DeepSeek-V3
+    # report §3.3.2); the slab sums are exact in the reference
+    assert _rel(fp32, reference) < 5e-4
     # bf16 input rounds x before its FP8 quantization; bf16 output rounds once at the end
     assert _rel(bf16, reference) < 2e-2 and _rel(split, reference) < 1e-2
     assert bf16.dtype == torch.bfloat16
