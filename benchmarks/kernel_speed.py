@@ -37,7 +37,11 @@ expert's w1 (= w3) and w2. "before" is torch.matmul on the bf16-dequantised weig
 path; torch.bmm for wo_a's groups), "after" the FP8 kernel quantizing x inside its K loop (one
 launch), "after (codes)" `quantize_activations` + the kernel on codes. Timed with CUDA events
 (`triton.testing.do_bench`, median); printed in µs and TFLOP/s (2·M·N·K over the time); GB/s
-counts the weight bytes (FP8 + scales) plus x in and y out. Writes kernel_speed.json.
+counts the weight bytes (FP8 + scales) plus x in and y out.
+
+fp8_tiles: for the same shapes and T, every tile shape of a small candidate list
+(`fp8_tile_candidates`) against `default_config`'s; prints the fastest per shape (what to put
+into `default_config` once measured). Writes kernel_speed.json.
 """
 
 from __future__ import annotations
@@ -60,7 +64,13 @@ from engine.models.deepseek_v41.kv_formats import (
 from engine.models.deepseek_v41.moe import MoE, _block_m
 from engine.models.deepseek_v41.primitives import rope_frequencies
 from engine.models.deepseek_v41.weight_formats import fp8_block_dequantize, fp8_block_quantize
-from kernels.fp8_block_gemm import fp8_block_gemm, fp8_block_gemm_reference, quantize_activations
+from kernels.fp8_block_gemm import (
+    GemmConfig,
+    default_config,
+    fp8_block_gemm,
+    fp8_block_gemm_reference,
+    quantize_activations,
+)
 from kernels.grouped_mxfp4_gemm import (
     DECODE_MAX_BLOCK_M,
     _decode_kernel,
@@ -383,6 +393,56 @@ def fp8_gemm_rows(tokens: list[int], device: torch.device) -> list[dict]:
     return rows
 
 
+def fp8_tile_candidates(m: int) -> list[GemmConfig]:
+    """Tile shapes worth timing for M rows: narrow N tiles and K splits for small M (bound by
+    the weight bytes), wgmma-sized tiles (≥ 64 rows) for large M."""
+    if m <= 16:
+        shapes = [(16, 32), (16, 64), (16, 128), (64, 64)]
+        return [
+            GemmConfig(bm, bn, split, 4, stages)
+            for bm, bn in shapes
+            for split in (1, 4, 8, 16)
+            for stages in (4, 6)
+        ]
+    if m <= 256:
+        shapes = [(64, 64), (64, 128), (128, 128)]
+        return [GemmConfig(bm, bn, split, 4, 4) for bm, bn in shapes for split in (1, 2, 4, 8)]
+    return [
+        GemmConfig(bm, bn, 1, warps, stages)
+        for bm, bn, warps in ((128, 128, 8), (128, 256, 8), (64, 256, 4), (128, 64, 4))
+        for stages in (3, 4, 5)
+    ]
+
+
+def fp8_tile_rows(tokens: list[int], device: torch.device) -> list[dict]:
+    """The fastest candidate tile shape per dense shape and T, against `default_config`."""
+    rows = []
+    for name, n, k, groups in DENSE_GEMMS:
+        weight, scale = fp8_block_quantize(torch.randn(groups * n, k, device=device) * k**-0.5)
+        for m in tokens:
+            x = torch.randn(m, groups * k, device=device).bfloat16()
+
+            def run(config, x=x, w=weight, s=scale, g=groups):
+                return fp8_block_gemm(x, w, s, groups=g, config=config)
+
+            with torch.inference_mode():
+                default = default_config(m, n, k)
+                timed = {config: _bench_us(lambda c=config: run(c)) for config in
+                         {default, *fp8_tile_candidates(m)}}  # fmt: skip
+            best = min(timed, key=timed.get)
+            flops = 2 * m * groups * n * k
+            print(
+                f"fp8_tiles {name:<22} M={m:>5}: default {timed[default]:8.1f} µs {default} | "
+                f"best {timed[best]:8.1f} µs {flops / timed[best] / 1e6:7.1f} TFLOP/s {best}",
+                flush=True,
+            )
+            row = _row(f"fp8_tiles {name}", m, timed[default] / 1e3, timed[best] / 1e3, 0.0,
+                       flops, 0.0)  # fmt: skip
+            row["best_config"] = repr(best)
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
@@ -396,6 +456,7 @@ def main() -> None:
         "rope": rope_rows,
         "attention": lambda _tokens, device: attention_rows([16, 64, 256], device),
         "fp8_gemm": fp8_gemm_rows,
+        "fp8_tiles": fp8_tile_rows,
     }
     parser.add_argument("--only", nargs="*", choices=sorted(groups), default=sorted(groups))
     args = parser.parse_args()
