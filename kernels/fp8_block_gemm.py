@@ -239,8 +239,9 @@ class GemmConfig:
 
 def default_config(m: int, n: int, k: int, block: int = 32) -> GemmConfig:
     """A tile shape for an M×N×K product by size class (NOTE: not yet tuned on the H200;
-    `benchmarks/kernel_speed.py fp8_gemm` measures them). Small M is bound by the weight bytes:
-    narrow N tiles and a K split give every multiprocessor a share of W."""
+    `benchmarks/kernel_speed.py --only fp8_gemm fp8_tiles` measures them and the candidates).
+    Small M is bound by the weight bytes: narrow N tiles and a K split give every
+    multiprocessor a share of W."""
     if m <= 16:
         block_m, block_n = 16, 64
     elif m <= 64:

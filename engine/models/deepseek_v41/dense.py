@@ -68,7 +68,9 @@ def grouped_linear(linear: nn.Module, x: Tensor, groups: int) -> Tensor:
     return torch.einsum("...gi,goi->...go", x.unflatten(-1, (groups, -1)), weight).flatten(-2)
 
 
-def keep_dense_fp8(model: nn.Module, fp8_weight_shapes: dict[str, tuple[int, int]], block: int):
+def keep_dense_fp8(
+    model: nn.Module, fp8_weight_shapes: dict[str, tuple[int, int]], block: int
+) -> None:
     """Replace each `nn.Linear` named in `fp8_weight_shapes` (checkpoint weight name → [out,
     in]; e.g. `layers.0.attn.wq_a.weight`) by an `FP8BlockLinear` of that shape. Names the model
     does not have (an expert-parallel rank, DSpark left out) are skipped.
