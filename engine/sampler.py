@@ -4,7 +4,7 @@ One step's rows (one per request that samples this step) arrive as a fp32 `[rows
 tensor plus a `SamplingBatch` built once from the rows' `SamplingInfo`s. `Sampler.sample` returns
 the sampled ids and, when asked, logprobs, all still on the device: the caller brings them to the
 host with one `.tolist()` each. Nothing in here syncs with the host per request; which code paths
-run (penalties, sort, min-p, logprobs) is decided from plain Python data at batch build time.
+run (penalties, top-k/top-p, min-p, logprobs) is decided from plain Python data at batch build time.
 
 Processing order (`process_logits`), each step per row:
 
@@ -246,7 +246,8 @@ class SamplingBatch:
     min_p_rows: RowSelection  # min_p > 0 (greedy rows: likewise)
     logprob_rows: RowSelection  # logprobs wanted
     has_temperature: bool  # some row divides by a temperature other than 1
-    uses_top_p: bool  # some filter row has top_p < 1 (needs a sort)
+    uses_top_p: bool  # some filter row has top_p < 1
+    uses_top_p_alone: bool  # some filter row has top_p < 1 and no top_k (the widest nuclei)
     max_top_k: int  # largest top_k among filter rows (0 if none)
 
     @classmethod
@@ -358,6 +359,7 @@ class SamplingBatch:
             logprob_rows=logprob_sel,
             has_temperature=any(t != 1.0 for t in temperature),
             uses_top_p=any(p.top_p < 1 for p, f in zip(params, is_filtered, strict=True) if f),
+            uses_top_p_alone=any(k == 0 for k, f in zip(top_k, is_filtered, strict=True) if f),
             max_top_k=max((k for k, f in zip(top_k, is_filtered, strict=True) if f), default=0),
         )
 
@@ -495,30 +497,138 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> None:
 def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     """Top-k, then top-p on the renormalised top-k survivors, as one threshold per row.
 
-    Without top-p rows a `topk(max_top_k)` gives each row's k-th value; with them, one descending
-    sort of the filter rows gives both cut-offs. Ties with the cut-off value are kept.
+    Without top-p rows a `topk(max_top_k)` gives each row's k-th value. With them, the cut-offs
+    come from `topk` candidates (`_candidate_cutoffs`) where that is exact without a host wait,
+    else from the sorted rule (`sorted_top_k_top_p_cutoffs`). Ties with the cut-off are kept.
     """
     sel = batch.filter_rows
     if sel.size == 0:
         return
     k = sel.take(batch.top_k)[:, None]
-    top_p = sel.take(batch.top_p)[:, None]
+    if not batch.uses_top_p:
 
-    def top_k_only(xs: torch.Tensor) -> None:
-        values = xs.topk(batch.max_top_k, dim=-1).values
-        xs.masked_fill_(xs < values.gather(1, k - 1), -math.inf)
+        def top_k_only(xs: torch.Tensor) -> None:
+            values = xs.topk(batch.max_top_k, dim=-1).values
+            xs.masked_fill_(xs < values.gather(1, k - 1), -math.inf)
+
+        sel.apply_(x, top_k_only)
+        return
+    rows = _NucleusRows(
+        k, sel.take(batch.top_p)[:, None], batch.max_top_k > 0, batch.uses_top_p_alone
+    )
+    num_candidates = max(NUCLEUS_CANDIDATES, batch.max_top_k)
+    # NOTE: whether a top-p-alone row's nucleus fits in its candidates is known on the device;
+    # on CPU the host reads it for free, on CUDA it would wait for the step (async scheduling
+    # queues sampling behind the forward), so CUDA batches with such rows take the sort.
+    use_candidates = (
+        num_candidates <= MAX_NUCLEUS_CANDIDATES
+        and num_candidates < batch.vocab_size
+        and (x.device.type == "cpu" or not rows.any_vocab)
+    )
 
     def top_k_top_p(xs: torch.Tensor) -> None:
-        values = xs.sort(dim=-1, descending=True).values
-        rank = torch.arange(batch.vocab_size, device=xs.device)
-        in_top_k = rank < torch.where(k > 0, k, batch.vocab_size)
-        probs = values.masked_fill(~in_top_k, -math.inf).softmax(dim=-1)
-        before = probs.cumsum(dim=-1).sub_(probs)  # probability of the better tokens
-        keep = in_top_k & ((before < top_p) | (top_p >= 1))
-        cutoff = values.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+        if use_candidates:
+            cutoff = _candidate_cutoffs(xs, rows, num_candidates)
+        else:
+            cutoff = _sorted_cutoffs(xs, rows)
         xs.masked_fill_(xs < cutoff, -math.inf)
 
-    sel.apply_(x, top_k_top_p if batch.uses_top_p else top_k_only)
+    sel.apply_(x, top_k_top_p)
+
+
+# `topk` candidates per top-p row (at least the batch's largest top_k): most nuclei fit in them.
+NUCLEUS_CANDIDATES = 1024
+# Above this many candidates `topk` costs about as much as the sort: such batches sort.
+MAX_NUCLEUS_CANDIDATES = 4096
+# Candidates whose cumulative mass is below top_p + this (8 float ulps at 1) may not hold the
+# whole nucleus: the sorted rule's `before` of a later token can round one ulp below its mass.
+_MASS_MARGIN = 2.0**-20
+
+
+@dataclass(frozen=True)
+class _NucleusRows:
+    """The filter rows of a step with top-p: `top_k` (int64, 0 = off) and `top_p` `[n, 1]`;
+    any_top_k / any_vocab: some row has top_k > 0 / top_k == 0 (host flags: which
+    normalisers to compute)."""
+
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    any_top_k: bool
+    any_vocab: bool
+
+
+def sorted_top_k_top_p_cutoffs(
+    xs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The reference rule: each row's cut-off value `[n, 1]`; a row keeps `xs >= cutoff`.
+
+    xs: fp32 `[n, vocab]`; top_k: int64 `[n, 1]` (0 = off); top_p: fp32 `[n, 1]` in (0, 1].
+    One descending sort; the best-first prefix keeps a token while the probability of the
+    better tokens (renormalised over the top k) is below top_p; the cut-off is the last kept
+    value. The probabilities of a row with top_k are the softmax of its top k sorted values;
+    of a row without, exp(x − max) over their sum taken in vocabulary order (so that
+    `_candidate_cutoffs` reproduces them bit for bit without the sort; torch's CPU softmax of a
+    whole 129K row is off by ~1e-5, this sum by ~1e-8).
+    """
+    return _sorted_cutoffs(xs, _NucleusRows(top_k, top_p, True, True))
+
+
+def _sorted_cutoffs(xs: torch.Tensor, rows: _NucleusRows) -> torch.Tensor:
+    return _nucleus_cutoffs(xs, xs.sort(dim=-1, descending=True), rows)[0]
+
+
+def _candidate_cutoffs(xs: torch.Tensor, rows: _NucleusRows, num_candidates: int) -> torch.Tensor:
+    """`sorted_top_k_top_p_cutoffs` without the sort, bit for bit: the rule runs on the best
+    `num_candidates` values of each row (`topk`: the sorted row's first columns, same bits);
+    a top-p-alone row whose candidates hold less than top_p takes the sorted rule.
+
+    NOTE: the host reads which rows those are (free on CPU; callers on CUDA pass only rows with
+    top_k <= num_candidates, which never need it).
+    """
+    cutoff, mass = _nucleus_cutoffs(xs, xs.topk(num_candidates, dim=-1), rows)
+    if not rows.any_vocab:
+        return cutoff
+    wider = ((rows.top_k == 0) & (mass < rows.top_p + _MASS_MARGIN)).squeeze(1)
+    index = wider.nonzero().squeeze(1)
+    if index.numel():
+        part = _NucleusRows(rows.top_k[index], rows.top_p[index], False, True)
+        cutoff[index] = _sorted_cutoffs(xs[index], part)
+    return cutoff
+
+
+def _nucleus_cutoffs(
+    xs: torch.Tensor, best: tuple[torch.Tensor, torch.Tensor], rows: _NucleusRows
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cut-off `[n, 1]`, cumulative probability of all of `best` `[n, 1]`) from `best`, the
+    (values, token ids) `[n, c]` of each row's first c columns sorted descending (c = vocab:
+    the whole row).
+
+    NOTE: each probability is computed by the same op on the same input whatever c is (the
+    top-k softmax over a vocabulary-wide row padded with −inf; the exponentials of the row in
+    vocabulary order, gathered at the token ids, over their sum), and the cumulative sum's prefix does
+    not depend on c, so the candidates' cut-off equals the sorted rule's whenever the nucleus
+    ends inside them.
+    """
+    values, token_ids = best
+    vocab, num = xs.shape[1], values.shape[1]
+    k = rows.top_k
+    in_top_k = torch.arange(num, device=xs.device) < torch.where(k > 0, k, vocab)
+    probs = None
+    if rows.any_top_k:
+        padded = values.masked_fill(~in_top_k, -math.inf)
+        if num < vocab:
+            padded = torch.cat([padded, padded.new_full((len(xs), vocab - num), -math.inf)], 1)
+        probs = padded.softmax(dim=-1)[:, :num]
+    if rows.any_vocab:
+        exps = (xs - xs.amax(dim=-1, keepdim=True)).exp_()
+        vocab_probs = exps.gather(1, token_ids).div_(exps.sum(dim=-1, keepdim=True))
+        probs = vocab_probs if probs is None else torch.where(k > 0, probs, vocab_probs)
+    mass = probs.cumsum(dim=-1)
+    before = mass - probs  # probability of the better tokens
+    top_p = rows.top_p
+    keep = in_top_k & ((before < top_p) | (top_p >= 1))
+    cutoff = values.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+    return cutoff, mass[:, -1:]
 
 
 def _apply_min_p(x: torch.Tensor, batch: SamplingBatch) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from engine.sampler import (
     gumbel_from_hash,
     noise_keys,
     process_logits,
+    sorted_top_k_top_p_cutoffs,
 )
 from engine.sampling_params import SamplingParams
 
@@ -193,6 +195,151 @@ def test_top_p_at_the_real_vocabulary_keeps_only_the_nucleus() -> None:
         assert torch.equal(torch.isfinite(processed[row]), want)
     draws = Sampler().sample(logits, batch).token_ids
     assert torch.isfinite(processed.gather(1, draws[:, None])).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Top-k / top-p without the sort: bit for bit the sorted rule
+# ----------------------------------------------------------------------------------------------
+
+
+def _main_rule_cutoffs(xs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The rule as the sampler computed it before the candidates: one sort, then the softmax of
+    the top-k sorted values (the whole sorted row without top_k)."""
+    values = xs.sort(dim=-1, descending=True).values
+    in_top_k = torch.arange(xs.shape[1]) < torch.where(k > 0, k, xs.shape[1])
+    probs = values.masked_fill(~in_top_k, -math.inf).softmax(dim=-1)
+    before = probs.cumsum(dim=-1).sub_(probs)
+    keep = in_top_k & ((before < top_p) | (top_p >= 1))
+    return values.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+
+
+def _filter_params(rows: int, seed: int) -> list[SamplingParams]:
+    """Rows with top_p alone (0.95 ... 1e-6), with top_k (alone, combined, above the
+    candidates' default count), at temperature 1 so that the filters see the raw logits."""
+    g = torch.Generator().manual_seed(seed)
+    choices = [
+        (0, 0.95),
+        (0, 0.9),
+        (0, 0.5),
+        (0, 1e-6),
+        (50, 0.95),
+        (7, 0.3),
+        (1000, 0.9),
+        (2000, 0.99),
+        (40, 1.0),
+        (1, 0.9),
+    ]
+    picks = torch.randint(len(choices), (rows,), generator=g).tolist()
+    return [SamplingParams(top_k=choices[i][0], top_p=choices[i][1]) for i in picks]
+
+
+def _assert_filtered_like_the_sorted_rule(logits: torch.Tensor, params: list[SamplingParams]):
+    """process_logits, the draws and the logprobs equal those of the sorted rule, bitwise."""
+    infos = [
+        _info(dataclasses.replace(p, logprobs=True, top_logprobs=5), seed=r)
+        for r, p in enumerate(params)
+    ]
+    batch = SamplingBatch.from_infos(infos, logits.shape[1], logits.device)
+    k = torch.tensor([[p.top_k] for p in params], device=logits.device)
+    top_p = torch.tensor([[p.top_p] for p in params], device=logits.device)
+    cutoff = sorted_top_k_top_p_cutoffs(logits, k, top_p)
+    want = logits.masked_fill(logits < cutoff, -math.inf)
+    processed = process_logits(logits, batch)
+    assert torch.equal(processed, want)
+    sampler = Sampler()
+    out = sampler.sample(logits, batch)
+    ref = sampler.logprobs_of(want, sampler.draw(want, batch), batch)
+    assert torch.equal(out.token_ids, ref.token_ids)
+    assert torch.equal(out.logprobs, ref.logprobs)
+    assert torch.equal(out.top_ids, ref.top_ids)
+    return processed
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 3.0, 6.0, 12.0, 40.0])
+def test_top_p_equals_the_sorted_rule_bit_for_bit(scale: float) -> None:
+    # scale 0.05: nearly flat, top_p keeps most of the vocabulary (wider than any candidates);
+    # scale 40: one or two tokens hold everything
+    logits = _logits(12, VOCAB, seed=int(scale * 100), scale=scale)
+    processed = _assert_filtered_like_the_sorted_rule(logits, _filter_params(12, seed=int(scale)))
+    assert torch.isfinite(processed).any(dim=-1).all()
+
+
+def test_ties_at_the_cut_off_are_all_kept() -> None:
+    logits = _logits(4, VOCAB, seed=21, scale=0.5)
+    logits[:, 100:164] = 9.0  # 64 equal tokens holding most of the mass
+    logits[:, 7] = 11.0
+    logits[1, 200:100_200] = 9.0 - 12.0  # a wide flat tail tied at one value
+    params = [
+        SamplingParams(top_p=0.5),
+        SamplingParams(top_p=0.999),
+        SamplingParams(top_k=30, top_p=0.9),  # the top-k cut-off falls inside the tie
+        SamplingParams(top_k=30),
+    ]
+    processed = _assert_filtered_like_the_sorted_rule(logits, params)
+    kept = torch.isfinite(processed)
+    assert kept[0, 100:164].all() and kept[2, 100:164].all() and kept[3, 100:164].all()
+    assert kept[0].sum() == 65  # the boundary falls inside the tie: all 64 stay
+
+
+def test_masked_and_biased_rows_equal_the_sorted_rule() -> None:
+    # a grammar mask (−inf everywhere but a few tokens), banned tokens, a large logit bias
+    logits = _logits(6, VOCAB, seed=22, scale=2.0)
+    logits[0, 10:] = -math.inf
+    logits[1, ::2] = -math.inf
+    logits[2, :5000] = -math.inf
+    logits[3, 1234] += 30.0
+    logits[4, 3:] = -math.inf  # fewer finite tokens than top_k
+    logits[5, 3:] = -math.inf
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.95),
+        SamplingParams(top_k=50, top_p=0.8),
+        SamplingParams(top_p=0.5),
+        SamplingParams(top_k=50, top_p=0.99),
+        SamplingParams(top_k=50, top_p=1.0),
+    ]
+    processed = _assert_filtered_like_the_sorted_rule(logits, params)
+    assert torch.isfinite(processed[0]).sum() <= 10
+    assert torch.isfinite(processed[5]).sum() == 3
+
+
+def test_the_sorted_rule_with_top_k_is_unchanged() -> None:
+    logits = _logits(16, VOCAB, seed=23, scale=3.0)
+    params = _filter_params(16, seed=5)
+    k = torch.tensor([[p.top_k or 100] for p in params])
+    top_p = torch.tensor([[p.top_p] for p in params])
+    assert torch.equal(
+        sorted_top_k_top_p_cutoffs(logits, k, top_p), _main_rule_cutoffs(logits, k, top_p)
+    )
+
+
+def test_the_sorted_rule_without_top_k_moves_only_within_rounding() -> None:
+    # Without top_k the normaliser is now summed in vocabulary order, not in sorted order (the
+    # order that drops most low bits: the small terms come last). The kept sets differ from the
+    # old rule's only where the better tokens' mass is within rounding of top_p, and the new one
+    # is the float64 rule's wherever that is at least 1e-6 away.
+    logits = _logits(24, VOCAB, seed=24, scale=4.0)
+    k = torch.zeros(24, 1, dtype=torch.int64)
+    top_p = torch.tensor([[(0.95, 0.9, 0.5)[r % 3]] for r in range(24)])
+    new = (logits >= sorted_top_k_top_p_cutoffs(logits, k, top_p)).sum(-1)
+    old = (logits >= _main_rule_cutoffs(logits, k, top_p)).sum(-1)
+    probs = logits.double().softmax(-1).sort(dim=-1, descending=True).values
+    before = probs.cumsum(-1) - probs
+    exact = (before < top_p.double()).sum(-1)
+    for row in range(24):
+        near = before[row, exact[row] - 1 : exact[row] + 1] - top_p[row].item()
+        if near.abs().min() > 1e-6:
+            assert new[row] == exact[row], row
+        if new[row] != old[row]:
+            assert near.abs().min() < 1e-4, row
+    assert (new == old).float().mean() > 0.5
+
+
+@pytest.mark.gpu
+def test_cuda_top_k_top_p_equals_the_cuda_sorted_rule() -> None:
+    logits = _logits(64, VOCAB, seed=25, scale=3.0).cuda()
+    params = [dataclasses.replace(p, top_k=p.top_k or 20) for p in _filter_params(64, seed=6)]
+    _assert_filtered_like_the_sorted_rule(logits, params)
 
 
 # ----------------------------------------------------------------------------------------------
