@@ -16,6 +16,7 @@ from engine.sampler import (
     counter_hash,
     gumbel_from_hash,
     noise_keys,
+    NUCLEUS_CANDIDATES,
     process_logits,
     sorted_top_k_top_p_cutoffs,
 )
@@ -262,6 +263,21 @@ def test_top_p_equals_the_sorted_rule_bit_for_bit(scale: float) -> None:
     logits = _logits(12, VOCAB, seed=int(scale * 100), scale=scale)
     processed = _assert_filtered_like_the_sorted_rule(logits, _filter_params(12, seed=int(scale)))
     assert torch.isfinite(processed).any(dim=-1).all()
+
+
+def test_a_nucleus_just_wider_than_the_candidates_is_found() -> None:
+    # the best NUCLEUS_CANDIDATES tokens hold a known mass; top_p just above it needs the next
+    # tokens, just below it ends inside the candidates, at it is within rounding
+    num = NUCLEUS_CANDIDATES
+    logits = _logits(1, VOCAB, seed=26, scale=0.1) - 4.0
+    logits[0, :num] = 6.0 - torch.arange(num) * 1e-3
+    mass = logits[0].double().softmax(-1)[:num].sum().item()
+    offsets = (1e-6, -1e-5, 0.0, 3e-7)
+    rows = logits.expand(len(offsets), -1).contiguous()
+    params = [SamplingParams(top_p=mass + d) for d in offsets]
+    processed = _assert_filtered_like_the_sorted_rule(rows, params)
+    kept = torch.isfinite(processed).sum(-1).tolist()
+    assert kept[0] > num and kept[1] == num
 
 
 def test_ties_at_the_cut_off_are_all_kept() -> None:
