@@ -516,12 +516,12 @@ def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     rows = _NucleusRows(
         k, sel.take(batch.top_p)[:, None], batch.max_top_k > 0, batch.uses_top_p_alone
     )
-    num_candidates = max(NUCLEUS_CANDIDATES, batch.max_top_k)
+    num_candidates = max(NUCLEUS_CANDIDATES[0], batch.max_top_k)
     # NOTE: whether a top-p-alone row's nucleus fits in its candidates is known on the device;
     # on CPU the host reads it for free, on CUDA it would wait for the step (async scheduling
     # queues sampling behind the forward), so CUDA batches with such rows take the sort.
     use_candidates = (
-        num_candidates <= MAX_NUCLEUS_CANDIDATES
+        num_candidates <= NUCLEUS_CANDIDATES[-1]
         and num_candidates < batch.vocab_size
         and (x.device.type == "cpu" or not rows.any_vocab)
     )
@@ -536,10 +536,10 @@ def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     sel.apply_(x, top_k_top_p)
 
 
-# `topk` candidates per top-p row (at least the batch's largest top_k): most nuclei fit in them.
-NUCLEUS_CANDIDATES = 1024
-# Above this many candidates `topk` costs about as much as the sort: such batches sort.
-MAX_NUCLEUS_CANDIDATES = 4096
+# `topk` candidates per top-p row, tried in turn (the first at least the batch's largest top_k):
+# most nuclei fit in the first; a top-p-alone row whose nucleus does not fit in the last takes
+# the sort. A batch with a top_k above the last sorts (`topk` would cost about as much).
+NUCLEUS_CANDIDATES = (256, 4096)
 # Candidates whose cumulative mass is below top_p + this (8 float ulps at 1) may not hold the
 # whole nucleus: the sorted rule's `before` of a later token can round one ulp below its mass.
 _MASS_MARGIN = 2.0**-20
@@ -580,7 +580,8 @@ def _sorted_cutoffs(xs: torch.Tensor, rows: _NucleusRows) -> torch.Tensor:
 def _candidate_cutoffs(xs: torch.Tensor, rows: _NucleusRows, num_candidates: int) -> torch.Tensor:
     """`sorted_top_k_top_p_cutoffs` without the sort, bit for bit: the rule runs on the best
     `num_candidates` values of each row (`topk`: the sorted row's first columns, same bits);
-    a top-p-alone row whose candidates hold less than top_p takes the sorted rule.
+    a top-p-alone row whose candidates hold less than top_p tries the next count of
+    `NUCLEUS_CANDIDATES`, after the last the sorted rule.
 
     NOTE: the host reads which rows those are (free on CPU; callers on CUDA pass only rows with
     top_k <= num_candidates, which never need it).
@@ -590,8 +591,13 @@ def _candidate_cutoffs(xs: torch.Tensor, rows: _NucleusRows, num_candidates: int
         return cutoff
     wider = ((rows.top_k == 0) & (mass < rows.top_p + _MASS_MARGIN)).squeeze(1)
     index = wider.nonzero().squeeze(1)
-    if index.numel():
-        part = _NucleusRows(rows.top_k[index], rows.top_p[index], False, True)
+    if index.numel() == 0:
+        return cutoff
+    part = _NucleusRows(rows.top_k[index], rows.top_p[index], False, True)
+    more = [n for n in NUCLEUS_CANDIDATES if num_candidates < n < xs.shape[1]]
+    if more:
+        cutoff[index] = _candidate_cutoffs(xs[index], part, more[0])
+    else:
         cutoff[index] = _sorted_cutoffs(xs[index], part)
     return cutoff
 
@@ -605,9 +611,9 @@ def _nucleus_cutoffs(
 
     NOTE: each probability is computed by the same op on the same input whatever c is (the
     top-k softmax over a vocabulary-wide row padded with −inf; the exponentials of the row in
-    vocabulary order, gathered at the token ids, over their sum), and the cumulative sum's prefix does
-    not depend on c, so the candidates' cut-off equals the sorted rule's whenever the nucleus
-    ends inside them.
+    vocabulary order, gathered at the token ids, over their sum), and the cumulative sum's
+    prefix does not depend on c, so the candidates' cut-off equals the sorted rule's whenever
+    the nucleus ends inside them.
     """
     values, token_ids = best
     vocab, num = xs.shape[1], values.shape[1]

@@ -10,13 +10,13 @@ import torch
 
 from engine.outputs import SamplingInfo
 from engine.sampler import (
+    NUCLEUS_CANDIDATES,
     NoisePurpose,
     Sampler,
     SamplingBatch,
     counter_hash,
     gumbel_from_hash,
     noise_keys,
-    NUCLEUS_CANDIDATES,
     process_logits,
     sorted_top_k_top_p_cutoffs,
 )
@@ -265,10 +265,10 @@ def test_top_p_equals_the_sorted_rule_bit_for_bit(scale: float) -> None:
     assert torch.isfinite(processed).any(dim=-1).all()
 
 
-def test_a_nucleus_just_wider_than_the_candidates_is_found() -> None:
-    # the best NUCLEUS_CANDIDATES tokens hold a known mass; top_p just above it needs the next
-    # tokens, just below it ends inside the candidates, at it is within rounding
-    num = NUCLEUS_CANDIDATES
+@pytest.mark.parametrize("num", NUCLEUS_CANDIDATES)
+def test_a_nucleus_just_wider_than_the_candidates_is_found(num: int) -> None:
+    # the best `num` tokens (a count of candidates) hold a known mass; top_p just above it
+    # needs the next tokens, just below it ends inside them, at it is within rounding
     logits = _logits(1, VOCAB, seed=26, scale=0.1) - 4.0
     logits[0, :num] = 6.0 - torch.arange(num) * 1e-3
     mass = logits[0].double().softmax(-1)[:num].sum().item()
