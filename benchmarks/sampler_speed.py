@@ -1,7 +1,7 @@
 """The sampler's top-k / top-p filter: the full sort it replaced against `process_logits` now.
 
     python3 benchmarks/sampler_speed.py [--device cpu|cuda] [--rows 1 16 64 256]
-        [--vocab 129280] [--repeats 5] [--dists peaked medium flat] [--out DIR]
+        [--vocab 129280] [--repeats 5] [--threads 1] [--dists peaked medium flat] [--out DIR]
 
 Each case is one batch of `rows` identical-parameter rows of `vocab` fp32 logits, drawn as
 `randn · scale` per distribution: peaked (scale 8: top_p 0.95 keeps tens of tokens), medium
@@ -129,8 +129,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dists", nargs="+", default=list(SCALES), choices=list(SCALES))
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     timer = _timer(device)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()

@@ -579,35 +579,42 @@ def _sorted_cutoffs(xs: torch.Tensor, rows: _NucleusRows) -> torch.Tensor:
 
 def _candidate_cutoffs(xs: torch.Tensor, rows: _NucleusRows, num_candidates: int) -> torch.Tensor:
     """`sorted_top_k_top_p_cutoffs` without the sort, bit for bit: the rule runs on the best
-    `num_candidates` values of each row (`topk`: the sorted row's first columns, same bits);
-    a top-p-alone row whose candidates hold less than top_p tries the next count of
-    `NUCLEUS_CANDIDATES`, after the last the sorted rule.
+    `num_candidates` values of each row (`topk`: the sorted row's first columns, same bits).
+    A top-p-alone row whose candidates hold less than top_p takes the next count of
+    `NUCLEUS_CANDIDATES` if that many could reach top_p (each further token has at most the
+    last candidate's probability), else the sorted rule.
 
     NOTE: the host reads which rows those are (free on CPU; callers on CUDA pass only rows with
     top_k <= num_candidates, which never need it).
     """
-    cutoff, mass = _nucleus_cutoffs(xs, xs.topk(num_candidates, dim=-1), rows)
+    cutoff, mass, last = _nucleus_cutoffs(xs, xs.topk(num_candidates, dim=-1), rows)
     if not rows.any_vocab:
         return cutoff
-    wider = ((rows.top_k == 0) & (mass < rows.top_p + _MASS_MARGIN)).squeeze(1)
-    index = wider.nonzero().squeeze(1)
-    if index.numel() == 0:
-        return cutoff
-    part = _NucleusRows(rows.top_k[index], rows.top_p[index], False, True)
+    wider = (rows.top_k == 0) & (mass < rows.top_p + _MASS_MARGIN)
     more = [n for n in NUCLEUS_CANDIDATES if num_candidates < n < xs.shape[1]]
     if more:
-        cutoff[index] = _candidate_cutoffs(xs[index], part, more[0])
+        reachable = mass + (more[0] - num_candidates) * last >= rows.top_p
+        plans = [(wider & reachable, more[0]), (wider & ~reachable, None)]
     else:
-        cutoff[index] = _sorted_cutoffs(xs[index], part)
+        plans = [(wider, None)]
+    for selected, count in plans:
+        index = selected.squeeze(1).nonzero().squeeze(1)
+        if index.numel() == 0:
+            continue
+        part = _NucleusRows(rows.top_k[index], rows.top_p[index], False, True)
+        if count is None:
+            cutoff[index] = _sorted_cutoffs(xs[index], part)
+        else:
+            cutoff[index] = _candidate_cutoffs(xs[index], part, count)
     return cutoff
 
 
 def _nucleus_cutoffs(
     xs: torch.Tensor, best: tuple[torch.Tensor, torch.Tensor], rows: _NucleusRows
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cut-off `[n, 1]`, cumulative probability of all of `best` `[n, 1]`) from `best`, the
-    (values, token ids) `[n, c]` of each row's first c columns sorted descending (c = vocab:
-    the whole row).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cut-off, cumulative probability of all of `best`, probability of its last), each
+    `[n, 1]`, from `best`: the (values, token ids) `[n, c]` of each row's first c columns sorted
+    descending (c = vocab: the whole row).
 
     NOTE: each probability is computed by the same op on the same input whatever c is (the
     top-k softmax over a vocabulary-wide row padded with −inf; the exponentials of the row in
@@ -634,7 +641,7 @@ def _nucleus_cutoffs(
     top_p = rows.top_p
     keep = in_top_k & ((before < top_p) | (top_p >= 1))
     cutoff = values.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
-    return cutoff, mass[:, -1:]
+    return cutoff, mass[:, -1:], probs[:, -1:]
 
 
 def _apply_min_p(x: torch.Tensor, batch: SamplingBatch) -> None:
