@@ -626,17 +626,24 @@ def _nucleus_cutoffs(
     vocab, num = xs.shape[1], values.shape[1]
     k = rows.top_k
     in_top_k = torch.arange(num, device=xs.device) < torch.where(k > 0, k, vocab)
+    # NOTE: a CPU scan runs left to right (in float64), so its prefix does not depend on the
+    # row's length; a CUDA scan cuts rows into chunks sized by the length, so there the top-k
+    # probabilities are scanned over the whole padded row.
+    scan_padded = xs.is_cuda and not rows.any_vocab
     probs = None
     if rows.any_top_k:
         padded = values.masked_fill(~in_top_k, -math.inf)
         if num < vocab:
             padded = torch.cat([padded, padded.new_full((len(xs), vocab - num), -math.inf)], 1)
-        probs = padded.softmax(dim=-1)[:, :num]
+        probs = padded.softmax(dim=-1)
+        if not scan_padded:
+            probs = probs[:, :num]
     if rows.any_vocab:
         exps = (xs - xs.amax(dim=-1, keepdim=True)).exp_()
         vocab_probs = exps.gather(1, token_ids).div_(exps.sum(dim=-1, keepdim=True))
         probs = vocab_probs if probs is None else torch.where(k > 0, probs, vocab_probs)
-    mass = probs.cumsum(dim=-1)
+    mass = probs.cumsum(dim=-1)[:, :num]
+    probs = probs[:, :num]
     before = mass - probs  # probability of the better tokens
     top_p = rows.top_p
     keep = in_top_k & ((before < top_p) | (top_p >= 1))
