@@ -5,6 +5,8 @@ tensor plus a `SamplingBatch` built once from the rows' `SamplingInfo`s. `Sample
 the sampled ids and, when asked, logprobs, all still on the device: the caller brings them to the
 host with one `.tolist()` each. Nothing in here syncs with the host per request; which code paths
 run (penalties, top-k/top-p, min-p, logprobs) is decided from plain Python data at batch build time.
+(One exception, on CPU only, where host and device are one: top-p reads which rows' nuclei are
+wider than their `topk` candidates, `_candidate_cutoffs`.)
 
 Processing order (`process_logits`), each step per row:
 
