@@ -448,7 +448,8 @@ class Attention(nn.Module):
         blk = torch.arange(num_blocks, device=scores.device)
         block_keys = block_keys.masked_fill(blk >= visible_blocks[..., None], float("-inf"))
         keep = min(cfg.candidate_topk_blocks, num_blocks)
-        top = torch.topk(block_keys, keep, dim=-1)
+        # NOTE: a mask needs no order: unsorted selects the same set (the sort only reorders it)
+        top = torch.topk(block_keys, keep, dim=-1, sorted=False)
         chosen = torch.zeros_like(block_keys, dtype=torch.bool)
         chosen.scatter_(-1, top.indices, top.values > float("-inf"))
         return chosen.repeat_interleave(size, -1)[..., :num_j]
