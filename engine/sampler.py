@@ -42,7 +42,7 @@ import array
 import enum
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import torch
@@ -551,12 +551,25 @@ _MASS_MARGIN = 2.0**-20
 class _NucleusRows:
     """The filter rows of a step with top-p: `top_k` (int64, 0 = off) and `top_p` `[n, 1]`;
     any_top_k / any_vocab: some row has top_k > 0 / top_k == 0 (host flags: which
-    normalisers to compute)."""
+    normalisers to compute); vocab_exps: exp(x − max) `[n, vocab]` in vocabulary order and
+    their sums `[n, 1]` (the normaliser without top_k), once computed."""
 
     top_k: torch.Tensor
     top_p: torch.Tensor
     any_top_k: bool
     any_vocab: bool
+    vocab_exps: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def with_vocab_exps(self, xs: torch.Tensor) -> _NucleusRows:
+        if not self.any_vocab or self.vocab_exps is not None:
+            return self
+        exps = (xs - xs.amax(dim=-1, keepdim=True)).exp_()
+        return replace(self, vocab_exps=(exps, exps.sum(dim=-1, keepdim=True)))
+
+    def top_p_alone(self, index: torch.Tensor) -> _NucleusRows:
+        """The rows `index`, all without top_k."""
+        exps = None if self.vocab_exps is None else tuple(t[index] for t in self.vocab_exps)
+        return _NucleusRows(self.top_k[index], self.top_p[index], False, True, exps)
 
 
 def sorted_top_k_top_p_cutoffs(
@@ -576,7 +589,8 @@ def sorted_top_k_top_p_cutoffs(
 
 
 def _sorted_cutoffs(xs: torch.Tensor, rows: _NucleusRows) -> torch.Tensor:
-    return _nucleus_cutoffs(xs, xs.sort(dim=-1, descending=True), rows)[0]
+    best = xs.sort(dim=-1, descending=True)
+    return _nucleus_cutoffs(xs, best, rows.with_vocab_exps(xs))[0]
 
 
 def _candidate_cutoffs(xs: torch.Tensor, rows: _NucleusRows, num_candidates: int) -> torch.Tensor:
@@ -589,6 +603,7 @@ def _candidate_cutoffs(xs: torch.Tensor, rows: _NucleusRows, num_candidates: int
     NOTE: the host reads which rows those are (free on CPU; callers on CUDA pass only rows with
     top_k <= num_candidates, which never need it).
     """
+    rows = rows.with_vocab_exps(xs)
     cutoff, mass, last = _nucleus_cutoffs(xs, xs.topk(num_candidates, dim=-1), rows)
     if not rows.any_vocab:
         return cutoff
@@ -603,11 +618,12 @@ def _candidate_cutoffs(xs: torch.Tensor, rows: _NucleusRows, num_candidates: int
         index = selected.squeeze(1).nonzero().squeeze(1)
         if index.numel() == 0:
             continue
-        part = _NucleusRows(rows.top_k[index], rows.top_p[index], False, True)
+        part = rows.top_p_alone(index)
+        sub = xs if index.numel() == len(xs) else xs[index]
         if count is None:
-            cutoff[index] = _sorted_cutoffs(xs[index], part)
+            cutoff[index] = _sorted_cutoffs(sub, part)
         else:
-            cutoff[index] = _candidate_cutoffs(xs[index], part, count)
+            cutoff[index] = _candidate_cutoffs(sub, part, count)
     return cutoff
 
 
@@ -641,8 +657,8 @@ def _nucleus_cutoffs(
         if not scan_padded:
             probs = probs[:, :num]
     if rows.any_vocab:
-        exps = (xs - xs.amax(dim=-1, keepdim=True)).exp_()
-        vocab_probs = exps.gather(1, token_ids).div_(exps.sum(dim=-1, keepdim=True))
+        exps, sums = rows.vocab_exps
+        vocab_probs = exps.gather(1, token_ids).div_(sums)
         probs = vocab_probs if probs is None else torch.where(k > 0, probs, vocab_probs)
     mass = probs.cumsum(dim=-1)[:, :num]
     probs = probs[:, :num]
