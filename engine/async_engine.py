@@ -42,6 +42,7 @@ from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.overlap import OverlappedSpeculativeCore
 from engine.speculative.scheduling import DraftScheduling, build_planner
 from engine.step_budget import (
     CPU_TIME_PRIOR,
@@ -100,9 +101,10 @@ class EngineConfig:
         them for later requests with the same prefix (`engine/kv_cache/reuse.py`).
     swa_replay: what a prefix hit recomputes (`DeepseekV41ForCausalLM.replay_tokens`):
         `bounded` (one block, approximate) or `exact` (equals a full prefill).
-    async_scheduling: schedule step N+1 while step N runs (`engine/overlap.py`; same tokens
-        as without); None = only when the model is not on the CPU (a CPU forward keeps the
-        host busy, so there is nothing to overlap it with).
+    async_scheduling: schedule step N+1 while step N runs (`engine/overlap.py`; with
+        speculation `engine/speculative/overlap.py`; same tokens as without); None = only
+        when the model is not on the CPU (a CPU forward keeps the host busy, so there is
+        nothing to overlap it with), with or without speculation.
     kv_cache_dir / kv_cache_shared_dir: directory tiers under the GPU tier (a local SSD, a
         mount shared by several servers; either, both or none), with byte budgets
         `kv_cache_dir_bytes` / `kv_cache_shared_dir_bytes` (GC between 0.90 and 0.80 of them).
@@ -387,13 +389,11 @@ class AsyncEngine:
             ),
         )
         overlapped = config.async_scheduling
-        if speculative.is_enabled:
-            if overlapped:
-                raise ValueError("speculative decoding does not run with async scheduling yet")
-            overlapped = False
         if overlapped is None:
             overlapped = model.device.type != "cpu"
-        core_type = OverlappedCore if overlapped else EngineCore
+        core_type = EngineCore
+        if overlapped:
+            core_type = OverlappedSpeculativeCore if speculative.is_enabled else OverlappedCore
         return cls(core_type(scheduler, runner), model.config.eos_token_id)
 
     # ---- lifecycle ----------------------------------------------------------------------------

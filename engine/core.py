@@ -58,5 +58,5 @@ class EngineCore:
             elapsed = time.perf_counter() - started
             self.scheduler.step_budget.observe(scheduled.shape, elapsed)
             if self.scheduler.speculation is not None:
-                self.scheduler.speculation.record_step_time(elapsed * 1e3)
+                self.scheduler.speculation.record_step_time(scheduled.draft_step, elapsed * 1e3)
         return model_output

@@ -95,6 +95,7 @@ class SchedulerOutput:
     finished_request_ids: tuple[str, ...] = ()  # freed since the last step (runner may drop state)
     draft_budget: int = 0  # speculation: drafts the step verifies, all requests together
     draft_verify_all: bool = True  # speculation: every cap is verified (the fixed path, no ranking)
+    draft_step: int = -1  # speculation: the planner's index of this step (-1: no speculation)
 
     @property
     def is_empty(self) -> bool:

@@ -33,8 +33,11 @@ class Request:
     `num_inflight_tokens` positions after `num_computed_tokens` and will sample
     `num_output_placeholders` outputs not yet known on the host. The next step continues at
     `num_scheduled_tokens`; a position at or past `num_tokens` holds a placeholder that the
-    runner fills with the id sampled on the device. Both counts are 0 between steps of the
-    synchronous loop.
+    runner fills with the id sampled on the device. With speculation the step in flight may also
+    commit up to `num_inflight_drafts` more positions (its decode rows' draft slots: accepted
+    drafts), so the next chunk starts somewhere in `num_scheduled_tokens + [0,
+    num_inflight_drafts]` and is placed exactly by `Scheduler.resolve` once that step is
+    applied. All three counts are 0 between steps of the synchronous loop.
     """
 
     request_id: str
@@ -48,6 +51,7 @@ class Request:
     num_computed_tokens: int = 0
     num_inflight_tokens: int = 0
     num_output_placeholders: int = 0
+    num_inflight_drafts: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

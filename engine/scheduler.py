@@ -58,6 +58,7 @@ requests, surface as Deltas through `update` (see its docstring).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -175,8 +176,8 @@ class Scheduler:
         token budget alone). prefix_reuse: the prefix-cache collaborator (None: no caching);
         it matches waiting requests at admission and indexes blocks as they fill
         (`engine/kv_cache/reuse.py`). speculation: draft caps and the step's draft budget
-        (`engine/speculative/scheduling.py`; None: one token per decode row). It needs the
-        synchronous loop (`update` after each `schedule`)."""
+        (`engine/speculative/scheduling.py`; None: one token per decode row). Under async
+        scheduling its rows scheduled behind a step in flight need `resolve` before they run."""
         self.config = config
         self.kv_manager = kv_manager
         self.step_budget = step_budget or StepBudget()
@@ -276,7 +277,60 @@ class Scheduler:
             request = self._requests[chunk.request_id]
             request.num_inflight_tokens += len(chunk.token_ids)
             request.num_output_placeholders += chunk.sampling is not None
+            request.num_inflight_drafts += chunk.num_draft_slots
         return output
+
+    def resolve(self, output: SchedulerOutput) -> SchedulerOutput:
+        """`output`, scheduled while the speculative step before it was in flight, placed on
+        what that step committed (call it after that step's `update`). No-op for any other
+        output.
+
+        A decode row scheduled behind a step in flight starts at a lower bound (as if that
+        step accepted no draft), holds a placeholder token, and has draft slots and sampling
+        from lower bounds on the outputs (`DraftScheduling.cap`); its blocks cover the upper
+        bound (`num_inflight_drafts`). Here, with the step applied, each such row gets its
+        exact start (`num_computed_tokens`), its token, its sampling and its cap (never more
+        than scheduled). Rows of requests that step finished (stop, length, abort, failure)
+        are dropped: they never run. Mutates only the in-flight draft counts of the rows.
+        """
+        chunks = []
+        for chunk in output.chunks:
+            request = self._requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished by the step before: this row is never computed
+            if chunk.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                chunk = self._resolved_row(request, chunk)
+            chunks.append(chunk)
+        if len(chunks) == len(output.chunks) and all(
+            a is b for a, b in zip(chunks, output.chunks, strict=True)
+        ):
+            return output
+        return dataclasses.replace(
+            output, chunks=tuple(chunks), num_tokens=sum(len(c.token_ids) for c in chunks)
+        )
+
+    def _resolved_row(self, request: Request, chunk: ScheduledChunk) -> ScheduledChunk:
+        """A placeholder decode row at its exact position, once the step before is applied."""
+        if request.num_inflight_tokens != 1 or request.num_output_placeholders != 1:
+            raise RuntimeError(
+                f"request {request.request_id!r}: a row is resolved while another step of it "
+                "is in flight"
+            )
+        cap = 0
+        if self.speculation is not None and chunk.num_draft_slots:
+            exact = self.speculation.cap(request, self.config.max_model_len)
+            cap = min(chunk.num_draft_slots, exact)
+        request.num_inflight_drafts += cap - chunk.num_draft_slots
+        start = request.num_computed_tokens
+        sampling = _sampling_info(request, num_ahead=0)  # its draw follows the known outputs
+        return dataclasses.replace(
+            chunk,
+            start_position=start,
+            token_ids=(request.all_token_ids[start],),
+            sampling=sampling,
+            num_draft_slots=cap,
+            block_table=self.kv_manager.block_table(request.request_id),
+        )
 
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[Delta]:
         """Apply one executed step; return the Deltas to stream, one per request with news.
@@ -310,6 +364,7 @@ class Scheduler:
                 continue  # aborted, finished or preempted after schedule()
             request.num_inflight_tokens -= len(chunk.token_ids)
             request.num_output_placeholders -= chunk.sampling is not None
+            request.num_inflight_drafts -= chunk.num_draft_slots
             if chunk.request_id in model_output.failed:
                 request.error = model_output.failed[chunk.request_id]
                 self._finish(request, FinishReason.ABORT)
@@ -326,7 +381,9 @@ class Scheduler:
             if chunk.sampling is not None:
                 deltas.append(self._append_sampled(request, model_output))
         if self.speculation is not None:
-            self.speculation.observe(model_output.draft_survivals, self._requests)
+            self.speculation.observe(
+                model_output.draft_survivals, self._requests, scheduler_output.draft_step
+            )
         return deltas
 
     # ---------------------------------------------------------------- integrity
@@ -358,7 +415,10 @@ class Scheduler:
             _require(request.status is RequestStatus.WAITING, f"waiting {rid!r} is not WAITING")
             _require(request.num_computed_tokens == 0, f"waiting {rid!r} has computed tokens")
             _require(
-                request.num_inflight_tokens == 0 == request.num_output_placeholders,
+                request.num_inflight_tokens
+                == request.num_output_placeholders
+                == request.num_inflight_drafts
+                == 0,
                 f"waiting {rid!r} has a step in flight",
             )
             _require(not self.kv_manager.is_allocated(rid), f"waiting {rid!r} holds KV")
@@ -379,7 +439,8 @@ class Scheduler:
             )
             _require(
                 request.num_inflight_tokens >= 0
-                and 0 <= request.num_output_placeholders <= request.num_inflight_tokens,
+                and 0 <= request.num_output_placeholders <= request.num_inflight_tokens
+                and request.num_inflight_drafts >= 0,
                 f"running {rid!r} has inconsistent in-flight counts",
             )
         _require(
@@ -412,16 +473,19 @@ class Scheduler:
             if num_new == 0:
                 continue  # the step budget is spent: this chunk waits for the next step
             drafts = self._draft_slots(request, plan) if decoding else 0
-            end = request.num_scheduled_tokens + num_new + drafts
+            # Blocks up to the furthest position: the step in flight may commit its drafts.
+            end = request.num_scheduled_tokens + request.num_inflight_drafts + num_new + drafts
             if self._allocate_or_preempt(request, end, plan):
                 plan.add(request, num_new, drafts)
 
     def _draft_slots(self, request: Request, plan: _StepPlan) -> int:
         """Drafts a decoding request may verify this step (0 without speculation), within the
-        token budget left after its own row."""
-        if self.speculation is None or request.num_output_placeholders:
+        token budget left after its own row; an upper bound behind a step in flight."""
+        if self.speculation is None:
             return 0
-        cap = self.speculation.cap(request, self.config.max_model_len)
+        cap = self.speculation.cap(
+            request, self.config.max_model_len, num_ahead=request.num_output_placeholders
+        )
         return max(0, min(cap, plan.budget_left - 1))
 
     def _reaches_length_limit(self, request: Request) -> bool:
@@ -468,6 +532,7 @@ class Scheduler:
             self.prefix_reuse.forget(request)
         request.num_inflight_tokens = 0  # `update` ignores the chunk in flight: not RUNNING
         request.num_output_placeholders = 0
+        request.num_inflight_drafts = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
         bisect.insort(self._waiting, request, key=self._order_key)
@@ -542,6 +607,7 @@ class Scheduler:
             finished_request_ids=finished,
             draft_budget=decision.budget,
             draft_verify_all=decision.is_verify_all,
+            draft_step=-1 if self.speculation is None else self.speculation.num_steps - 1,
         )
 
     def _draft_plan(self, plan: _StepPlan) -> BudgetDecision:
@@ -683,27 +749,26 @@ def _uses_penalties(params: SamplingParams) -> bool:
     )
 
 
-def _sampling_info(request: Request) -> SamplingInfo:
+def _sampling_info(request: Request, num_ahead: int | None = None) -> SamplingInfo:
+    """The sampling of the request's next draw after `num_ahead` outputs still in flight
+    (default: its placeholders, before this row's own is counted)."""
+    if num_ahead is None:
+        num_ahead = request.num_output_placeholders
     history = None
     if _uses_penalties(request.params):
-        history = (
-            *request.all_token_ids,
-            *[PLACEHOLDER_TOKEN_ID] * request.num_output_placeholders,
-        )
+        history = (*request.all_token_ids, *[PLACEHOLDER_TOKEN_ID] * num_ahead)
     budget = request.params.thinking_budget
     return SamplingInfo(
         params=request.params,
         seed=request.seed,
-        output_index=request.num_output_tokens + request.num_output_placeholders,
+        output_index=request.num_output_tokens + num_ahead,
         num_prompt_tokens=request.num_prompt_tokens,
         history=history,
         constraint=request.constraint,
         # NOTE: a budget forces only the draw at its index, which is never scheduled ahead of
         # the outputs before it (`_waits_for_its_outputs`), so none is a placeholder then.
         forced_token_id=(
-            None
-            if budget is None or request.num_output_placeholders
-            else budget.forced_token(request.output_token_ids)
+            None if budget is None or num_ahead else budget.forced_token(request.output_token_ids)
         ),
     )
 

@@ -61,19 +61,27 @@ class DraftScheduling:
         self.planner = planner
         self._num_steps = 0  # budgets planned so far (the step index of the next one)
         self._history = SurvivalHistory(LAG)
-        self._decision: BudgetDecision | None = None  # the last plan, until its step is timed
+        # Plans that asked the planner, by step index, until their step is timed (two at most
+        # under async scheduling: the step in flight and the one just planned).
+        self._decisions: dict[int, BudgetDecision] = {}
 
-    def cap(self, request: Request, max_model_len: int) -> int:
+    def cap(self, request: Request, max_model_len: int, *, num_ahead: int = 0) -> int:
         """Drafts a decoding request may verify after its last token this step.
 
         A step emits at most L + 1 tokens, so L < the outputs left and the context left. Rows
         whose draw depends on earlier tokens of the same step get none: a penalty history, or a
         thinking budget whose forced draw would fall on a draft row.
+
+        num_ahead: outputs a step in flight samples before this row (async scheduling, counted
+        as one each: their accepted drafts are not known yet), so the cap is an upper bound
+        that `Scheduler.resolve` lowers to this exact one (num_ahead 0) once they are.
         """
         params = request.params
-        cap = min(self.num_speculative_tokens, max_model_len - request.num_tokens - 1)
+        num_tokens = request.num_tokens + num_ahead
+        num_outputs = request.num_output_tokens + num_ahead
+        cap = min(self.num_speculative_tokens, max_model_len - num_tokens - 1)
         if params.max_tokens is not None:
-            cap = min(cap, params.max_tokens - request.num_output_tokens - 1)
+            cap = min(cap, params.max_tokens - num_outputs - 1)
         if (
             params.presence_penalty != 0
             or params.frequency_penalty != 0
@@ -81,12 +89,18 @@ class DraftScheduling:
         ):
             return 0
         budget = params.thinking_budget
-        if budget is not None and request.num_output_tokens <= budget.max_tokens:
-            cap = min(cap, budget.max_tokens - request.num_output_tokens - 1)
+        if budget is not None and num_outputs <= budget.max_tokens:
+            cap = min(cap, budget.max_tokens - num_outputs - 1)
         return max(0, cap)
 
+    @property
+    def num_steps(self) -> int:
+        """Steps planned so far; the last planned step's index is `num_steps - 1`."""
+        return self._num_steps
+
     def plan(self, rows: Sequence[tuple[Request, int]], num_prefill_rows: int) -> BudgetDecision:
-        """The step's draft budget and its path (`planner.plan`); advances the step.
+        """The step's draft budget and its path (`planner.plan`); advances the step (its
+        index, `num_steps - 1` afterwards, is what `observe` and `record_step_time` take).
 
         rows: every request that samples this step with its cap (0 for a last prefill chunk
         or a row that may not draft); num_prefill_rows: the step's other target rows (prefill
@@ -95,7 +109,6 @@ class DraftScheduling:
         """
         step = self._num_steps
         self._num_steps += 1
-        self._decision = None
         total = sum(cap for _, cap in rows)
         if total == 0:
             return BudgetDecision(budget=0, is_verify_all=True, reason="no_drafts")
@@ -107,21 +120,26 @@ class DraftScheduling:
         budget = max(0, min(total, decision.budget))
         if budget != decision.budget:
             decision = dataclasses.replace(decision, budget=budget)
-        self._decision = decision
+        self._decisions[step] = decision
         return decision
 
-    def record_step_time(self, measured_ms: float) -> None:
-        """The measured time of the step last planned (once; nothing for a step that asked no
-        planner)."""
-        if self._decision is not None:
-            self.planner.record_step_time(self._decision, measured_ms)
-            self._decision = None
+    def record_step_time(self, step: int, measured_ms: float) -> None:
+        """The measured time of planned step `step` (once; nothing for a step that asked no
+        planner). Plans of earlier steps that were never timed are dropped."""
+        decision = self._decisions.pop(step, None)
+        for older in [s for s in self._decisions if s < step]:
+            del self._decisions[older]
+        if decision is not None:
+            self.planner.record_step_time(decision, measured_ms)
 
     def observe(
-        self, survivals: Mapping[str, tuple[float, ...]], requests: Mapping[str, Request]
+        self,
+        survivals: Mapping[str, tuple[float, ...]],
+        requests: Mapping[str, Request],
+        step: int,
     ) -> None:
-        """The survivals the last planned step published, by request id."""
-        step = self._num_steps - 1
+        """The survivals planned step `step` published, by request id (under async
+        scheduling the step after it is planned already)."""
         for request_id, values in survivals.items():
             request = requests.get(request_id)
             if request is None:

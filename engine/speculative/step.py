@@ -23,14 +23,15 @@ chain of length 0, which is the ordinary sampler's draw from its one row.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model_runner import token_logprobs
-from engine.models import ints_to_device
+from engine.model_runner import StepInFlight, token_logprobs
+from engine.models import StepBatch, ints_to_device
 from engine.outputs import ModelOutput, SamplingInfo, ScheduledChunk, SchedulerOutput, TokenLogprob
 from engine.sampler import NoisePurpose, SamplingBatch, process_logits
 from engine.speculative.acceptance import SAMPLED_RULES, VerifyRows, block_draft_seeds, verify
@@ -56,8 +57,39 @@ class _Plan:
     survivals: dict[str, tuple[float, ...]]  # per drafting request, its K survivals
 
 
+class SpeculativeInFlight:
+    """One speculative step launched and not yet collected (`SpeculativeStep.launch`): the
+    host plan and the device tensors its acceptance reads. `timer` times its device work
+    (`StepInFlight.timed`: CUDA events, or the host clock on the CPU). Only `output`, `failed`
+    and `timer` are set for a step with nothing to run."""
+
+    def __init__(
+        self,
+        output: SchedulerOutput,
+        failed: dict[str, str],
+        timer: StepInFlight,
+        proposal: Proposal | None = None,
+        plan: _Plan | None = None,
+        batch: StepBatch | None = None,
+        chunks: list[ScheduledChunk] | None = None,
+    ) -> None:
+        self.output = output
+        self.failed = failed
+        self.timer = timer
+        self.proposal = proposal
+        self.plan = plan
+        self.batch = batch
+        self.chunks = chunks or []
+        self.request_ids = [c.request_id for c in self.chunks]
+        self.features: torch.Tensor | None = None
+        self.sampling: SamplingBatch | None = None
+        self.rows: VerifyRows | None = None
+
+
 class SpeculativeStep:
-    """`ModelRunner.execute` when speculation is on (see the module docstring)."""
+    """`ModelRunner.execute` when speculation is on (see the module docstring), in two
+    phases for async scheduling (`engine/speculative/overlap.py`): `launch` (draft, plan,
+    verify forward, masks, sampling queued) and `collect` (acceptance, commit)."""
 
     def __init__(self, config: SpeculativeConfig, drafts: DraftSource) -> None:
         if config.num_speculative_tokens > drafts.num_drafts:
@@ -77,13 +109,27 @@ class SpeculativeStep:
 
     @torch.inference_mode()
     def execute(self, runner: ModelRunner, output: SchedulerOutput) -> ModelOutput:
+        """One synchronous speculative step: `launch` then `collect`."""
+        return self.collect(runner, self.launch(runner, output))
+
+    @torch.inference_mode()
+    def launch(self, runner: ModelRunner, output: SchedulerOutput) -> SpeculativeInFlight:
+        """Draft, choose the verified prefixes, and queue the verify forward, the masks and the
+        sampling of every verify row on the device; the acceptance is left for `collect`.
+
+        Waits on the device once, for the drafts and the planner's verify lengths (the ragged
+        batch and the grammar masks are built from them on the host). Chunks that
+        `invalid_chunks` refuses are left out and reported by `collect`.
+        """
         failed = runner.invalid_chunks(output)
         if failed:
             chunks = tuple(c for c in output.chunks if c.request_id not in failed)
             output = dataclasses.replace(output, chunks=chunks)
+        timer = StepInFlight(output, failed, on_cuda=runner.device.type == "cuda")
         if output.is_empty:
-            return ModelOutput(sampled={}, logprobs={}, failed=failed)
-        proposal, plan = self._draft(runner, output)
+            return SpeculativeInFlight(output, failed, timer)
+        with timer.timed():
+            proposal, plan = self._draft(runner, output)
         verified = _with_drafts(output, plan)
         batch = runner.build_batch(verified)
         for chunk in output.chunks:
@@ -92,7 +138,6 @@ class SpeculativeStep:
         batch.logits_indices = ints_to_device(rows, runner.device)
         runner.restore_resume_slots(output)
         runner.restore_token_history(output)
-        forward = runner.model.forward_step(batch, runner.state)
         chunks = [output.chunks[i] for i in plan.sampled]
         infos = [c.sampling for c in chunks]
         row_infos = [
@@ -100,6 +145,8 @@ class SpeculativeStep:
             for info, n in zip(infos, plan.lengths, strict=True)
             for j in range(n + 1)
         ]
+        with timer.timed():
+            forward = runner.model.forward_step(batch, runner.state)
         logits = forward.logits
         grammar = runner.grammar_for(infos)
         ids = [c.request_id for c in chunks]
@@ -111,17 +158,41 @@ class SpeculativeStep:
             runner.device,
             eos_token_id=runner.model.config.eos_token_id,
         )
-        processed = process_logits(logits, sampling)
-        targets = runner.sampler.draw(processed, sampling)
-        verdict = verify(self._verify_rows(processed, targets, sampling, infos, plan, proposal))
+        with timer.timed():
+            processed = process_logits(logits, sampling)
+            targets = runner.sampler.draw(processed, sampling)
+        step = SpeculativeInFlight(output, failed, timer, proposal, plan, batch, chunks)
+        step.features = forward.dspark_features
+        step.sampling = sampling
+        step.rows = self._verify_rows(processed, targets, sampling, infos, plan, proposal)
+        return step
+
+    @torch.inference_mode()
+    def collect(
+        self, runner: ModelRunner, step: SpeculativeInFlight, dropped: Collection[str] = ()
+    ) -> ModelOutput:
+        """Accept (the step's wait for its verdict on the host), write the draft context of the
+        committed rows, advance the grammar matchers of the rows not `dropped` (requests that
+        ended while the step was in flight) on their committed tokens, and return the tokens."""
+        if step.rows is None:
+            return ModelOutput(sampled={}, logprobs={}, failed=step.failed)
+        output, plan, chunks = step.output, step.plan, step.chunks
+        with step.timer.timed():
+            verdict = verify(step.rows)
         emitted = verdict.emitted
         ring_len = runner.state.draft_swa[0].shape[1]
-        committed = _committed_rows(batch.starts, output, plan, verdict.accepted, ring_len)
+        committed = _committed_rows(step.batch.starts, output, plan, verdict.accepted, ring_len)
         runner.model.inject_draft_context(
-            batch, forward.dspark_features, runner.state, ints_to_device(committed, runner.device)
+            step.batch, step.features, runner.state, ints_to_device(committed, runner.device)
         )
-        if grammar is not None:
-            grammar.commit_tokens(ids, infos, emitted)
+        infos = [c.sampling for c in chunks]
+        ids = [c.request_id for c in chunks]
+        if runner.grammar is not None:
+            kept = [i for i, rid in enumerate(ids) if rid not in dropped]
+            runner.grammar.commit_tokens(
+                [ids[i] for i in kept], [infos[i] for i in kept], [emitted[i] for i in kept]
+            )
+        proposal = step.proposal
         if self.recorder is not None and proposal is not None:
             self.recorder.write(self._records(proposal, infos, plan, verdict.accepted))
         self.metrics.observe(
@@ -132,8 +203,8 @@ class SpeculativeStep:
         )
         return ModelOutput(
             sampled={rid: tokens for rid, tokens in zip(ids, emitted, strict=True)},
-            logprobs=_logprobs(runner, processed, sampling, chunks, plan, emitted),
-            failed=failed,
+            logprobs=_logprobs(runner, step.rows.processed, step.sampling, chunks, plan, emitted),
+            failed=step.failed,
             draft_survivals=plan.survivals,
         )
 

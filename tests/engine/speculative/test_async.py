@@ -1,0 +1,266 @@
+"""Speculation under async scheduling (`engine/speculative/overlap.py`), on `tiny` and `default`.
+
+Every test runs speculation with `async_scheduling=True` and compares with the synchronous
+speculative loop or with decoding without speculation: tokens (greedy, and seeded sampling by
+rejection and in the coupled mode), stops and lengths inside accepted runs, logprobs, `n > 1`,
+grammar-constrained outputs, preemption and aborts. The recorded schedules show that the async
+core really scheduled step N+1 before step N's accept counts reached the host (a decode row
+with draft slots and a placeholder token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+import torch
+
+from engine.outputs import PLACEHOLDER_TOKEN_ID
+from engine.sampling_params import SamplingParams
+from engine.speculative.overlap import OverlappedSpeculativeCore
+from tests.engine.engine_checks import assert_all_released
+from tests.engine.speculative.test_interactions import (
+    HistoryDrafts,
+    _engine,
+    _outputs,
+    _prompt,
+    _references,
+    _run,
+)
+from tests.engine.speculative.test_lossless import (
+    ReferenceDrafts,
+    _admit_with_references,
+    _core,
+    _prompts,
+    _reference,
+    _request,
+)
+
+
+def _record_schedules(scheduler) -> list:
+    outputs = []
+    schedule = scheduler.schedule
+
+    def recording():
+        outputs.append(schedule())
+        return outputs[-1]
+
+    scheduler.schedule = recording
+    return outputs
+
+
+def _ran_ahead(schedules) -> int:
+    """Decode rows with draft slots scheduled while their previous step was in flight."""
+    return sum(
+        c.num_draft_slots > 0 and c.token_ids == (PLACEHOLDER_TOKEN_ID,)
+        for out in schedules
+        for c in out.chunks
+    )
+
+
+def _async_spec(model, source, **overrides):
+    engine = _engine(model, source, speculative="dspark", async_scheduling=True, **overrides)
+    assert isinstance(engine.core, OverlappedSpeculativeCore)
+    return engine
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [1, 3, 5])
+def test_async_greedy_tokens_equal_one_token_decoding_at_every_verify_width(
+    tiny_model_exact_kv, num_speculative_tokens: int
+) -> None:
+    """Long greedy generations, every commit width 1..K+1 at both parities: the async
+    speculative core gives the tokens of decoding without speculation."""
+    model = tiny_model_exact_kv
+    prompts, max_tokens = _prompts(3), 96
+    want = _reference(model, prompts, max_tokens)
+    source = ReferenceDrafts(model.config.vocab_size, num_speculative_tokens)
+    core = _core(
+        model,
+        source,
+        speculative="dspark",
+        num_speculative_tokens=num_speculative_tokens,
+        async_scheduling=True,
+    )
+    assert isinstance(core, OverlappedSpeculativeCore)
+    schedules = _record_schedules(core.scheduler)
+    requests = [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    _admit_with_references(core, requests, want, source)
+    while core.has_work():
+        core.step()
+        core.scheduler.check_integrity()
+    assert {r.request_id: r.output_token_ids for r in requests} == want
+    lengths = core.runner.speculative.metrics.accept_length
+    assert all(lengths[a] > 0 for a in range(1, num_speculative_tokens + 2)), lengths
+    assert _ran_ahead(schedules) > 20
+
+
+def test_async_default_model_greedy_tokens_equal_one_token_decoding(
+    default_model_exact_kv,
+) -> None:
+    """The `default` structure (128-token window, its rings wrapped): the same tokens."""
+    model = default_model_exact_kv
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 120000, (n,), generator=g).tolist() for n in (127, 130)]
+    max_tokens = 40
+    want = _reference(model, prompts, max_tokens)
+    source = ReferenceDrafts(model.config.vocab_size, 5)
+    core = _core(model, source, speculative="dspark", async_scheduling=True)
+    requests = [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    _admit_with_references(core, requests, want, source)
+    while core.has_work():
+        core.step()
+    assert {r.request_id: r.output_token_ids for r in requests} == want
+    assert core.runner.speculative.metrics.num_accepted > 0
+
+
+def test_async_speculation_deltas_equal_the_synchronous_speculative_loop(
+    tiny_model_exact_kv,
+) -> None:
+    """Seeded sampling by rejection with n = 2, a stop id and max_tokens inside accepted runs,
+    logprobs, greedy rows: every delta (tokens, logprobs, finish reason) of the async core
+    equals the synchronous speculative loop's; stops learnt at the verdict emit nothing after
+    them and max_tokens is never overshot."""
+    model = tiny_model_exact_kv
+    free = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    probe = _run(_engine(model), [(_prompt(9), free)])[0]
+    stop_at = _outputs(probe)[0][37]
+    sampled = SamplingParams(temperature=0.9, top_k=30, seed=4, n=2, max_tokens=40)
+    jobs = [
+        (_prompt(9), SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=(stop_at,))),
+        (_prompt(12), SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True)),
+        (_prompt(7), SamplingParams(temperature=0.0, max_tokens=31, logprobs=True, top_logprobs=2)),
+        (_prompt(10), sampled),
+        (_prompt(13), SamplingParams(temperature=0.7, seed=9, max_tokens=33, ignore_eos=True)),
+    ]
+    plain = _run(_engine(model), jobs)
+    refs = _references([(job[0], d) for job, d in zip(jobs, plain, strict=True)])
+    vocab = model.config.vocab_size
+    sync = _run(_engine(model, HistoryDrafts(vocab, refs), speculative="dspark"), jobs)
+    engine = _async_spec(model, HistoryDrafts(vocab, refs))
+    schedules = _record_schedules(engine.core.scheduler)
+    got = _run(engine, jobs)
+    assert got == sync
+    for i in (0, 1, 2):  # greedy: also the tokens without speculation
+        assert _outputs(got[i]) == _outputs(plain[i])
+    assert len(_outputs(got[1])[0]) == 23 and len(_outputs(got[2])[0]) == 31
+    assert _outputs(got[0])[0][-1] == stop_at and got[0][-1][3] == "stop"
+    assert engine.core.runner.speculative.metrics.num_accepted > 0
+    assert max(len(d[1]) for run in got for d in run) > 1
+    assert _ran_ahead(schedules) > 20
+    assert_all_released(engine)
+
+
+def test_async_coupled_sampling_equals_non_speculative_bits(tiny_model_exact_kv) -> None:
+    """The coupled mode with async scheduling: seeded n = 3 outputs equal decoding without
+    speculation token for token, with the product drafter and with accepting drafts."""
+    model = tiny_model_exact_kv
+    params = SamplingParams(temperature=0.8, top_k=20, seed=5, n=3, max_tokens=40, ignore_eos=True)
+    jobs = [(_prompt(10), params), (_prompt(13), params)]
+    want = _run(_engine(model), jobs)
+    refs = _references([(job[0], d) for job, d in zip(jobs, want, strict=True)])
+    engine = _async_spec(
+        model, HistoryDrafts(model.config.vocab_size, refs), speculative_acceptance="coupled"
+    )
+    assert [_outputs(r) for r in _run(engine, jobs)] == [_outputs(r) for r in want]
+    assert engine.core.runner.speculative.metrics.num_accepted > 0
+    assert_all_released(engine)
+    product = _engine(
+        model, speculative="dspark", speculative_acceptance="coupled", async_scheduling=True
+    )
+    assert [_outputs(r) for r in _run(product, jobs)] == [_outputs(r) for r in want]
+
+
+def test_async_grammar_constrained_outputs_stay_valid(tiny_model_exact_kv, tiny_checkpoint) -> None:
+    """Regex-constrained requests (greedy, sampled, penalised) under async speculation: the
+    same deltas as the synchronous speculative loop, every output in the language."""
+    from tokenizers import Tokenizer
+
+    from engine.structured import GrammarCompiler, GrammarSpec
+
+    model = tiny_model_exact_kv
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, model.config.vocab_size, 1)
+    pattern = "(tok4|tok5|tok6)(tok7|Tok8|tok9|tok1[0-9]){6,12}"
+    regex = compiler.constraint(GrammarSpec("regex", pattern))
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=30)
+    penalised = SamplingParams(temperature=1.0, seed=4, max_tokens=30, frequency_penalty=2.0)
+    jobs = [([0, 20 + i, 40], p, regex) for i, p in enumerate((greedy, sampled, penalised))]
+    jobs += [([0, 30, 31], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    plain = _run(_engine(model), jobs)
+    refs = _references([(job[0], d) for job, d in zip(jobs, plain, strict=True)])
+    vocab = model.config.vocab_size
+    sync = _run(_engine(model, HistoryDrafts(vocab, refs), speculative="dspark"), jobs)
+    engine = _async_spec(model, HistoryDrafts(vocab, refs))
+    got = _run(engine, jobs)
+    assert got == sync
+    assert engine.core.runner.speculative.metrics.num_accepted > 0
+    for deltas in got[:3]:
+        tokens = _outputs(deltas)[0]
+        assert tokens[-1] == 1 and deltas[-1][3] == "stop"
+        words = "".join(tokenizer.id_to_token(t) for t in tokens[:-1])
+        assert re.fullmatch(pattern, words), words
+    assert_all_released(engine)
+
+
+def test_async_preemption_and_chunked_prefill_beside_verify_rows(tiny_model_exact_kv) -> None:
+    """A pool too small for every request (preemption while a step is in flight) and a token
+    budget that chunks prefills beside verify rows: the greedy tokens are unchanged."""
+    model = tiny_model_exact_kv
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    jobs = [(_prompt(n, salt=1), params) for n in (100, 90, 80, 70)]
+    want = _run(_engine(model, max_model_len=5 * 128), jobs)
+    refs = _references([(p, d) for (p, _), d in zip(jobs, want, strict=True)])
+    tight = {"kv_cache_tokens": 5 * 128, "max_model_len": 5 * 128}
+    chunked = {"max_num_batched_tokens": 40, "max_num_seqs": 4, "max_model_len": 5 * 128}
+    for overrides, preempts in ((tight, True), (chunked, False)):
+        engine = _async_spec(model, HistoryDrafts(model.config.vocab_size, refs), **overrides)
+        got = _run(engine, jobs)
+        assert [_outputs(r) for r in got] == [_outputs(r) for r in want]
+        assert (engine.core.scheduler.num_preemptions > 0) == preempts
+        assert engine.core.runner.speculative.metrics.num_accepted > 0
+        assert_all_released(engine)
+
+
+def test_async_aborts_mid_flight_free_everything(tiny_model_exact_kv) -> None:
+    """Streams closed while their next step is in flight (and a prefill cancelled): every
+    block, slot and matcher is freed."""
+    model = tiny_model_exact_kv
+    engine = _async_spec(model, None)
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+
+    async def scenario() -> list[int]:
+        await engine.start()
+        streams = [engine.generate([0, 5 + i, 6], params, f"d{i}") for i in range(4)]
+        prefill = engine.generate([0, *range(3, 600)], params, "prefill")
+        counts = []
+        for stream in streams:
+            count = 0
+            async for delta in stream:
+                count += len(delta.token_ids)
+                if count >= 3:
+                    break
+            counts.append(count)
+        task = asyncio.create_task(prefill.__anext__())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for stream in streams:
+            await stream.aclose()
+        await prefill.aclose()
+        await engine.shutdown()
+        return counts
+
+    assert all(count >= 3 for count in asyncio.run(scenario()))
+    assert engine.core.runner.speculative.metrics.num_request_steps > 0
+    assert_all_released(engine)
+
+
+@pytest.fixture(scope="module")
+def default_model_exact_kv(tmp_path_factory: pytest.TempPathFactory):
+    from engine.models import Numerics, load_model, write_random_checkpoint
+
+    folder = write_random_checkpoint("default", tmp_path_factory.mktemp("default") / "ckpt")
+    return load_model(folder, numerics=Numerics(kv_quantize=False))
