@@ -2,7 +2,10 @@
 
     python benchmarks/engine_cpu.py [--model default] [--concurrency 1 8 32] [--prompt-len 512]
                                     [--output-len 128] [--async-scheduling on off]
-                                    [--rounds 1]
+                                    [--rounds 1] [--device cpu] [--speculative off|dspark]
+
+With `--device cuda` it compares the loops on the GPU as well (`--speculative dspark`: the
+DSpark loop, `engine/speculative/overlap.py` against the synchronous speculative loop).
 
 Every request has its own random prompt (no shared prefix) and generates exactly --output-len
 tokens (ignore_eos). Reports output tokens/s, all tokens/s, median time to first token and the
@@ -68,6 +71,8 @@ async def main_async(args: argparse.Namespace) -> None:
         kv_cache_tokens=max(args.concurrency) * (args.prompt_len + args.output_len + 256),
         max_model_len=args.prompt_len + args.output_len + 256,
         max_num_batched_tokens=args.max_batched_tokens,
+        device=args.device,
+        speculative=args.speculative,
     )
     first = AsyncEngine.from_config(dataclasses.replace(config, async_scheduling=True))
     model = first.core.runner.model
@@ -78,6 +83,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print(
         f"model {args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"prompt {args.prompt_len}, output {args.output_len}, {args.rounds} round(s), "
+        f"device {args.device}, core {type(first.core).__name__}, "
         "async scheduling on and off interleaved"
     )
     print(
@@ -114,6 +120,13 @@ def main() -> None:
         help="modes to run, interleaved per round (the same model, one engine each)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="repetitions per concurrency")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--speculative",
+        choices=["off", "dspark"],
+        default=None,
+        help="speculative decoding (default: the engine's, dspark on CUDA)",
+    )
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="speculative decoding with the checkpoint's DSpark drafter (lossless: the same "
         "tokens at temperature 0, the same distribution when sampling); default: dspark on "
-        "CUDA when the checkpoint has the drafter, off on the CPU. Runs the synchronous loop",
+        "CUDA when the checkpoint has the drafter, off on the CPU. Runs under async "
+        "scheduling as without (--no-async-scheduling: the synchronous loop)",
     )
     add(
         "--num-speculative-tokens",

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineConfig
+from engine.overlap import OverlappedCore
 from engine.sampling_params import SamplingParams
+from engine.speculative.overlap import OverlappedSpeculativeCore
 from tests.engine.engine_checks import assert_all_released
 from tests.engine.test_engine_e2e import _run_all
 
@@ -42,11 +44,13 @@ def test_graphed_engine_generates_what_the_eager_engine_does(tiny_checkpoint: Pa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("speculative", ["off", "dspark"])
 def test_async_scheduling_on_cuda_generates_what_the_synchronous_engine_does(
-    tiny_checkpoint: Path,
+    tiny_checkpoint: Path, speculative: str
 ) -> None:
     # Greedy and seeded rows of different lengths, an EOS-biased and a penalised row: async
-    # scheduling (the CUDA default) must give the synchronous engine's tokens exactly.
+    # scheduling (the CUDA default, with speculation too) must give the synchronous engine's
+    # tokens exactly (`--no-async-scheduling`, async_scheduling=False, compares).
     eos = 1
     jobs = [
         ([0, *range(20, 35)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
@@ -55,7 +59,7 @@ def test_async_scheduling_on_cuda_generates_what_the_synchronous_engine_does(
         ([0, 3, 2], SamplingParams(temperature=0.7, seed=2, frequency_penalty=1.5, max_tokens=8)),
     ]
     results = {}
-    for overlapped in (False, True):
+    for overlapped in (False, None):
         config = EngineConfig(
             model=str(tiny_checkpoint),
             device="cuda",
@@ -64,8 +68,12 @@ def test_async_scheduling_on_cuda_generates_what_the_synchronous_engine_does(
             kv_cache_tokens=4096,
             max_model_len=1024,
             async_scheduling=overlapped,
+            speculative=speculative,
         )
         engine = AsyncEngine.from_config(config)
+        if overlapped is None:
+            core = OverlappedSpeculativeCore if speculative == "dspark" else OverlappedCore
+            assert type(engine.core) is core
         results[overlapped] = asyncio.run(_run_all(engine, jobs))
         assert_all_released(engine)
-    assert results[True] == results[False]
+    assert results[None] == results[False]

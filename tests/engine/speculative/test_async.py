@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from engine.core import EngineCore
 from engine.outputs import PLACEHOLDER_TOKEN_ID
 from engine.sampling_params import SamplingParams
 from engine.speculative.overlap import OverlappedSpeculativeCore
@@ -256,6 +257,11 @@ def test_async_aborts_mid_flight_free_everything(tiny_model_exact_kv) -> None:
     assert all(count >= 3 for count in asyncio.run(scenario()))
     assert engine.core.runner.speculative.metrics.num_request_steps > 0
     assert_all_released(engine)
+
+
+def test_the_cpu_default_stays_synchronous_with_speculation(tiny_model_exact_kv) -> None:
+    """On the CPU async scheduling stays off unless asked, with speculation as without."""
+    assert type(_engine(tiny_model_exact_kv, speculative="dspark").core) is EngineCore
 
 
 @pytest.fixture(scope="module")
