@@ -20,6 +20,7 @@ from engine.core import EngineCore
 from engine.outputs import PLACEHOLDER_TOKEN_ID
 from engine.sampling_params import SamplingParams
 from engine.speculative.overlap import OverlappedSpeculativeCore
+from engine.thinking_budget import ThinkingBudget
 from tests.engine.engine_checks import assert_all_released
 from tests.engine.speculative.test_interactions import (
     HistoryDrafts,
@@ -119,9 +120,9 @@ def test_async_speculation_deltas_equal_the_synchronous_speculative_loop(
     tiny_model_exact_kv,
 ) -> None:
     """Seeded sampling by rejection with n = 2, a stop id and max_tokens inside accepted runs,
-    logprobs, greedy rows: every delta (tokens, logprobs, finish reason) of the async core
-    equals the synchronous speculative loop's; stops learnt at the verdict emit nothing after
-    them and max_tokens is never overshot."""
+    logprobs, greedy rows, a penalised row and a thinking budget: every delta (tokens,
+    logprobs, finish reason) of the async core equals the synchronous speculative loop's;
+    stops learnt at the verdict emit nothing after them and max_tokens is never overshot."""
     model = tiny_model_exact_kv
     free = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     probe = _run(_engine(model), [(_prompt(9), free)])[0]
@@ -133,6 +134,19 @@ def test_async_speculation_deltas_equal_the_synchronous_speculative_loop(
         (_prompt(7), SamplingParams(temperature=0.0, max_tokens=31, logprobs=True, top_logprobs=2)),
         (_prompt(10), sampled),
         (_prompt(13), SamplingParams(temperature=0.7, seed=9, max_tokens=33, ignore_eos=True)),
+        (
+            _prompt(8),
+            SamplingParams(temperature=0.7, seed=2, frequency_penalty=1.5, max_tokens=10),
+        ),
+        (
+            _prompt(11),
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=30,
+                ignore_eos=True,
+                thinking_budget=ThinkingBudget(max_tokens=17, end_token_id=77),
+            ),
+        ),
     ]
     plain = _run(_engine(model), jobs)
     refs = _references([(job[0], d) for job, d in zip(jobs, plain, strict=True)])
@@ -146,6 +160,7 @@ def test_async_speculation_deltas_equal_the_synchronous_speculative_loop(
         assert _outputs(got[i]) == _outputs(plain[i])
     assert len(_outputs(got[1])[0]) == 23 and len(_outputs(got[2])[0]) == 31
     assert _outputs(got[0])[0][-1] == stop_at and got[0][-1][3] == "stop"
+    assert _outputs(got[6])[0][17] == 77  # the budget's forced draw, after accepted runs
     assert engine.core.runner.speculative.metrics.num_accepted > 0
     assert max(len(d[1]) for run in got for d in run) > 1
     assert _ran_ahead(schedules) > 20
