@@ -52,7 +52,7 @@ from engine.core import EngineCore, internal_error_message
 from engine.model_runner import StepInFlight
 from engine.outputs import Delta, ModelOutput, SchedulerOutput
 from engine.request import RequestStatus
-from engine.speculative.step import SpeculativeInFlight, SpeculativeStep
+from engine.speculative.step import DraftsAhead, SpeculativeInFlight, SpeculativeStep
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +81,30 @@ class OverlappedSpeculativeCore(EngineCore):
         """Schedule N+1, apply N, then launch N+1 where N left its requests; returns N's deltas."""
         scheduled = self.scheduler.schedule()
         previous, previous_output = self._collect_in_flight()
+        ahead = self._draft_ahead(scheduled, previous_output)
         deltas = self.scheduler.update(previous, previous_output)
         self.runner.release([d.request_id for d in deltas if d.finish_reason is not None])
         resolved = self.scheduler.resolve(scheduled)
-        self._in_flight = None if resolved.is_empty else _InFlight(resolved, self._launch(resolved))
+        launched = None if resolved.is_empty else self._launch(resolved, ahead)
+        self._in_flight = None if launched is None else _InFlight(resolved, launched)
         return deltas
 
-    # ---- the two phases, each failing only its own step's requests ----------------------------
+    # ---- the phases, each failing only its own step's requests --------------------------------
 
-    def _launch(self, scheduled: SchedulerOutput) -> SpeculativeInFlight:
+    def _draft_ahead(self, scheduled: SchedulerOutput, previous: ModelOutput) -> DraftsAhead | None:
+        """Queue N+1's drafts behind N's commit, so that the draft forward runs while the host
+        applies N and resolves N+1; None when that fails (`launch` then drafts itself)."""
+        if scheduled.is_empty:
+            return None
         try:
-            return self.speculative.launch(self.runner, scheduled)
+            return self.speculative.draft_ahead(self.runner, scheduled, previous)
+        except Exception:
+            logger.exception("drafting ahead failed; the step drafts when it is launched")
+            return None
+
+    def _launch(self, scheduled: SchedulerOutput, ahead: DraftsAhead | None) -> SpeculativeInFlight:
+        try:
+            return self.speculative.launch(self.runner, scheduled, ahead)
         except Exception:
             ids = [c.request_id for c in scheduled.chunks]
             logger.exception("engine step failed; failing the requests of the step: %s", ids)

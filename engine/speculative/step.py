@@ -32,7 +32,14 @@ import torch
 
 from engine.model_runner import StepInFlight, token_logprobs
 from engine.models import StepBatch, ints_to_device
-from engine.outputs import ModelOutput, SamplingInfo, ScheduledChunk, SchedulerOutput, TokenLogprob
+from engine.outputs import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelOutput,
+    SamplingInfo,
+    ScheduledChunk,
+    SchedulerOutput,
+    TokenLogprob,
+)
 from engine.sampler import NoisePurpose, SamplingBatch, process_logits
 from engine.speculative.acceptance import SAMPLED_RULES, VerifyRows, block_draft_seeds, verify
 from engine.speculative.config import SpeculativeConfig
@@ -113,23 +120,29 @@ class SpeculativeStep:
         return self.collect(runner, self.launch(runner, output))
 
     @torch.inference_mode()
-    def launch(self, runner: ModelRunner, output: SchedulerOutput) -> SpeculativeInFlight:
+    def launch(
+        self, runner: ModelRunner, output: SchedulerOutput, ahead: DraftsAhead | None = None
+    ) -> SpeculativeInFlight:
         """Draft, choose the verified prefixes, and queue the verify forward, the masks and the
         sampling of every verify row on the device; the acceptance is left for `collect`.
 
         Waits on the device once, for the drafts and the planner's verify lengths (the ragged
         batch and the grammar masks are built from them on the host). Chunks that
-        `invalid_chunks` refuses are left out and reported by `collect`.
+        `invalid_chunks` refuses are left out and reported by `collect`. ahead: drafts queued
+        by `draft_ahead` for this step, used where they match its drafting rows.
         """
         failed = runner.invalid_chunks(output)
         if failed:
             chunks = tuple(c for c in output.chunks if c.request_id not in failed)
             output = dataclasses.replace(output, chunks=chunks)
-        timer = StepInFlight(output, failed, on_cuda=runner.device.type == "cuda")
+        if ahead is not None:
+            timer = ahead.timer
+        else:
+            timer = StepInFlight(output, failed, on_cuda=runner.device.type == "cuda")
         if output.is_empty:
             return SpeculativeInFlight(output, failed, timer)
         with timer.timed():
-            proposal, plan = self._draft(runner, output)
+            proposal, plan = self._draft(runner, output, ahead)
         verified = _with_drafts(output, plan)
         batch = runner.build_batch(verified)
         for chunk in output.chunks:
@@ -210,8 +223,11 @@ class SpeculativeStep:
 
     # ---- phases -------------------------------------------------------------------------------
 
-    def _draft(self, runner: ModelRunner, output: SchedulerOutput) -> tuple[Proposal | None, _Plan]:
-        """Draft for the chunks with draft slots; choose the verified prefix of each."""
+    def _draft(
+        self, runner: ModelRunner, output: SchedulerOutput, ahead: DraftsAhead | None
+    ) -> tuple[Proposal | None, _Plan]:
+        """Draft for the chunks with draft slots (or take their rows of `ahead`); choose the
+        verified prefix of each."""
         chunks = output.chunks
         sampled = [i for i, c in enumerate(chunks) if c.sampling is not None]
         drafting = [i for i in sampled if chunks[i].num_draft_slots > 0]
@@ -222,24 +238,10 @@ class SpeculativeStep:
         if drafting:
             dev = runner.device
             infos = [chunks[i].sampling for i in drafting]
-            is_sampled = tuple(not info.params.is_greedy for info in infos)
-            coupled = self.config.acceptance == "coupled"
-            positions = ints_to_device([_anchor_position(chunks[i]) for i in drafting], dev)
-            seeds = sampling_seeds(infos, dev)
-            if self.config.acceptance == "block":
-                seeds = block_draft_seeds(seeds, positions)
-            requests = DraftRequests(
-                anchors=ints_to_device([chunks[i].token_ids[-1] for i in drafting], dev),
-                positions=positions,
-                slots=ints_to_device([chunks[i].slot for i in drafting], dev),
-                seeds=seeds,
-                temperatures=torch.tensor(
-                    [info.params.temperature for info in infos], dtype=torch.float32, device=dev
-                ),
-                is_sampled=is_sampled,
-                purpose=NoisePurpose.SAMPLE if coupled else NoisePurpose.DRAFT,
-            )
-            proposal = self.drafts.propose(requests)
+            rows = [_DraftRow.of(chunks[i]) for i in drafting]
+            proposal = None if ahead is None else ahead.select(rows)
+            if proposal is None:
+                proposal = self.drafts.propose(self._draft_requests(rows, dev))
             width = self.config.num_speculative_tokens
             raw = proposal.confidence[:, :width].float()
             if self.calibration is None:
@@ -267,6 +269,52 @@ class SpeculativeStep:
             survivals=survivals,
         )
         return proposal, plan
+
+    @torch.inference_mode()
+    def draft_ahead(
+        self, runner: ModelRunner, ahead: SchedulerOutput, previous: ModelOutput
+    ) -> DraftsAhead | None:
+        """Queue the drafts of step `ahead` (scheduled while the step before it was in flight)
+        on the device as soon as that step's tokens are known (`previous`), before `ahead` is
+        resolved: its drafting rows' anchors and positions follow from the tokens each request
+        emitted. `launch` takes the rows it needs (`DraftsAhead.select`); rows of requests that
+        finished, or whose cap resolves to 0, are never used. Draws are keyed by (seed,
+        position), so they do not depend on which rows drafted together."""
+        rows = []
+        for chunk in ahead.chunks:
+            if not chunk.num_draft_slots:
+                continue
+            if chunk.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+                rows.append(_DraftRow.of(chunk))
+            elif tokens := previous.sampled.get(chunk.request_id):
+                # NOTE: the row was placed as if the step before accepted no draft.
+                position = chunk.start_position + len(tokens) - 1
+                rows.append(_DraftRow(tokens[-1], position, chunk.slot, chunk.sampling))
+        if not rows:
+            return None
+        timer = StepInFlight(ahead, {}, on_cuda=runner.device.type == "cuda")
+        with timer.timed():
+            proposal = self.drafts.propose(self._draft_requests(rows, runner.device))
+        return DraftsAhead(rows, proposal, timer)
+
+    def _draft_requests(self, rows: list[_DraftRow], dev: torch.device) -> DraftRequests:
+        infos = [row.sampling for row in rows]
+        coupled = self.config.acceptance == "coupled"
+        positions = ints_to_device([row.position for row in rows], dev)
+        seeds = sampling_seeds(infos, dev)
+        if self.config.acceptance == "block":
+            seeds = block_draft_seeds(seeds, positions)
+        return DraftRequests(
+            anchors=ints_to_device([row.anchor for row in rows], dev),
+            positions=positions,
+            slots=ints_to_device([row.slot for row in rows], dev),
+            seeds=seeds,
+            temperatures=torch.tensor(
+                [info.params.temperature for info in infos], dtype=torch.float32, device=dev
+            ),
+            is_sampled=tuple(not info.params.is_greedy for info in infos),
+            purpose=NoisePurpose.SAMPLE if coupled else NoisePurpose.DRAFT,
+        )
 
     def _records(
         self,
@@ -348,8 +396,44 @@ def sampling_seeds(infos: list[SamplingInfo], device: torch.device) -> torch.Ten
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
-def _anchor_position(chunk: ScheduledChunk) -> int:
-    return chunk.start_position + len(chunk.token_ids) - 1
+@dataclass(frozen=True)
+class _DraftRow:
+    """What a drafting row's draws depend on: its anchor at `position`, slot, sampling."""
+
+    anchor: int
+    position: int
+    slot: int
+    sampling: SamplingInfo
+
+    @classmethod
+    def of(cls, chunk: ScheduledChunk) -> _DraftRow:
+        position = chunk.start_position + len(chunk.token_ids) - 1
+        return cls(chunk.token_ids[-1], position, chunk.slot, chunk.sampling)
+
+    def key(self) -> tuple:
+        params = self.sampling.params
+        seed = self.sampling.seed
+        return (self.anchor, self.position, self.slot, seed, params.temperature, params.is_greedy)
+
+
+class DraftsAhead:
+    """Drafts queued before their step was resolved (`SpeculativeStep.draft_ahead`)."""
+
+    def __init__(self, rows: list[_DraftRow], proposal: Proposal, timer: StepInFlight) -> None:
+        self.proposal = proposal
+        self.timer = timer  # the draft forward's device time, which its step's time includes
+        self._row_of = {row.key(): i for i, row in enumerate(rows)}
+
+    def select(self, rows: list[_DraftRow]) -> Proposal | None:
+        """The proposal rows of `rows`, in order; None unless every one was drafted ahead
+        with the same anchor, position, slot and sampling."""
+        index = [self._row_of.get(row.key()) for row in rows]
+        if None in index:
+            return None
+        p = self.proposal
+        at = ints_to_device(index, p.drafts.device)
+        logits = None if p.logits is None else p.logits.index_select(0, at)
+        return Proposal(p.drafts.index_select(0, at), logits, p.confidence.index_select(0, at))
 
 
 def _row_info(info: SamplingInfo, j: int) -> SamplingInfo:

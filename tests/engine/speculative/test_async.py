@@ -20,6 +20,7 @@ from engine.core import EngineCore
 from engine.outputs import PLACEHOLDER_TOKEN_ID
 from engine.sampling_params import SamplingParams
 from engine.speculative.overlap import OverlappedSpeculativeCore
+from engine.speculative.step import DraftsAhead
 from engine.thinking_budget import ThinkingBudget
 from tests.engine.engine_checks import assert_all_released
 from tests.engine.speculative.test_interactions import (
@@ -69,7 +70,7 @@ def _async_spec(model, source, **overrides):
 
 @pytest.mark.parametrize("num_speculative_tokens", [1, 3, 5])
 def test_async_greedy_tokens_equal_one_token_decoding_at_every_verify_width(
-    tiny_model_exact_kv, num_speculative_tokens: int
+    tiny_model_exact_kv, num_speculative_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Long greedy generations, every commit width 1..K+1 at both parities: the async
     speculative core gives the tokens of decoding without speculation."""
@@ -86,6 +87,7 @@ def test_async_greedy_tokens_equal_one_token_decoding_at_every_verify_width(
     )
     assert isinstance(core, OverlappedSpeculativeCore)
     schedules = _record_schedules(core.scheduler)
+    selections = _record_selections(monkeypatch)
     requests = [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
     _admit_with_references(core, requests, want, source)
     while core.has_work():
@@ -95,6 +97,22 @@ def test_async_greedy_tokens_equal_one_token_decoding_at_every_verify_width(
     lengths = core.runner.speculative.metrics.accept_length
     assert all(lengths[a] > 0 for a in range(1, num_speculative_tokens + 2)), lengths
     assert _ran_ahead(schedules) > 20
+    # Every step's drafts were queued before the step was resolved, and matched its rows.
+    assert len(selections) > 20 and all(selections)
+
+
+def _record_selections(monkeypatch) -> list[bool]:
+    """Whether each `DraftsAhead.select` found the rows its step drafts."""
+    found: list[bool] = []
+    select = DraftsAhead.select
+
+    def recording(self, rows):
+        proposal = select(self, rows)
+        found.append(proposal is not None)
+        return proposal
+
+    monkeypatch.setattr(DraftsAhead, "select", recording)
+    return found
 
 
 def test_async_default_model_greedy_tokens_equal_one_token_decoding(
