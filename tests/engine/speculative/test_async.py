@@ -185,6 +185,25 @@ def test_async_speculation_deltas_equal_the_synchronous_speculative_loop(
     assert_all_released(engine)
 
 
+def test_async_block_verification_equals_the_synchronous_speculative_loop(
+    tiny_model_exact_kv,
+) -> None:
+    """Block verification of seeded sampled rows (n = 2) under async scheduling: the deltas of
+    the synchronous speculative loop."""
+    model = tiny_model_exact_kv
+    params = SamplingParams(temperature=0.3, top_k=30, seed=6, n=2, max_tokens=30)
+    jobs = [(_prompt(9), params), (_prompt(12), params)]
+    plain = _run(_engine(model), jobs)
+    refs = _references([(job[0], d) for job, d in zip(jobs, plain, strict=True)])
+    vocab = model.config.vocab_size
+    block = {"speculative_acceptance": "block"}
+    sync = _run(_engine(model, HistoryDrafts(vocab, refs), speculative="dspark", **block), jobs)
+    engine = _async_spec(model, HistoryDrafts(vocab, refs), **block)
+    assert _run(engine, jobs) == sync
+    assert engine.core.runner.speculative.metrics.num_accepted > 0
+    assert_all_released(engine)
+
+
 def test_async_coupled_sampling_equals_non_speculative_bits(tiny_model_exact_kv) -> None:
     """The coupled mode with async scheduling: seeded n = 3 outputs equal decoding without
     speculation token for token, with the product drafter and with accepting drafts."""
