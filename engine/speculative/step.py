@@ -22,6 +22,7 @@ chain of length 0, which is the ordinary sampler's draw from its one row.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -141,7 +142,8 @@ class SpeculativeStep:
             timer = StepInFlight(output, failed, on_cuda=runner.device.type == "cuda")
         if output.is_empty:
             return SpeculativeInFlight(output, failed, timer)
-        with timer.timed():
+        # Drafts queued ahead were timed there; only the planner's ranking remains.
+        with timer.timed() if ahead is None else contextlib.nullcontext():
             proposal, plan = self._draft(runner, output, ahead)
         verified = _with_drafts(output, plan)
         batch = runner.build_batch(verified)

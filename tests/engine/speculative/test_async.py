@@ -316,6 +316,46 @@ def test_the_cpu_default_stays_synchronous_with_speculation(tiny_model_exact_kv)
     assert type(_engine(tiny_model_exact_kv, speculative="dspark").core) is EngineCore
 
 
+def test_a_failing_step_fails_only_its_requests_under_async_speculation(
+    tiny_model_exact_kv,
+) -> None:
+    """A step that raises at launch fails its own requests (no exception text leaks), and
+    the engine serves the next requests with the tokens it gave before."""
+    engine = _async_spec(tiny_model_exact_kv, None)
+    speculative = engine.core.speculative
+    launch = speculative.launch
+
+    def failing(runner, output, ahead=None):
+        if any(c.request_id == "poisoned" for c in output.chunks):
+            raise RuntimeError("secret detail of the poisoned request")
+        return launch(runner, output, ahead)
+
+    speculative.launch = failing
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def one(prompt, rid):
+        return [
+            (d.token_ids, d.finish_reason, d.error)
+            async for d in engine.generate(prompt, params, rid)
+        ]
+
+    async def scenario():
+        await engine.start()
+        try:
+            return [
+                await one(p, rid)
+                for p, rid in (([0, 5, 6], "a"), ([0, 9], "poisoned"), ([0, 5, 6], "b"))
+            ]
+        finally:
+            await engine.shutdown()
+
+    first, poisoned, after = asyncio.run(scenario())
+    assert first == after and after[-1][1] == "length"
+    assert [(tokens, reason) for tokens, reason, _ in poisoned] == [([], "abort")]
+    assert "secret" not in poisoned[0][2]
+    assert_all_released(engine)
+
+
 @pytest.fixture(scope="module")
 def default_model_exact_kv(tmp_path_factory: pytest.TempPathFactory):
     from engine.models import Numerics, load_model, write_random_checkpoint
