@@ -3,44 +3,51 @@
 One call of `step()`, with step N (its verify forward and sampling) launched by the previous
 call and still on the device:
 
-    host    schedule N+1 │ wait │ update N, resolve N+1 │ wait │ masks, launch N+1 │ stream N
-    device  ── verify N ───┤ inject N, draft N+1 ───────┤ verify N+1 ────────────────────────
+    host    schedule N+1 │ wait a │ commit N, update N, resolve N+1 │ wait b │ launch N+1 │ stream N
+    device  ── verify N ──────┤ inject N, draft N+1 ──────────────────┤ verify N+1 ───────────
 
 * **Scheduling N+1 overlaps N on the device.** The scheduler plans N+1 (admissions,
   preemptions, chunked prefills, block allocation, the planner's lagged budget) before N's
   accept counts reach the host: a request decoding in N gets a decode row at the lowest
   position N can leave it at (`p + 1`, as if no draft were accepted), a placeholder token,
   draft slots from lower bounds on its outputs, and blocks up to the highest (`p + 1 + c_N + 1
-  + c_{N+1}`, `Request.num_inflight_drafts`). The budget it asks the planner for reads
-  survivals two steps old, as in the synchronous loop (§3.2): N's survivals are recorded under
-  N's step index when N is applied, after N+1 was planned.
-* **One wait per step for its verdict.** `collect` brings N's acceptance to the host; the
-  draft context of N's committed rows is queued and the grammar matchers advance on N's
-  committed tokens only (a rejected draft never advances one).
+  + c_{N+1}`, `Request.num_inflight_drafts`; at most `p + 2·(1 + K)`). The budget it asks the
+  planner for reads survivals two steps old, as in the synchronous loop (§3.2): `update`
+  records N's survivals under N's step index (`SchedulerOutput.draft_step`), after N+1 was
+  planned.
+* **Wait a, for N's verdict:**, the one device → host sync of N (a step with logprobs
+  adds one for them). `collect` accepts on the host, queues the draft context of N's
+  committed rows, and advances the grammar matchers on N's committed tokens only (a rejected
+  draft never advances one); rows of requests aborted meanwhile are skipped.
+* **N+1's drafts are queued right behind** (`SpeculativeStep.draft_ahead`): each drafting
+  row's anchor and position follow from the tokens N emitted for it, so the draft forward
+  runs while the host applies N and resolves N+1. Draws are keyed by (seed, position), so
+  drafting a superset of the rows (some resolve to cap 0 or finish) changes no draft.
 * **N is applied before N+1 is placed.** `Scheduler.update` appends N's tokens and finds
-  its stops; `Scheduler.resolve` then puts every row of N+1 on the position N committed, with
-  its real anchor, its exact sampling (output index, penalty history, thinking budget) and
-  its exact cap (max_tokens and the context limit are never overshot), and drops the rows of
-  requests that finished at N. So a stop never costs a computed-and-discarded step here,
-  unlike `OverlappedCore`, and a request finishing at N never has N+1 launched.
-* **Launching N+1** drafts on the device, waits for the drafts and the planner's verify
-  lengths (the ragged batch and the grammar masks are built from them on the host; this is
-  the step's second wait, for the small draft forward), then queues the verify forward, the
-  masks and the sampling. The deltas of N are returned and streamed (detokenised, sent) by
-  the server while N+1 runs, and the next call schedules N+2 behind it.
+  its stops; `Scheduler.resolve` puts every row of N+1 on the position N committed, with its
+  real anchor, its exact sampling (output index, penalty history, thinking budget's forced
+  draw) and its exact cap (max_tokens and the context limit are never overshot), and drops
+  the rows of requests that finished at N. So, unlike `OverlappedCore`, a stop costs no
+  computed-and-discarded step and a request finishing at N never has N+1 launched.
+* **Wait b, launching N+1:** it takes the drafts (the wait for the draft forward and the planner's
+  ranking: the ragged batch and the grammar masks are built from them on the host), then
+  queues the verify forward, the masks and the sampling. N's deltas are then streamed
+  (detokenised, sent) by the server while N+1 runs, and the next call schedules N+2.
 
 Why not the full device-side future map (§1.2: N+1 launched before N's verdict, its anchor,
 position and drafts read on the device). The model's batch is ragged by host-known lengths
 (positions, window floors, block tables and per-row verify lengths are host ints), the
 acceptance (`acceptance.verify`) and the grammar walk of the drafts run on the host, and the
-draft context is written for committed rows only, selected on the host. Moving all of them
-to the device is the next step; this core keeps the host work of scheduling and of streaming
-off the device's critical path, with every state write identical to the synchronous loop's.
+draft context is written for committed rows only, selected on the host. Moving them to the
+device is the next step; this core takes scheduling, the draft forward and streaming off the
+critical path, with every state write identical to the synchronous loop's.
 
-Tokens equal those of `EngineCore` with speculation: each step runs the same drafts, masks,
-verify rows and acceptance on the same committed state; the verify lengths may differ (the
-token budget is spent on upper bounds), which speculation is lossless under, and randomness
-is keyed by (seed, position, purpose).
+Tokens. Each step runs on the same committed state with the same drafts, masks and
+acceptance as `EngineCore`'s. Greedy rows and the coupled mode give the tokens of decoding
+without speculation whatever the verify lengths; rejection and block sampling give its
+distribution, and the synchronous loop's seeded tokens when the verify lengths are the same,
+which they are unless the token budget binds (it is spent on upper-bound caps here) or the
+scheduled planner's budget differs (it is computed from those caps).
 """
 
 from __future__ import annotations
