@@ -291,7 +291,8 @@ class Scheduler:
         bound (`num_inflight_drafts`). Here, with the step applied, each such row gets its
         exact start (`num_computed_tokens`), its token, its sampling and its cap (never more
         than scheduled). Rows of requests that step finished (stop, length, abort, failure)
-        are dropped: they never run. Mutates only the in-flight draft counts of the rows.
+        are dropped: they never run. Mutates the in-flight draft counts of the rows, so it is
+        called once per output, and the resolved output is what `update` then applies.
         """
         chunks = []
         for chunk in output.chunks:

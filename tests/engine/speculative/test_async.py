@@ -17,9 +17,14 @@ import pytest
 import torch
 
 from engine.core import EngineCore
-from engine.outputs import PLACEHOLDER_TOKEN_ID
+from engine.kv_cache import CacheConfig, KVCacheManager
+from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelOutput
+from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculative.overlap import OverlappedSpeculativeCore
+from engine.speculative.planner import FixedPlanner
+from engine.speculative.scheduling import DraftScheduling
 from engine.speculative.step import DraftsAhead
 from engine.thinking_budget import ThinkingBudget
 from tests.engine.engine_checks import assert_all_released
@@ -362,3 +367,76 @@ def default_model_exact_kv(tmp_path_factory: pytest.TempPathFactory):
 
     folder = write_random_checkpoint("default", tmp_path_factory.mktemp("default") / "ckpt")
     return load_model(folder, numerics=Numerics(kv_quantize=False))
+
+
+# ---- the scheduler alone: a verify row scheduled behind a verify step in flight ---------------
+
+
+def _speculative_scheduler() -> Scheduler:
+    cache = CacheConfig(num_blocks=16, num_slots=2, block_tokens=4)
+    return Scheduler(
+        SchedulerConfig(max_model_len=64),
+        KVCacheManager(cache),
+        speculation=DraftScheduling(3, FixedPlanner()),
+    )
+
+
+def _add(scheduler: Scheduler, rid: str, **params) -> Request:
+    sampling = SamplingParams(temperature=0, **params)
+    request = Request(rid, [5, 6, 7], sampling, seed=0, arrival_time=0.0)
+    scheduler.add_request(request)
+    return request
+
+
+def test_a_row_behind_a_verify_step_is_placed_on_what_that_step_committed() -> None:
+    """Scheduled while the step before it is in flight, a decode row starts at the lowest
+    position (no draft accepted), its cap and blocks are bounds; `resolve` moves it to the
+    committed length with the real anchor, the exact output index and a cap that never
+    overshoots max_tokens."""
+    scheduler = _speculative_scheduler()
+    request = _add(scheduler, "a", max_tokens=6, ignore_eos=True)
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, ModelOutput(sampled={"a": [11]}, logprobs={}))
+    verify = scheduler.schedule()
+    (row,) = verify.chunks
+    assert (row.start_position, row.token_ids, row.num_draft_slots) == (3, (11,), 3)
+    ahead = scheduler.schedule()  # before `verify`'s accept count is known
+    (behind,) = ahead.chunks
+    assert behind.start_position == 4 and behind.token_ids == (PLACEHOLDER_TOKEN_ID,)
+    assert behind.num_draft_slots == 3  # from at least 2 outputs: 6 − 2 − 1
+    assert len(behind.block_table) * 4 >= 4 + 3 + 1 + 3  # the furthest position it can reach
+    scheduler.check_integrity()
+    scheduler.update(verify, ModelOutput(sampled={"a": [12, 13, 14]}, logprobs={}))
+    resolved = scheduler.resolve(ahead)
+    (placed,) = resolved.chunks
+    assert (placed.start_position, placed.token_ids, placed.num_draft_slots) == (6, (14,), 1)
+    assert placed.sampling.output_index == 4
+    scheduler.check_integrity()
+    (delta,) = scheduler.update(resolved, _sampled("a", [15, 16]))
+    assert delta.finish_reason is FinishReason.LENGTH
+    assert request.output_token_ids == [11, 12, 13, 14, 15, 16]
+    scheduler.check_integrity()
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_resolve_drops_the_rows_of_requests_the_step_before_finished() -> None:
+    """A stop id inside the accepted run, or max_tokens reached by it: the row scheduled
+    behind is never run (and nothing leaks)."""
+    scheduler = _speculative_scheduler()
+    _add(scheduler, "stop", max_tokens=20, stop_token_ids=(9,))
+    _add(scheduler, "length", max_tokens=4, ignore_eos=True)
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, _sampled("stop", [11], "length", [11]))
+    verify = scheduler.schedule()
+    ahead = scheduler.schedule()
+    assert {c.request_id for c in ahead.chunks} == {"stop", "length"}
+    deltas = scheduler.update(verify, _sampled("stop", [12, 9, 13], "length", [12, 13, 14]))
+    assert [d.token_ids for d in deltas] == [[12, 9], [12, 13, 14]]
+    assert scheduler.resolve(ahead).is_empty
+    scheduler.check_integrity()
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv_manager.num_free_blocks == 16
+
+
+def _sampled(*pairs) -> ModelOutput:
+    return ModelOutput(sampled=dict(zip(pairs[::2], pairs[1::2], strict=True)), logprobs={})
