@@ -262,6 +262,37 @@ def test_async_grammar_constrained_outputs_stay_valid(tiny_model_exact_kv, tiny_
     assert_all_released(engine)
 
 
+def test_async_grammar_requests_preempted_while_in_flight_stay_valid(
+    tiny_model_exact_kv, tiny_checkpoint
+) -> None:
+    """Constrained requests in a pool too small for all of them: a request preempted while
+    its verify step is in flight loses that step's tokens, and its matcher resumes from the
+    committed outputs; outputs equal the run without speculation and stay in the language."""
+    from tokenizers import Tokenizer
+
+    from engine.structured import GrammarCompiler, GrammarSpec
+
+    model = tiny_model_exact_kv
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, model.config.vocab_size, 1)
+    pattern = "(tok4|tok5|tok6)(tok7|Tok8|tok9|tok1[0-9]){10,16}"
+    regex = compiler.constraint(GrammarSpec("regex", pattern))
+    params = SamplingParams(temperature=0, max_tokens=30)
+    jobs = [(_prompt(n, salt=2), params, regex) for n in (122, 120, 118, 116)]
+    tight = {"kv_cache_tokens": 5 * 128, "max_model_len": 5 * 128}
+    plain = _run(_engine(model, max_model_len=5 * 128), jobs)
+    refs = _references([(job[0], d) for job, d in zip(jobs, plain, strict=True)])
+    engine = _async_spec(model, HistoryDrafts(model.config.vocab_size, refs), **tight)
+    got = _run(engine, jobs)
+    assert engine.core.scheduler.num_preemptions > 0
+    assert [_outputs(r) for r in got] == [_outputs(r) for r in plain]
+    for deltas in got:
+        tokens = _outputs(deltas)[0]
+        words = "".join(tokenizer.id_to_token(t) for t in tokens[:-1])
+        assert tokens[-1] == 1 and re.fullmatch(pattern, words), words
+    assert_all_released(engine)
+
+
 def test_async_preemption_and_chunked_prefill_beside_verify_rows(tiny_model_exact_kv) -> None:
     """A pool too small for every request (preemption while a step is in flight) and a token
     budget that chunks prefills beside verify rows: the greedy tokens are unchanged."""
