@@ -80,7 +80,7 @@ def test_async_greedy_tokens_equal_one_token_decoding_at_every_verify_width(
     """Long greedy generations, every commit width 1..K+1 at both parities: the async
     speculative core gives the tokens of decoding without speculation."""
     model = tiny_model_exact_kv
-    prompts, max_tokens = _prompts(3), 96
+    prompts, max_tokens = _prompts(3), 72
     want = _reference(model, prompts, max_tokens)
     source = ReferenceDrafts(model.config.vocab_size, num_speculative_tokens)
     core = _core(
@@ -390,14 +390,6 @@ def test_a_failing_step_fails_only_its_requests_under_async_speculation(
     assert [(tokens, reason) for tokens, reason, _ in poisoned] == [([], "abort")]
     assert "secret" not in poisoned[0][2]
     assert_all_released(engine)
-
-
-@pytest.fixture(scope="module")
-def default_model_exact_kv(tmp_path_factory: pytest.TempPathFactory):
-    from engine.models import Numerics, load_model, write_random_checkpoint
-
-    folder = write_random_checkpoint("default", tmp_path_factory.mktemp("default") / "ckpt")
-    return load_model(folder, numerics=Numerics(kv_quantize=False))
 
 
 # ---- the scheduler alone: a verify row scheduled behind a verify step in flight ---------------

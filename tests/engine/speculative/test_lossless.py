@@ -223,14 +223,6 @@ def test_the_dspark_drafter_path_gives_the_tokens_of_one_token_decoding(
     assert metrics.num_request_steps > 0 and metrics.num_verified > 0
 
 
-@pytest.fixture(scope="module")
-def default_model_exact_kv(tmp_path_factory: pytest.TempPathFactory):
-    from engine.models import Numerics, load_model, write_random_checkpoint
-
-    folder = write_random_checkpoint("default", tmp_path_factory.mktemp("default") / "ckpt")
-    return load_model(folder, numerics=Numerics(kv_quantize=False))
-
-
 @pytest.mark.parametrize("num_speculative_tokens", [1, 5])
 def test_default_model_greedy_tokens_and_state_equal_one_token_decoding(
     default_model_exact_kv, num_speculative_tokens: int
