@@ -2,7 +2,8 @@
 
     python benchmarks/engine_cpu.py [--model default] [--concurrency 1 8 32] [--prompt-len 512]
                                     [--output-len 128] [--async-scheduling on off]
-                                    [--rounds 1] [--device cpu] [--speculative off|dspark]
+                                    [--rounds 1] [--device cpu] [--dtype D]
+                                    [--speculative off|dspark]
 
 With `--device cuda` it compares the loops on the GPU as well (`--speculative dspark`: the
 DSpark loop, `engine/speculative/overlap.py` against the synchronous speculative loop).
@@ -72,6 +73,7 @@ async def main_async(args: argparse.Namespace) -> None:
         max_model_len=args.prompt_len + args.output_len + 256,
         max_num_batched_tokens=args.max_batched_tokens,
         device=args.device,
+        dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"),
         speculative=args.speculative,
     )
     first = AsyncEngine.from_config(dataclasses.replace(config, async_scheduling=True))
@@ -121,6 +123,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=1, help="repetitions per concurrency")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="default: float32 on the CPU, else bfloat16")
     parser.add_argument(
         "--speculative",
         choices=["off", "dspark"],
