@@ -187,6 +187,8 @@ def test_cli_batch_invariant_flag_reaches_the_model_numerics():
     config = engine("--batch-invariant")
     assert config.batch_invariant and config.numerics.batch_invariant
     assert config.numerics.kv_quantize
+    with pytest.raises(ValueError, match="batch-invariant"):
+        EngineConfig(batch_invariant=True, dense_gemm="fp8", device="cuda", dtype="bfloat16")
 
 
 def test_cli_host_tier_budget():
