@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from kernels.invariant_matmul import invariant_matmul, invariant_matmul_reference
-from tests.kernels.interpreted import run_interpreted, ulps
+from kernels.invariant_matmul import (
+    BLOCK_K,
+    BLOCK_M,
+    BLOCK_N,
+    invariant_matmul,
+    invariant_matmul_reference,
+)
+from tests.kernels.interpreted import compile_for_hopper, run_interpreted, ulps
 
 # (M, K, N): tile edges on every side, K not a multiple of BLOCK_K, one row, empty rows.
 SHAPES = [(1, 64, 32), (3, 96, 72), (65, 40, 130), (130, 256, 24), (0, 64, 32)]
@@ -63,3 +71,24 @@ def test_kernel_matches_reference_and_rows_ignore_the_batch_on_cuda(
         big = torch.randn(rows + m, k, device="cuda").to(dtype)
         big[rows // 2 : rows // 2 + m] = x
         assert torch.equal(invariant_matmul(big, w)[rows // 2 : rows // 2 + m], ours)
+
+
+# ---- compiled for sm90 without a GPU: the instructions the CUDA run will use ------------------
+
+_TYPES = {name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")}
+_ALIGNED = {"x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om"}
+_TILES = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}
+
+
+@pytest.mark.parametrize(("dtype", "dot"), [("bf16", "wgmma.mma_async"), ("fp32", "fma.rn.f32")])
+def test_kernel_compiles_for_hopper_without_atomics(dtype: str, dot: str) -> None:
+    """bf16 runs on wgmma tensor cores, fp32 as IEEE FMAs (no TF32); no atomic or reduction
+    instruction: nothing in the kernel can reorder a sum between runs."""
+    from kernels.invariant_matmul import _invariant_matmul_kernel
+
+    pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "out_ptr")}
+    ptx = compile_for_hopper(_invariant_matmul_kernel, {**_TYPES, **pointers}, _TILES, _ALIGNED)
+    assert dot in ptx
+    assert not re.search(r"^\s*(@!?%\w+\s+)?(atom|red)\.", ptx, re.MULTILINE)
+    if dtype == "fp32":
+        assert not re.search(r"\b(w?gmma|mma)\.", ptx) and "tf32" not in ptx
