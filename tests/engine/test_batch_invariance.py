@@ -4,7 +4,9 @@ One probe request runs alone, then beside 8 and beside 64 other requests of othe
 arrive with it (its prefill shares a step with theirs), half two steps later (its decode steps
 share steps with their prefills, so its rows sit in batches padded to longer chunks), and they
 finish at different steps (the batch shrinks under it). Its per-step logprobs (the chosen token's
-and the top 5, i.e. log_softmax of its logits) must be bit-identical each time.
+and the top 5, i.e. log_softmax of its logits) must be bit-identical each time; greedy, and
+sampled (seeded top-p beside requests whose top-k values change the sampler's batch-wide
+candidate counts).
 
 In the default mode the same comparison differs on the CPU (MKL computes one row as a GEMV,
 a few rows and many rows with other kernels; torch's pointwise sigmoid/SiLU/softplus round
@@ -28,9 +30,13 @@ EOS_ID = 1
 PROBE_TOKENS = 10
 
 
-def _request(rid: str, prompt: list[int], max_tokens: int) -> Request:
+def _request(rid: str, prompt: list[int], max_tokens: int, **params) -> Request:
     sampling = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=5,
+        **{"temperature": 0.0, **params},
     )
     return Request(rid, prompt, sampling, seed=7, arrival_time=0.0, eos_token_id=EOS_ID)
 
@@ -50,18 +56,28 @@ def _core(model, config: EngineConfig) -> EngineCore:
     return AsyncEngine.from_model(model, config).core
 
 
-def _probe_logprobs(core: EngineCore, probe: list[int], others: list[list[int]]) -> list:
-    """The probe's (token, logprob, top-5) per step, with `others` around it (see above)."""
-    core.add_request(_request("probe", probe, PROBE_TOKENS))
+def _probe_logprobs(
+    core: EngineCore, probe: list[int], others: list[list[int]], sampled: bool = False
+) -> list:
+    """The probe's (token, logprob, top-5) per step, with `others` around it (see above).
+
+    sampled: the probe samples (temperature 0.8, top-p 0.9, seeded) and the others sample
+    with top-k values that change the sampler's batch-wide choices (candidate counts)."""
+    probe_params = {"temperature": 0.8, "top_p": 0.9} if sampled else {}
+    core.add_request(_request("probe", probe, PROBE_TOKENS, **probe_params))
+
+    def params(i: int) -> dict:
+        return {"temperature": 1.0, "top_k": 3 + 131 * i % 1000, "top_p": 0.95} if sampled else {}
+
     first, late = others[: len(others) // 2], others[len(others) // 2 :]
     for i, prompt in enumerate(first):
-        core.add_request(_request(f"a{i}", prompt, 3 + i % 9))
+        core.add_request(_request(f"a{i}", prompt, 3 + i % 9, **params(i)))
     entries: list[TokenLogprob] = []
     step = 0
     while core.has_work():
         if step == 2:
             for i, prompt in enumerate(late):
-                core.add_request(_request(f"b{i}", prompt, 2 + i % 7))
+                core.add_request(_request(f"b{i}", prompt, 2 + i % 7, **params(i + 1)))
         for delta in core.step():
             if delta.request_id == "probe" and delta.logprobs:
                 entries.extend(delta.logprobs)
@@ -82,10 +98,12 @@ def _config(**overrides) -> EngineConfig:
     return EngineConfig(**{**settings, **overrides})
 
 
-def _differing_steps(model, config: EngineConfig, num_others: int) -> list[int]:
+def _differing_steps(
+    model, config: EngineConfig, num_others: int, sampled: bool = False
+) -> list[int]:
     probe, others = _prompts(64, model.config.vocab_size)
-    alone = _probe_logprobs(_core(model, config), probe, [])
-    beside = _probe_logprobs(_core(model, config), probe, others[:num_others])
+    alone = _probe_logprobs(_core(model, config), probe, [], sampled)
+    beside = _probe_logprobs(_core(model, config), probe, others[:num_others], sampled)
     return [i for i, (a, b) in enumerate(zip(alone, beside, strict=True)) if a != b]
 
 
@@ -99,6 +117,15 @@ def invariant_tiny(request, tiny_checkpoint):
 def test_logprobs_are_bitwise_the_same_alone_and_inside_a_batch(invariant_tiny, num_others) -> None:
     model, config = invariant_tiny
     assert _differing_steps(model, config, num_others) == []
+
+
+def test_sampled_tokens_and_processed_logprobs_are_the_same_beside_sampling_requests(
+    invariant_tiny,
+) -> None:
+    """The sampler's part: a seeded top-p request beside requests whose top-k changes the
+    step's candidate counts draws the same tokens with the same processed logprobs."""
+    model, config = invariant_tiny
+    assert _differing_steps(model, config, 8, sampled=True) == []
 
 
 @pytest.mark.slow  # writes the `default` checkpoint (~25 s on the shared CPU)
@@ -157,3 +184,4 @@ def test_logprobs_are_bitwise_the_same_alone_and_inside_a_batch_on_cuda(
     )
     model.enable_cuda_graphs()
     assert _differing_steps(model, config, num_others) == []
+    assert _differing_steps(model, config, num_others, sampled=True) == []
