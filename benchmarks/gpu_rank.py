@@ -4,6 +4,7 @@
                                    [--context 8192] [--steps 5] [--profile] [--eager]
                                    [--dense-gemm {bf16,fp8}] [--out DIR]
     python3 benchmarks/gpu_rank.py --smoke            # the `tiny` preset on the CPU, seconds
+    python3 benchmarks/gpu_rank.py --batch-invariant [--prefill ..] [--decode ..] [--smoke]
 
 The configuration is `shared/design/performance.md`'s: all 40 layers at real widths, 48 routed
 experts per layer with top-6 routing, Engram tables for a 2 M vocabulary, DSpark stages with 16
@@ -24,6 +25,11 @@ blocks' pure parts (all but the attention's stateful middle) replay from CUDA gr
 engine runs them, unless `--eager`; graph replays run no Python, so the profile attributes
 their kernels to "other".
 Prints one table; writes `gpu_rank.json` (and `profile_*.txt`) under `--out` (default `$OUT`).
+
+`--batch-invariant` measures the cost of that mode instead (`Numerics.batch_invariant`): the
+same prefill and decode steps on the default model, then on the same weights (same seed) built
+in the mode, one model at a time; prints both step times and their ratio, writes
+`batch_invariant.json`.
 """
 
 from __future__ import annotations
@@ -243,6 +249,39 @@ def decode(model, seqs: int, context: int, device: torch.device, steps: int) -> 
     return time_ms(step, device, 2, steps)
 
 
+def batch_invariant_cost(cfg: DeepseekV41Config, device: torch.device, dtype, args) -> None:
+    """Prefill and decode step times of the default mode and of `Numerics.batch_invariant` on
+    the same random weights (one model built at a time); prints and saves the table."""
+    from engine.models import Numerics
+
+    cases = [("prefill", n) for n in args.prefill] + [("decode", n) for n in args.decode]
+    times: dict[str, dict[str, float]] = {}
+    for mode, numerics in (
+        ("default", Numerics()),
+        ("batch_invariant", Numerics(batch_invariant=True)),
+    ):
+        model = random_model(cfg, device, dtype, quantized_experts=True, numerics=numerics)
+        if device.type == "cuda" and not args.eager:
+            model.enable_cuda_graphs()
+        for kind, n in cases:
+            if kind == "prefill":
+                ms = prefill(model, n, device, args.steps)
+            else:
+                ms = decode(model, n, args.context, device, args.steps)
+            times.setdefault(f"{kind} {n}", {})[mode] = ms
+            print(f"{mode} {kind} {n}: {ms:.1f} ms", flush=True)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\n{'step':>14} {'default ms':>11} {'invariant ms':>13} {'cost':>6}")
+    for case, row in times.items():
+        ratio = row["batch_invariant"] / row["default"]
+        print(f"{case:>14} {row['default']:>11.2f} {row['batch_invariant']:>13.2f} {ratio:>5.2f}x")
+    results = {"config": "tiny (smoke)" if args.smoke else "EP8 rank", "device": str(device)}
+    results["context"], results["step_ms"] = args.context, times
+    (args.out / "batch_invariant.json").write_text(json.dumps(results, indent=2))
+
+
 # ---------------------------------------------------------------- profile
 
 # Model parts by submodule path (per block, and of the whole model); innermost wins. Only
@@ -431,12 +470,18 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--dense-gemm", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--out", type=Path, default=envs.benchmark_out_dir())
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="step times with and without the mode"
+    )
     args = parser.parse_args()
     if args.smoke:
         cfg, device, dtype = preset_config("tiny"), torch.device("cpu"), torch.float32
     else:
         cfg, device, dtype = rank_config(), torch.device("cuda"), torch.bfloat16
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.batch_invariant:
+        batch_invariant_cost(cfg, device, dtype, args)
+        return
     results: dict = {"config": "tiny (smoke)" if args.smoke else "EP8 rank", "device": str(device)}
 
     def save() -> None:

@@ -148,6 +148,8 @@ class EngineConfig:
         scales and multiplied on FP8 tensor cores with activations quantized per (row, 32
         columns) (`engine/models/deepseek_v41/dense.py`; half the bytes). `fp8` needs CUDA,
         bfloat16 and quantized KV storage (the exact storage is the reference mode).
+    batch_invariant: a request's logits do not depend on the batch's composition, bit for
+        bit (`Numerics.batch_invariant`: fixed-order matmuls, attention and indexer; slower).
     """
 
     model: str = "default"
@@ -179,6 +181,7 @@ class EngineConfig:
     speculative_verify: str = "scheduled"
     speculative_acceptance: str = "rejection"
     kv_storage: str = "quantized"
+    batch_invariant: bool = False
     speculative_calibration: str | None = None
     speculative_record: str | None = None
     dense_gemm: str = "bf16"
@@ -222,12 +225,20 @@ class EngineConfig:
                 "--dense-gemm fp8 changes the model's numerics; --kv-storage exact (the "
                 "reference, batch-invariant mode) keeps --dense-gemm bf16"
             )
+        if self.batch_invariant:
+            raise ValueError(
+                "--batch-invariant runs every dense matmul in one fixed order; the FP8 GEMM "
+                "has no such path yet: use --dense-gemm bf16"
+            )
 
     @property
     def numerics(self) -> Numerics:
-        """The model numerics these options select (`kv_storage`, `dense_gemm`)."""
+        """The model numerics these options select (`kv_storage`, `dense_gemm`,
+        `batch_invariant`)."""
         return Numerics(
-            kv_quantize=self.kv_storage == "quantized", dense_fp8=self.dense_gemm == "fp8"
+            kv_quantize=self.kv_storage == "quantized",
+            dense_fp8=self.dense_gemm == "fp8",
+            batch_invariant=self.batch_invariant,
         )
 
     def speculative_config(self, *, on_cuda: bool, has_drafter: bool) -> SpeculativeConfig:

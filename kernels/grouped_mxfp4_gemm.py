@@ -504,6 +504,7 @@ def grouped_mxfp4_gemm(
     gate_limit: float | None = None,
     row_weight: Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    fixed_tiles: bool = False,
 ) -> Tensor:
     """The routed GEMM of `blocks` (see the module docstring).
 
@@ -512,6 +513,8 @@ def grouped_mxfp4_gemm(
     gate_limit L (gate/up): x is [T, K] (token rows), codes hold [W1; W3] (N_w = 2N); returns
         the clamped SwiGLU [num_positions, N] at positions (padding rows uninitialised).
     row_weight: fp32 [T·top_k] routing weights multiplied into each output row.
+    fixed_tiles: the prefill kernel with one tile config per K (no tuner; batch-invariant
+        mode): needs block_m > DECODE_MAX_BLOCK_M.
 
     Raises:
         ValueError: a shape, dtype or stride the kernel does not take.
@@ -537,7 +540,11 @@ def grouped_mxfp4_gemm(
     out_rows = blocks.num_positions if gated else blocks.num_pairs
     out = torch.empty(out_rows, n, dtype=out_dtype, device=x.device)
     weights = (codes, scales.view(torch.uint8))
-    if blocks.block_m <= DECODE_MAX_BLOCK_M:
+    if fixed_tiles:
+        if blocks.block_m <= DECODE_MAX_BLOCK_M:
+            raise ValueError(f"fixed tiles need blocks of more than {DECODE_MAX_BLOCK_M} rows")
+        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **_fixed_tiles(k))
+    elif blocks.block_m <= DECODE_MAX_BLOCK_M:
         # NOTE: the caller guarantees `decode_tiles_exact(scales)` for such blocks (`_block_m`).
         _launch_decode(x, blocks, weights, out, gate_limit, row_weight)
     else:
@@ -581,6 +588,13 @@ def _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **tiles) -> 
         BLOCK_M=blocks.block_m,
         **tiles,
     )
+
+
+def _fixed_tiles(k: int) -> dict[str, int]:
+    """One prefill config for inner dimension K: 64 columns, the largest K step of 128, 64
+    or 32 dividing K."""
+    block_k = next(b for b in (128, 64, 32) if k % b == 0)
+    return {"BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
 
 
 def _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles) -> None:

@@ -50,6 +50,9 @@ _CONFIGS = [
 ]
 if _INTERPRETING:
     _CONFIGS = [triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4)]
+# `fixed_tiles`: one config for every shape (no tuner), so a token's reduction never changes
+# with the step's other tokens (the tuner's key holds the batch's selection width).
+_FIXED = _CONFIGS[0]
 
 
 @triton.jit
@@ -229,6 +232,7 @@ def sparse_mqa(
     ring: tuple[Tensor, Tensor] | None = None,
     window_rows: tuple[Tensor, Tensor] | None = None,
     global_rows: GlobalRows | None = None,
+    fixed_tiles: bool = False,
 ) -> Tensor:
     """fp32 [T, H, D] attention output of T query tokens.
 
@@ -240,6 +244,9 @@ def sparse_mqa(
         window − 1 of its sequence, the last one being its own position.
     global_rows: (pool uint8 [blocks, 128/ratio, D/2 + D/16], selection int64 [T, K] with −1
     for none, block_tables int64 [B, max_blocks], ratio) for layers with a KV source.
+    fixed_tiles: one tile config whatever the shapes (batch-invariant mode): a token's result
+    is then the same whichever tokens share the launch, given the same rows in the same order
+    (extra −1 selections past its own add nothing: their tiles fold in as exact no-ops).
 
     Raises:
         ValueError: a shape, dtype or layout the kernel does not take (D not a power of two
@@ -285,7 +292,11 @@ def sparse_mqa(
     def grid(meta):
         return (num_tokens, triton.cdiv(num_heads, meta["BLOCK_H"]))
 
-    _sparse_mqa_kernel[grid](
+    kernel, tiles = _sparse_mqa_kernel, {}
+    if fixed_tiles:
+        kernel, tiles = _sparse_mqa_kernel.fn, {**_FIXED.kwargs, "num_warps": _FIXED.num_warps}
+        tiles["num_stages"] = _FIXED.num_stages
+    kernel[grid](
         q,
         seq_of_token,
         positions,
@@ -316,6 +327,7 @@ def sparse_mqa(
         D=dim,
         Q_SPLIT=q.dtype != torch.bfloat16,
         DOT_DTYPE=_DOT_DTYPE,
+        **tiles,
     )
     return out
 

@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         "quantized KV storage)",
     )
     add(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's logits do not depend on what else is in the batch: fixed-order "
+        "matmul, attention and indexer reductions (slower; see docs/model.md)",
+    )
+    add(
         "--target-step-ms",
         type=float,
         default=None,
@@ -455,6 +461,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         speculative_acceptance=args.speculative_acceptance,
         kv_storage=args.kv_storage,
         dense_gemm=args.dense_gemm,
+        batch_invariant=args.batch_invariant,
         speculative_calibration=args.speculative_calibration,
         speculative_record=args.speculative_record,
     )

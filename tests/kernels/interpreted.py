@@ -4,6 +4,7 @@
 before Triton compiles anything, hence a fresh process). The kernels' own code runs there, fp32
 dots included (its bf16 `tl.dot` is not trustworthy), so their logic is tested without a GPU.
 `ulps` measures a kernel's distance to its reference in units of the last place.
+`compile_for_hopper` compiles a kernel for sm90 without a GPU (what the interpreter cannot show).
 """
 
 from __future__ import annotations
@@ -49,3 +50,20 @@ def ulps(ours: torch.Tensor, reference: torch.Tensor, terms: torch.Tensor | None
         scale = scale + terms.float()
     spacing = torch.finfo(reference.dtype).eps * scale.clamp(min=1e-30)
     return float(((ours.float() - reference.float()).abs() / spacing).max())
+
+
+def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, aligned: set[str]) -> str:
+    """PTX of `kernel` compiled for sm90 (Triton's bundled ptxas), with the 16-divisibility
+    that a launch on aligned tensors and widths gets; every argument is typed in `types` or
+    given in `constexprs`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    names = kernel.arg_names
+    signature = {name: types.get(name, "constexpr") for name in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}
+    )
+    return compiled.asm["ptx"]

@@ -21,7 +21,7 @@ from kernels.fp8_block_gemm import (
     quantize_activations,
     quantize_activations_reference,
 )
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import compile_for_hopper, run_interpreted
 
 BLOCK = 32
 
@@ -186,23 +186,6 @@ def test_cuda_quantizer_matches_reference_bytes() -> None:
 # ---- compiled for sm90 without a GPU: what the interpreter cannot show ------------------------
 
 
-def _compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, aligned: set[str]) -> str:
-    """PTX of `kernel` compiled for sm90 (Triton's bundled ptxas), with the 16-divisibility
-    that a launch on aligned tensors and widths gets; every argument is typed in `types` or
-    given in `constexprs`."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
-    names = kernel.arg_names
-    signature = {name: types.get(name, "constexpr") for name in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in aligned}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}
-    )
-    return compiled.asm["ptx"]
-
-
 _GEMM_TYPES = {
     "w_ptr": "*fp8e4nv",
     "w_scale_ptr": "*u8",
@@ -221,7 +204,7 @@ def test_gemm_compiles_to_fp8_wgmma_with_pipelined_loads(quantize_a: bool) -> No
         "a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8"
     }  # fmt: skip
     constexprs = {"QUANTIZE_A": quantize_a, "BLOCK": 32, "BLOCK_M": 64, "BLOCK_N": 128}
-    ptx = _compile_for_hopper(
+    ptx = compile_for_hopper(
         _fp8_block_gemm_kernel, {**_GEMM_TYPES, **a_types}, constexprs, _GEMM_ALIGNED
     )
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
@@ -232,7 +215,7 @@ def test_quantizers_compile_for_hopper() -> None:
     from kernels.fp8_block_gemm import _quantize_kernel
     from kernels.rms_norm import _rms_norm_fp8_kernel
 
-    ptx = _compile_for_hopper(
+    ptx = compile_for_hopper(
         _quantize_kernel,
         {"x_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scale_ptr": "*u8", "num_rows": "i32",
          "width": "i32"},
@@ -240,7 +223,7 @@ def test_quantizers_compile_for_hopper() -> None:
         {"x_ptr", "codes_ptr", "scale_ptr", "width"},
     )  # fmt: skip
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    ptx = _compile_for_hopper(
+    ptx = compile_for_hopper(
         _rms_norm_fp8_kernel,
         {"x_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*fp8e4nv",
          "scale_ptr": "*u8", "width": "i32", "eps": "fp32"},

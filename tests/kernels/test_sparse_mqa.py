@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -129,3 +131,66 @@ def test_kernel_matches_reference_on_cuda(case) -> None:
     bf16 = (args[0].bfloat16(), *args[1:])  # the model's bf16 queries
     ours, reference = sparse_mqa(*bf16, **sources), sparse_mqa_reference(*bf16, **sources)
     assert float((ours - reference).norm() / reference.norm()) < TOLERANCE
+
+
+# ---- fixed tiles (batch-invariant mode): a token's output ignores the rest of the launch ------
+
+
+def fixed_tile_changes(device: str = "cpu") -> list[int]:
+    """Elements that change, with `fixed_tiles`, when a token runs (a) alone instead of with
+    the launch's other tokens, (b) with 40 more −1 selections (other tiles: what a wider
+    selection of another sequence pads it to), (c) reading its window from decoded rows
+    instead of the ring (a decode row in a step with prefill chunks)."""
+    changes = []
+    for case in (CASES[0], CASES[4]):
+        (q, seq, pos, sink, window, scale), sources = _inputs(case, device)
+        run = functools.partial(sparse_mqa, sink=sink, window=window, softmax_scale=scale)
+        full = run(q, seq, pos, fixed_tiles=True, **sources)
+        for t in range(q.shape[0]):
+            one = {}
+            for key, value in sources.items():
+                if key == "window_rows":
+                    one[key] = (value[0], value[1][t : t + 1])
+                elif key == "global_rows":
+                    one[key] = (value[0], value[1][t : t + 1], *value[2:])
+                else:
+                    one[key] = value
+            alone = run(q[t : t + 1], seq[t : t + 1], pos[t : t + 1], fixed_tiles=True, **one)
+            changes.append(int((alone[0] != full[t]).sum()))
+        pool, selection, tables, ratio = sources["global_rows"]
+        wider = torch.nn.functional.pad(selection, (0, 40), value=-1)
+        padded = run(
+            q,
+            seq,
+            pos,
+            fixed_tiles=True,
+            **{**sources, "global_rows": (pool, wider, tables, ratio)},
+        )
+        changes.append(int((padded != full).sum()))
+        if "ring" in sources:
+            stored, slots = sources["ring"]
+            key_pos = pos[:, None] - (window - 1) + torch.arange(window, device=device)[None, :]
+            rows = swa_mxfp8_dequantize(
+                stored[slots[seq][:, None], key_pos.clamp(min=0) % stored.shape[1]]
+            )
+            from_rows = run(
+                q, torch.arange(q.shape[0], device=device), pos, fixed_tiles=True,
+                window_rows=(rows.bfloat16(), torch.zeros_like(pos)),
+                global_rows=sources["global_rows"],
+            )  # fmt: skip
+            changes.append(int((from_rows != full).sum()))
+    return changes
+
+
+def test_fixed_tiles_make_a_token_ignore_the_launch_in_the_triton_interpreter() -> None:
+    code = (
+        "import json\nfrom tests.kernels.test_sparse_mqa import fixed_tile_changes\n"
+        "print(json.dumps(fixed_tile_changes()))"
+    )
+    changes = run_interpreted(code)
+    assert len(changes) == 3 + 2 + 15 + 1 and set(changes) == {0}, changes
+
+
+@pytest.mark.gpu
+def test_fixed_tiles_make_a_token_ignore_the_launch_on_cuda() -> None:
+    assert set(fixed_tile_changes("cuda")) == {0}

@@ -179,6 +179,18 @@ def test_cli_async_scheduling_flag():
     assert parsed("--async-scheduling") is True
 
 
+def test_cli_batch_invariant_flag_reaches_the_model_numerics():
+    def engine(*argv: str):
+        return config_from_args(build_parser().parse_args(list(argv))).engine
+
+    assert not engine().batch_invariant and not engine().numerics.batch_invariant
+    config = engine("--batch-invariant")
+    assert config.batch_invariant and config.numerics.batch_invariant
+    assert config.numerics.kv_quantize
+    with pytest.raises(ValueError, match="batch-invariant"):
+        EngineConfig(batch_invariant=True, dense_gemm="fp8", device="cuda", dtype="bfloat16")
+
+
 def test_cli_host_tier_budget():
     def parsed(*argv: str) -> int | None:
         return config_from_args(build_parser().parse_args(list(argv))).engine.host_kv_cache_bytes

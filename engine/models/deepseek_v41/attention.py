@@ -16,15 +16,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.models.deepseek_v41.config import DeepseekV41Config
-from engine.models.deepseek_v41.dense import grouped_linear
+from engine.models.deepseek_v41.dense import Linear, dense_matmul, grouped_linear
 from engine.models.deepseek_v41.kv_formats import KVCodec
-from engine.models.deepseek_v41.primitives import apply_rope, rms_norm
+from engine.models.deepseek_v41.primitives import apply_rope, pair_softmax, rms_norm
 from engine.models.deepseek_v41.state import BLOCK_TOKENS, PAIR_RING, ModelState, StepBatch
 
 # Upper bound on elements of one indexer score buffer [chunk, heads, J].
 _INDEX_SCORE_ELEMS = 1 << 25
 # Upper bound on elements of one group of gathered global rows [tokens, K, hd] (fp32).
 _GLOBAL_ROW_ELEMS = 1 << 28
+# Query tokens per group of the batch-invariant attention (every group padded to this).
+_TOKEN_GROUP = 32
+
+
+def _ascending_selection(sel: Tensor, width: int) -> Tensor:
+    """A selection [..., k] (−1 = none) as [..., width]: the chosen positions ascending, then
+    −1s. The order no longer depends on k (the batch's longest context) or on top-k's order."""
+    missing = torch.iinfo(sel.dtype).max
+    ordered = torch.where(sel < 0, missing, sel).sort(-1).values
+    ordered = F.pad(ordered, (0, width - sel.shape[-1]), value=missing)
+    return ordered.masked_fill(ordered == missing, -1)
 
 
 @dataclass(frozen=True)
@@ -61,8 +72,8 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
+def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> Linear:
+    return Linear(n_in, n_out, dtype)
 
 
 def _global_row_address(
@@ -90,6 +101,7 @@ class Compressor(nn.Module):
         if ratio == 2:
             self.wgate = _linear(cfg.hidden_size, cfg.head_dim, dtype)
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.batch_invariant = False  # the pair softmax's; see `Numerics.batch_invariant`
 
     def forward(self, x: Tensor, ctx: StepContext, source_id: int) -> tuple[Tensor, Tensor, Tensor]:
         """Returns (latents [G, head_dim], group positions [G], token index of each group [G])."""
@@ -98,8 +110,8 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             lat = self.norm(self.wkv(x))
             return lat, pos, torch.arange(pos.numel(), device=pos.device)
-        k = x.float() @ self.wkv.weight.float().t()
-        g = x.float() @ self.wgate.weight.float().t()
+        k = self.wkv.forward_fp32(x)
+        g = self.wgate.forward_fp32(x)
         pending = ctx.state.pending[source_id]
         seq = batch.seq_of_token
         slot = batch.slots[seq]
@@ -110,7 +122,7 @@ class Compressor(nn.Module):
         carried = pending[slot[odd], ring_idx]  # [G, 2, D]
         k_even = torch.where(in_call, k[(odd - 1).clamp(min=0)], carried[:, 0])
         g_even = torch.where(in_call, g[(odd - 1).clamp(min=0)], carried[:, 1])
-        weights = torch.stack((g_even, g[odd])).softmax(0)
+        weights = pair_softmax(g_even, g[odd], self.batch_invariant)
         pooled = weights[0] * k_even + weights[1] * k[odd]
         lat = self.norm(pooled.to(x.dtype))
         # Keep (k, gate) of recent even tokens: a later step may need any of them as a partner
@@ -168,6 +180,9 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, self.ratio, dtype)
         if self.is_source or self.is_index:
             self.indexer = Indexer(cfg, self.is_source, self.is_index, dtype)
+        # Set by the model (`Numerics.batch_invariant`): one fixed reduction order per token
+        # in the attention and the indexer (the `*_fixed_order` methods).
+        self.batch_invariant = False
 
     # ---- forward ------------------------------------------------------------------------------
 
@@ -197,7 +212,8 @@ class Attention(nn.Module):
             self._select(x, qa, ctx)
         if self._attends_in_kernel(q, ctx):
             return self._sparse_mqa_kernel(q, window_rows, ctx).to(x.dtype)
-        o = self._sparse_mqa(q, window_rows, ctx).to(x.dtype)
+        attend = self._sparse_mqa_fixed_order if self.batch_invariant else self._sparse_mqa
+        o = attend(q, window_rows, ctx).to(x.dtype)
         self._write_window(window_rows, ctx)
         return o
 
@@ -304,6 +320,43 @@ class Attention(nn.Module):
             o_global[tokens] = torch.einsum("thk,tkd->thd", probs[..., span:-1], rows)
         return p_band, o_global
 
+    def _sparse_mqa_fixed_order(self, q: Tensor, window_rows: Tensor, ctx: StepContext) -> Tensor:
+        """`_sparse_mqa` with one reduction per query token whose shape and order depend on
+        nothing else in the batch (batch-invariant mode).
+
+        A token at position p attends over S = window + K rows: the window positions
+        p − window + 1 .. p, then the K = index_topk selected rows in ascending position (the
+        indexer pads and sorts them, −1 = none), then the sink, in one softmax; invisible rows
+        are zeros with −inf scores. Tokens go in groups of `_TOKEN_GROUP` (the last one
+        padded), so every matmul of every step has the same shape; `_sparse_mqa` instead
+        pads to the batch's longest sequence, which moves a row's reduction lengths.
+        """
+        cfg, batch = self.cfg, ctx.batch
+        window, scale = cfg.sliding_window, cfg.head_dim**-0.5
+        keys, key_pos = self._window_keys(window_rows, ctx)
+        seq = batch.seq_of_token
+        first = batch.positions - batch.start_position_tensor[seq]
+        offsets = torch.arange(window, device=q.device)
+        sel = ctx.selection[self.ratio] if self.ratio else None
+        num_tokens, heads, dim = q.shape
+        out = torch.empty(num_tokens, heads, dim, dtype=torch.float32, device=q.device)
+        for lo in range(0, num_tokens, _TOKEN_GROUP):
+            tokens = torch.arange(lo, lo + _TOKEN_GROUP, device=q.device).clamp(max=num_tokens - 1)
+            rows_at = first[tokens, None] + offsets[None, :]  # [G, window] extended rows
+            rows = keys[seq[tokens, None], rows_at]
+            visible = key_pos[seq[tokens, None], rows_at] >= 0
+            if sel is not None:
+                rows = torch.cat((rows, self._gather_global(sel[tokens], seq[tokens], ctx)), 1)
+                visible = torch.cat((visible, sel[tokens] >= 0), 1)
+            rows = rows.masked_fill(~visible[..., None], 0.0)
+            scores = torch.matmul(q[tokens].float(), rows.transpose(1, 2)) * scale
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            sink = self.attn_sink.float()[None, :, None].expand(_TOKEN_GROUP, -1, 1)
+            probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+            count = min(_TOKEN_GROUP, num_tokens - lo)
+            out[lo : lo + count] = torch.matmul(probs, rows)[:count]
+        return out
+
     def _attends_in_kernel(self, q: Tensor, ctx: StepContext) -> bool:
         """`kernels.sparse_mqa` takes this step: CUDA, rows stored encoded (MXFP8 window, FP4
         global), so that every row decodes exactly to bf16, and no prefix-cache replay floor
@@ -338,14 +391,15 @@ class Attention(nn.Module):
             self.cfg.sliding_window,
             self.cfg.head_dim**-0.5,
         )
+        fixed = self.batch_invariant
         if batch.max_len == 1:
             self._write_window(window_rows, ctx)
             ring = (state.swa[self.layer_id], batch.slots)
-            return sparse_mqa(*args, ring=ring, global_rows=global_rows)
+            return sparse_mqa(*args, ring=ring, global_rows=global_rows, fixed_tiles=fixed)
         keys, _ = self._window_keys(window_rows, ctx)
         first = batch.positions - batch.start_position_tensor[batch.seq_of_token]
         rows = (keys.bfloat16(), first)
-        out = sparse_mqa(*args, window_rows=rows, global_rows=global_rows)
+        out = sparse_mqa(*args, window_rows=rows, global_rows=global_rows, fixed_tiles=fixed)
         self._write_window(window_rows, ctx)
         return out
 
@@ -384,11 +438,14 @@ class Attention(nn.Module):
         iq = self.indexer.wq_b(qa).view(-1, heads, dim)
         iq = apply_rope(iq, batch.positions, self.freqs)
         iq = ctx.codecs.index.decode(ctx.codecs.index.encode(iq))
-        hw = (x.float() @ self.indexer.weights_proj.weight.float().t()) * (dim**-0.5 * heads**-0.5)
+        hw = self.indexer.weights_proj.forward_fp32(x) * (dim**-0.5 * heads**-0.5)
         ends = batch.end_positions()
         num_visible_max = max((e + 1) // r for e in ends)
         keys = self._gather_index_keys(num_visible_max, ctx)  # [B, J, dim]
-        scores = self._index_scores(batch.pad(iq), batch.pad(hw), keys)  # [B, T_max, J]
+        if self.batch_invariant:
+            scores = self._index_scores_fixed_order(iq, hw, keys, batch)
+        else:
+            scores = self._index_scores(batch.pad(iq), batch.pad(hw), keys)  # [B, T_max, J]
         pos = batch.pad(batch.positions, fill=-1)
         num_visible = torch.div(pos + 1, r, rounding_mode="floor")  # [B, T_max]
         j = torch.arange(num_visible_max, device=x.device)
@@ -402,6 +459,8 @@ class Attention(nn.Module):
             sel = torch.full((*scores.shape[:2], 0), -1, dtype=torch.long, device=x.device)
         else:
             sel = torch.where(torch.isfinite(top.values), top.indices, -1)
+        if self.batch_invariant:
+            sel = _ascending_selection(sel, cfg.index_topk)
         ctx.selection[r] = batch.unpad(sel)
         if self.is_candidate_source:
             ctx.candidates = self._candidate_blocks(scores, num_visible)
@@ -429,6 +488,33 @@ class Attention(nn.Module):
             dots = torch.einsum("bthd,bjd->bthj", iq[:, lo : lo + step].float(), keys.float())
             out.append(torch.einsum("bthj,bth->btj", dots.relu(), hw[:, lo : lo + step].float()))
         return torch.cat(out, 1)
+
+    def _index_scores_fixed_order(
+        self, iq: Tensor, hw: Tensor, keys: Tensor, batch: StepBatch
+    ) -> Tensor:
+        """`_index_scores` [B, T_max, J] (−inf where not scored) sequence by sequence over
+        that sequence's own visible keys: the dots through the batch-invariant
+        `dense_matmul`, the head sum in head order. A score's operations depend only on its
+        own sequence (batch padding changes J and T_max, never them)."""
+        num_seqs, num_j = keys.shape[:2]
+        heads = iq.shape[1]
+        scores = torch.full(
+            (num_seqs, batch.max_len, num_j), float("-inf"), dtype=torch.float32, device=iq.device
+        )
+        seqs = zip(batch.starts, batch.lengths, batch.end_positions(), strict=False)
+        for b, (first, n, end) in enumerate(seqs):
+            own_j = (end + 1) // self.ratio
+            if not own_j:
+                continue
+            q_rows = iq[first : first + n].float().reshape(n * heads, -1)
+            dots = dense_matmul(q_rows, keys[b, :own_j].float(), True).view(n, heads, own_j)
+            dots = dots.relu()
+            weights = hw[first : first + n].float()
+            total = dots[:, 0] * weights[:, 0, None]
+            for h in range(1, heads):
+                total = total + dots[:, h] * weights[:, h, None]
+            scores[b, :n, :own_j] = total
+        return scores
 
     def _candidate_blocks(self, scores: Tensor, num_visible: Tensor) -> Tensor:
         """Allowed-position mask [B, T_max, J] from the candidate source's scores (`§3.6`).

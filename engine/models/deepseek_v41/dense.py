@@ -1,4 +1,8 @@
-"""Dense FP8 linears (`Numerics.dense_fp8`): the checkpoint's block-scaled weights kept as stored.
+"""The model's dense linears: FP8 as stored (`Numerics.dense_fp8`) and the batch-invariant
+matmul (`Numerics.batch_invariant`).
+
+FP8 dense linears
+-----------------
 
 Every dense linear of the checkpoint is FP8 with one ue8m0 scale per `fp8_block_size`² tile
 (`model.md` §5.3): the attention projections (`wq_a`, `wq_b`, `wkv`, `wo_a`, `wo_b`), the
@@ -13,15 +17,101 @@ torch reference: the same activation codes and scales, both operands dequantized
 product. The engine does not offer that for serving (`EngineConfig.dense_gemm`).
 
 `grouped_linear` is the one call site that is not `module(x)`: `wo_a`'s 8 groups.
+
+Batch invariance (`Numerics.batch_invariant`)
+---------------------------------------------
+
+Every dense matmul that is not FP8 goes through `dense_matmul` (`Linear` is the model's
+`nn.Linear`, calling it; `grouped_linear` too), so the mode lives in one place.
+
+Default: `F.linear`. BLAS picks a kernel per shape, so a row's result can change with the
+number of rows M it is computed with — measured with MKL on the CPU: M = 1 runs as a GEMV,
+M = 2..6 and M ≥ 7 round differently again, so a request decoding alone gets other logits
+than the same request decoding beside 64 others.
+
+Batch-invariant: a row's result is a function of that row and the weight only (`row_sum`
+gives sums over the last dim the same property).
+
+    CUDA    `kernels.invariant_matmul`: constant tiles, constant BLOCK_K, no split-K
+    CPU     rows in tiles of `ROW_TILE`, each copied into one fresh tile buffer (the last one
+            zero-padded) and multiplied by one BLAS call of the same shape, strides and
+            alignment every time: the call that computes a row never depends on M
+
+NOTE: the CPU path relies on a BLAS call being a fixed function of its shape, strides and
+operand alignment (never of the other rows' values), which MKL's GEMM is; the engine tests
+(`tests/engine/test_batch_invariance.py`) check the whole forward bitwise.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.models.deepseek_v41.config import ceil_div
 from kernels import fp8_block_gemm as fp8_gemm
+from kernels.invariant_matmul import invariant_matmul
+
+ROW_TILE = 16
+
+
+def dense_matmul(x: Tensor, weight: Tensor, batch_invariant: bool = False) -> Tensor:
+    """`x · weightᵀ`: x [..., K], weight [N, K] (same dtype) → [..., N] in that dtype.
+
+    batch_invariant: every output row is computed by the same fixed sequence of operations
+    whatever the other rows are (see the module docstring); slower for few rows.
+    """
+    if not batch_invariant:
+        return F.linear(x, weight)
+    lead, k = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, k).contiguous()
+    tiled = invariant_matmul if flat.is_cuda else _row_tiled
+    out = tiled(flat, weight.contiguous())
+    return out.view(*lead, weight.shape[0])
+
+
+def _row_tiled(x: Tensor, weight: Tensor) -> Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tile = torch.empty(ROW_TILE, k, dtype=x.dtype, device=x.device)
+    tile_out = torch.empty(ROW_TILE, n, dtype=x.dtype, device=x.device)
+    weight_t = weight.t()
+    for lo in range(0, m, ROW_TILE):
+        rows = min(ROW_TILE, m - lo)
+        if rows < ROW_TILE:
+            tile.zero_()
+        tile[:rows] = x[lo : lo + rows]
+        torch.mm(tile, weight_t, out=tile_out)
+        out[lo : lo + rows] = tile_out[:rows]
+    return out
+
+
+def row_sum(x: Tensor, batch_invariant: bool = False) -> Tensor:
+    """`x.sum(-1)`; batch_invariant: as `dense_matmul` against a row of ones, so each row's
+    sum has one fixed order (torch's CUDA reductions choose their thread layout, hence their
+    order, by the number of rows)."""
+    if not batch_invariant:
+        return x.sum(-1)
+    ones = torch.ones(1, x.shape[-1], dtype=x.dtype, device=x.device)
+    return dense_matmul(x, ones, True)[..., 0]
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` without bias whose products go through `dense_matmul` (checkpoint names
+    and state dicts are nn.Linear's). `batch_invariant` is set by the model from its
+    `Numerics`."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+        self.batch_invariant = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dense_matmul(x, self.weight, self.batch_invariant)
+
+    def forward_fp32(self, x: Tensor) -> Tensor:
+        """`f32(x) · f32(W)ᵀ` (gates, scores and logits computed in fp32)."""
+        return dense_matmul(x.float(), self.weight.float(), self.batch_invariant)
 
 
 class FP8BlockLinear(nn.Module):
@@ -65,7 +155,11 @@ def grouped_linear(linear: nn.Module, x: Tensor, groups: int) -> Tensor:
     if isinstance(linear, FP8BlockLinear):
         return linear(x, groups)
     weight = linear.weight.view(groups, -1, linear.weight.shape[-1])
-    return torch.einsum("...gi,goi->...go", x.unflatten(-1, (groups, -1)), weight).flatten(-2)
+    x = x.unflatten(-1, (groups, -1))
+    if getattr(linear, "batch_invariant", False):
+        parts = [dense_matmul(x[..., g, :], weight[g], True) for g in range(groups)]
+        return torch.cat(parts, -1)
+    return torch.einsum("...gi,goi->...go", x, weight).flatten(-2)
 
 
 def keep_dense_fp8(

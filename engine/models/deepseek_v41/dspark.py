@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from engine.models.deepseek_v41.attention import Attention, KVCodecs, RMSNorm
 from engine.models.deepseek_v41.config import DeepseekV41Config
-from engine.models.deepseek_v41.dense import grouped_linear
+from engine.models.deepseek_v41.dense import Linear, grouped_linear
 from engine.models.deepseek_v41.primitives import apply_rope, mhc_combine
 
 _NEG_INF = float("-inf")
@@ -27,17 +27,17 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab: int, rank: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, rank, dtype=dtype)
-        self.head = nn.Linear(rank, vocab, bias=False, dtype=dtype)
+        self.head = Linear(rank, vocab, dtype)
 
     def bias(self, prev: Tensor) -> Tensor:
         """fp32 logit correction [B, V] given the previous token of each row."""
-        return self.embed(prev).float() @ self.head.weight.float().t()
+        return self.head.forward_fp32(self.embed(prev))
 
 
 class ConfidenceHead(nn.Module):
     def __init__(self, width: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.proj = nn.Linear(width, 1, bias=False, dtype=dtype)
+        self.proj = Linear(width, 1, dtype)
 
 
 @dataclass
@@ -104,7 +104,7 @@ class DSpark(nn.ModuleList):
         )
         self.cfg = cfg
         d, first, last = cfg.hidden_size, self[0], self[-1]
-        first.main_proj = nn.Linear(3 * d, d, bias=False, dtype=dtype)
+        first.main_proj = Linear(3 * d, d, dtype)
         first.main_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         last.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         last.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, dtype)
@@ -128,7 +128,7 @@ class DSpark(nn.ModuleList):
         context: list[Tensor],
         context_pos: Tensor,
         embed: nn.Embedding,
-        head: nn.Linear,
+        head: Linear,
         codecs: KVCodecs,
         temperature: Tensor | None = None,
         generator: torch.Generator | None = None,
@@ -166,14 +166,14 @@ class DSpark(nn.ModuleList):
             residual, pre_prev = stage(residual, pre_prev, None, mixer)
         last = self[-1]
         hidden = mhc_combine(residual, pre_prev).view(b, size, -1)
-        base = last.norm(hidden).float() @ head.weight.float().t()
+        base = head.forward_fp32(last.norm(hidden))
         markov, conf_head = last.markov_head, last.confidence_head
         prev = anchors
         logits, drafts, conf = [], [], []
         for s in range(size):  # serial only in the cheap rank-r Markov head
             z = base[:, s] + markov.bias(prev)
             feat = torch.cat((hidden[:, s].float(), markov.embed(prev).float()), -1)
-            c = feat @ conf_head.proj.weight.float().t()
+            c = conf_head.proj.forward_fp32(feat)
             if confidence_temperature is not None:
                 c = c / confidence_temperature[s]
             conf.append(torch.sigmoid(c.squeeze(-1)))

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.dense import Linear, row_sum
+from engine.models.deepseek_v41.primitives import sigmoid
 from engine.models.deepseek_v41.weight_formats import fp8_row_dequantize
 
 
@@ -123,11 +125,10 @@ class Engram(nn.Module):
         d, n = cfg.hidden_size, cfg.hc_mult
         self.eps = cfg.rms_norm_eps
         self.embed = EngramTable(rows, cfg.engram_head_dim)
-        self.wkv = nn.Linear(
-            cfg.engram_lookups * cfg.engram_head_dim, (n + 1) * d, bias=False, dtype=dtype
-        )
+        self.wkv = Linear(cfg.engram_lookups * cfg.engram_head_dim, (n + 1) * d, dtype)
         self.q_weight = nn.Parameter(torch.ones(n, d, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(n, d, dtype=dtype))
+        self.batch_invariant = False  # the gate's sigmoid; see `Numerics.batch_invariant`
 
     def forward(self, residual: Tensor, hash_ids: Tensor, is_image: Tensor | None = None) -> Tensor:
         """residual [T, N, D], hash_ids [T, lookups] (rows into the table) → gated residual.
@@ -142,10 +143,14 @@ class Engram(nn.Module):
         value = kv[:, n * d :]
         r = residual.float()
         a = self.q_weight.float() * self.k_weight.float()
-        rstd = torch.rsqrt(r.square().mean(-1) + self.eps)
-        rstd = rstd * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (r * a * key).sum(-1) * rstd * d**-0.5
-        gate = torch.sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt())
+        fixed = self.batch_invariant
+        if fixed:
+            r_ms, key_ms = row_sum(r.square(), True) / d, row_sum(key.square(), True) / d
+        else:
+            r_ms, key_ms = r.square().mean(-1), key.square().mean(-1)
+        rstd = torch.rsqrt(r_ms + self.eps) * torch.rsqrt(key_ms + self.eps)
+        dot = row_sum(r * a * key, fixed) * rstd * d**-0.5
+        gate = sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt(), self.batch_invariant)
         if is_image is not None:
             gate = gate.masked_fill(is_image[:, None], 0.0)
         return (r + gate.unsqueeze(-1) * value.unsqueeze(1)).to(residual.dtype)

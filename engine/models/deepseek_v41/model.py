@@ -26,10 +26,16 @@ from torch import Tensor, nn
 
 from engine.distributed.dispatch import Dispatcher
 from engine.distributed.expert_parallel import ExpertParallel
-from engine.models.deepseek_v41.attention import Attention, KVCodecs, RMSNorm, StepContext
+from engine.models.deepseek_v41.attention import (
+    Attention,
+    Compressor,
+    KVCodecs,
+    RMSNorm,
+    StepContext,
+)
 from engine.models.deepseek_v41.block_layout import LAYOUT_NAME
 from engine.models.deepseek_v41.config import DeepseekV41Config
-from engine.models.deepseek_v41.dense import keep_dense_fp8
+from engine.models.deepseek_v41.dense import Linear, keep_dense_fp8
 from engine.models.deepseek_v41.dspark import DraftOutput, DSpark
 from engine.models.deepseek_v41.engram import Engram, HostEngramTable
 from engine.models.deepseek_v41.engram_hash import (
@@ -39,7 +45,7 @@ from engine.models.deepseek_v41.engram_hash import (
 )
 from engine.models.deepseek_v41.inventory import full_inventory, text_inventory
 from engine.models.deepseek_v41.kv_formats import KVCodec, make_codec
-from engine.models.deepseek_v41.moe import MoE
+from engine.models.deepseek_v41.moe import Expert, MoE, MXFP4Linear
 from engine.models.deepseek_v41.primitives import (
     mhc_combine,
     mhc_post,
@@ -76,6 +82,13 @@ class Numerics:
         cores with activations quantized per (row, 32 columns) (`dense.py`; `model.md` §13 item
         4: the activation quantization of FP8 GEMMs is backend-dependent). False dequantizes
         them to the compute dtype (the reference numerics).
+    batch_invariant: a request's logits do not depend on what else is in the step: every
+        dense matmul through `dense.dense_matmul`'s fixed-order path (a Triton kernel with
+        constant tiles on CUDA, constant row tiles on the CPU), attention and indexer with one
+        reduction per token of a shape of its own (`Attention._sparse_mqa_fixed_order`, the
+        selection in ascending position, the attention kernel's fixed tiles), the grouped
+        expert kernel's fixed tiles and the EP combine order of `moe_batch_invariant`
+        (`--batch-invariant`; its cost is in docs/performance.md).
     """
 
     kv_quantize: bool = True
@@ -83,6 +96,11 @@ class Numerics:
     moe_weight_before_down: bool = False
     moe_batch_invariant: bool = False
     dense_fp8: bool = False
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dense_fp8 and self.batch_invariant:
+            raise ValueError("batch_invariant has no FP8 dense GEMM path (dense_fp8)")
 
     @classmethod
     def nemo_reference(cls, kv_quantize: bool = True) -> Numerics:
@@ -161,6 +179,7 @@ class Block(nn.Module):
             rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer_id)]
             self.engram = Engram(cfg, rows, dtype)
         self.graphs: BlockGraphs | None = None  # set by `enable_cuda_graphs`
+        self.batch_invariant = False  # the mHC mix matmul's; see `Numerics.batch_invariant`
 
     def triplet(self, site: str, residual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg
@@ -172,6 +191,7 @@ class Block(nn.Module):
             cfg.rms_norm_eps,
             cfg.hc_eps,
             cfg.hc_sinkhorn_iters,
+            self.batch_invariant,
         )
 
     def forward(
@@ -304,19 +324,25 @@ class DeepseekV41ForCausalLM(nn.Module):
             for lid in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=dtype)
+        self.head = Linear(d, cfg.vocab_size, dtype)
         self.mtp = DSpark(cfg, main, dtype, quantized_experts) if include_dspark else None
         self.quantized_experts = quantized_experts
         if self.numerics.dense_fp8:
             specs = full_inventory(cfg) if include_dspark else text_inventory(cfg)
             fp8 = {spec.name: spec.shape for spec in specs if spec.kind == "fp8"}
             keep_dense_fp8(self, fp8, cfg.fp8_block_size)
+        numerics = self.numerics
+        # The modules with a `batch_invariant` switch besides MoE.
+        switched = (Linear, MXFP4Linear, Block, Attention, Compressor, Expert, Engram)
         for module in self.modules():
             if isinstance(module, MoE):
-                module.weight_before_down = self.numerics.moe_weight_before_down
-                module.batch_invariant = self.numerics.moe_batch_invariant
+                module.weight_before_down = numerics.moe_weight_before_down
+                module.batch_invariant = numerics.moe_batch_invariant or numerics.batch_invariant
                 for expert in module.experts:
-                    expert.row_invariant = self.numerics.moe_batch_invariant
+                    # Whole-mode matmuls are row-invariant already: no row-by-row loop.
+                    expert.row_invariant = numerics.moe_batch_invariant
+            elif isinstance(module, switched):
+                module.batch_invariant = numerics.batch_invariant
         self.engram_tables: dict[int, EngramHashTables] = {t.layer_id: t for t in hash_tables}
         # Raw id → compressed id; set from the tokenizer by the loader (`set_engram_token_map`).
         self.register_buffer("engram_token_map", token_map, persistent=False)
@@ -626,7 +652,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         hidden = mhc_combine(residual, pre_prev)
         indices = (part or batch).logits_indices
         rows = hidden if indices is None else hidden[indices]
-        logits = self.norm(rows).float() @ self.head.weight.float().t()
+        logits = self.head.forward_fp32(self.norm(rows))
         return StepOutput(logits=logits, hidden=hidden, dspark_features=features, rows=part)
 
     @torch.inference_mode()

@@ -27,10 +27,10 @@ the output does not depend on where experts live (bitwise equal to one process).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.distributed.dispatch import Dispatcher, RecvBatch
+from engine.models.deepseek_v41.dense import Linear, dense_matmul
 from engine.models.deepseek_v41.primitives import clamped_swiglu, sqrtsoftplus_route
 from engine.models.deepseek_v41.weight_formats import MXFP4_BLOCK, mxfp4_dequantize
 
@@ -50,6 +50,7 @@ class MXFP4Linear(nn.Module):
             raise ValueError(f"in_features must be a multiple of {MXFP4_BLOCK}, got {in_features}")
         self.in_features = in_features
         self.out_features = out_features
+        self.batch_invariant = False  # see `Numerics.batch_invariant`
         packed = torch.zeros(out_features, in_features // 2, dtype=torch.int8)
         self.register_buffer("weight", packed)
         self.register_buffer(
@@ -58,7 +59,8 @@ class MXFP4Linear(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, mxfp4_dequantize(self.weight, self.scale, dtype=x.dtype))
+        weight = mxfp4_dequantize(self.weight, self.scale, dtype=x.dtype)
+        return dense_matmul(x, weight, self.batch_invariant)
 
 
 class Expert(nn.Module):
@@ -73,14 +75,15 @@ class Expert(nn.Module):
         super().__init__()
         self.limit = limit
         self.row_invariant = False  # see `Numerics.moe_batch_invariant`
+        self.batch_invariant = False  # the SwiGLU's; see `Numerics.batch_invariant`
         if quantized:
             self.w1 = MXFP4Linear(dim, inter)
             self.w3 = MXFP4Linear(dim, inter)
             self.w2 = MXFP4Linear(inter, dim)
         else:
-            self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype)
-            self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype)
-            self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype)
+            self.w1 = Linear(dim, inter, dtype)
+            self.w3 = Linear(dim, inter, dtype)
+            self.w2 = Linear(inter, dim, dtype)
 
     def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """`weight` [T, 1], when given, scales the activation before the down projection."""
@@ -93,7 +96,7 @@ class Expert(nn.Module):
         return self._forward(x, weight)
 
     def _forward(self, x: Tensor, weight: Tensor | None) -> Tensor:
-        act = clamped_swiglu(self.w1(x), self.w3(x), self.limit)
+        act = clamped_swiglu(self.w1(x), self.w3(x), self.limit, self.batch_invariant)
         if weight is not None:
             act = (act.float() * weight).to(act.dtype)
         return self.w2(act)
@@ -149,7 +152,9 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.route_scale = route_scale
         self.weight_before_down = False  # see `Numerics.moe_weight_before_down`
-        self.batch_invariant = False  # see `Numerics.moe_batch_invariant`
+        # `Numerics.moe_batch_invariant` or `batch_invariant`: the EP combine's fixed order, a
+        # fixed-order gate matmul and the grouped kernel's fixed tiles.
+        self.batch_invariant = False
         self.dispatcher = dispatcher
         self.gate = Gate(dim, num_experts, dtype)
         self.shared_experts = Expert(dim, inter, limit, dtype)
@@ -207,8 +212,10 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(expert ids [T, k], fp32 weights [T, k]); gate logits are computed in fp32."""
-        logits = x.float() @ self.gate.weight.float().t()
-        return sqrtsoftplus_route(logits, self.gate.bias, self.top_k, self.route_scale)
+        logits = dense_matmul(x.float(), self.gate.weight.float(), self.batch_invariant)
+        return sqrtsoftplus_route(
+            logits, self.gate.bias, self.top_k, self.route_scale, self.batch_invariant
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         ids, weights = self.route(x)
@@ -271,7 +278,10 @@ class MoE(nn.Module):
         if num_tokens == 0:
             return torch.zeros_like(x, dtype=torch.float32)
         num_experts = len(self.experts)
-        block_m = _block_m(num_tokens * self.top_k, num_experts, self.decode_tiles_exact)
+        if self.batch_invariant:  # one tile shape for every step: a row never sees M
+            block_m = FIXED_BLOCK_M
+        else:
+            block_m = _block_m(num_tokens * self.top_k, num_experts, self.decode_tiles_exact)
         blocks = align_to_experts(ids, num_experts, block_m)
         pair_weight = weights.flatten().float().contiguous()
         act = grouped_mxfp4_gemm(
@@ -281,6 +291,7 @@ class MoE(nn.Module):
             self.w13_scales,
             gate_limit=self.experts[0].limit,
             row_weight=pair_weight if self.weight_before_down else None,
+            fixed_tiles=self.batch_invariant,
         )
         per_slot = grouped_mxfp4_gemm(
             act,
@@ -289,8 +300,18 @@ class MoE(nn.Module):
             self.w2_scales,
             row_weight=None if self.weight_before_down else pair_weight,
             out_dtype=torch.float32,
+            fixed_tiles=self.batch_invariant,
         )
-        return per_slot.view(num_tokens, self.top_k, -1).sum(1)
+        per_slot = per_slot.view(num_tokens, self.top_k, -1)
+        if not self.batch_invariant:
+            return per_slot.sum(1)
+        total = per_slot[:, 0]
+        for slot in range(1, self.top_k):  # slot order, as elementwise adds
+            total = total + per_slot[:, slot]
+        return total
+
+
+FIXED_BLOCK_M = 64  # batch-invariant mode: the prefill kernel's tiles at every step
 
 
 def _block_m(num_pairs: int, num_experts: int, decode_tiles: bool = True) -> int:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.models.deepseek_v41.config import RopeScaling
+from engine.models.deepseek_v41.dense import dense_matmul, row_sum
 from kernels import mhc_combine as mhc_combine_kernel
 from kernels import mhc_mix as mhc_mix_kernel
 from kernels import mhc_post as mhc_post_kernel
@@ -83,15 +84,21 @@ def mhc_triplet(
     norm_eps: float,
     hc_eps: float,
     iters: int,
+    batch_invariant: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Mixing coefficients of one hyper-connection site (`model.md` §3.2).
 
-    residual: [T, N, D]. Returns fp32 `pre [T, N]`, `post [T, N]` and the doubly-stochastic
+    residual: [T, N, D]; batch_invariant: the mix matmul's fixed-order path (`dense_matmul`).
+    Returns fp32 `pre [T, N]`, `post [T, N]` and the doubly-stochastic
     `comb [T, N, N]` indexed `comb[t, j, i]` (row j = source stream, column i = target stream).
     """
     n = residual.shape[1]
     z = residual.flatten(1).float()
-    mix = F.linear(z, fn.float()) * torch.rsqrt(z.square().mean(-1, keepdim=True) + norm_eps)
+    if batch_invariant:
+        mean_square = row_sum(z.square(), True)[:, None] / z.shape[-1]
+    else:
+        mean_square = z.square().mean(-1, keepdim=True)
+    mix = dense_matmul(z, fn.float(), batch_invariant) * torch.rsqrt(mean_square + norm_eps)
     scale = scale.float()
     scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
     # One fused multiply-add, as the released kernel rounds it.
@@ -125,21 +132,64 @@ def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
 # ---- MoE routing -------------------------------------------------------------------------------
 
 
+# ---- pointwise functions whose rounding does not depend on where an element sits ---------------
+#
+# torch's CPU kernels run a tensor's elements through a vector loop and its last
+# numel % (2 · vector width) elements through a scalar loop; for sigmoid, SiLU and softplus the
+# two round differently, so the same value gets another last bit when the rows behind it
+# change (measured). exp, log1p, +, / round alike in both loops, so the forms below are a
+# function of the element alone (batch-invariant mode); CUDA computes every element alike.
+
+
+def sigmoid(x: Tensor, batch_invariant: bool = False) -> Tensor:
+    """`torch.sigmoid`; batch_invariant: `1 / (1 + exp(−x))` (see above)."""
+    return 1 / (1 + torch.exp(-x)) if batch_invariant else torch.sigmoid(x)
+
+
+def silu(x: Tensor, batch_invariant: bool = False) -> Tensor:
+    """`F.silu`; batch_invariant: `x / (1 + exp(−x))` (see above)."""
+    return x / (1 + torch.exp(-x)) if batch_invariant else F.silu(x)
+
+
+def softplus(x: Tensor, batch_invariant: bool = False) -> Tensor:
+    """`F.softplus` (threshold 20); batch_invariant: `log1p(exp(x))`, x above 20 (see above)."""
+    if not batch_invariant:
+        return F.softplus(x)
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
+
+
+def pair_softmax(a: Tensor, b: Tensor, batch_invariant: bool = False) -> Tensor:
+    """Softmax of two tensors against each other: [2, ...] (torch's softmax over a leading
+    dim rounds like the pointwise functions above; batch_invariant spells it out)."""
+    if not batch_invariant:
+        return torch.stack((a, b)).softmax(0)
+    top = torch.maximum(a, b)
+    ea, eb = torch.exp(a - top), torch.exp(b - top)
+    total = ea + eb
+    return torch.stack((ea / total, eb / total))
+
+
 def sqrtsoftplus_route(
-    logits: Tensor, bias: Tensor, top_k: int, route_scale: float
+    logits: Tensor, bias: Tensor, top_k: int, route_scale: float, batch_invariant: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Top-k routing (`model.md` §3.8): returns (expert ids [T, k], fp32 weights [T, k]).
 
     `s = sqrt(softplus(logits))`; choice = s + bias; weights = s_top / (Σ s_top + 1e-20) · scale.
     The correction bias steers the choice only and never scales the weights.
     """
-    scores = torch.sqrt(F.softplus(logits.float()))
+    scores = torch.sqrt(softplus(logits.float(), batch_invariant))
     ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
     chosen = scores.gather(-1, ids)
-    weights = chosen / (chosen.sum(-1, keepdim=True) + 1e-20) * route_scale
+    if batch_invariant:  # slot order, as elementwise adds
+        total = chosen[:, :1]
+        for slot in range(1, top_k):
+            total = total + chosen[:, slot : slot + 1]
+    else:
+        total = chosen.sum(-1, keepdim=True)
+    weights = chosen / (total + 1e-20) * route_scale
     return ids, weights
 
 
-def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+def clamped_swiglu(gate: Tensor, up: Tensor, limit: float, batch_invariant: bool = False) -> Tensor:
     """`silu(min(gate, limit)) ⊙ clamp(up, −limit, limit)`."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    return silu(gate.clamp(max=limit), batch_invariant) * up.clamp(-limit, limit)

@@ -1,0 +1,78 @@
+"""The batch-invariant CPU paths: `dense_matmul`'s row tiles, `row_sum`, the pointwise forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models.deepseek_v41 import primitives
+from engine.models.deepseek_v41.dense import dense_matmul, row_sum
+
+
+def _rows_inside(fn, rows: torch.Tensor, total: int, at: int, g: torch.Generator):
+    """fn over `rows` placed at offset `at` of `total` random rows; those rows of the result."""
+    big = torch.randn(total, *rows.shape[1:], generator=g).to(rows.dtype)
+    big[at : at + rows.shape[0]] = rows
+    return fn(big)[at : at + rows.shape[0]]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_product_does_not_depend_on_the_other_rows(threads: int, dtype) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        weight = torch.randn(96, 256, generator=g).to(dtype)
+        x = torch.randn(3, 256, generator=g).to(dtype)
+        alone = dense_matmul(x, weight, True)
+        torch.testing.assert_close(alone, F.linear(x, weight), rtol=2e-2, atol=1e-3)
+        for total, at in ((3, 0), (8, 5), (17, 2), (65, 40), (300, 151)):
+            inside = _rows_inside(lambda t: dense_matmul(t, weight, True), x, total, at, g)
+            assert torch.equal(inside, alone), (total, at)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_default_products_do_depend_on_the_other_rows() -> None:
+    """What the row tiles fix: MKL rounds one row (a GEMV) unlike the same row among many."""
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(96, 256, generator=g), torch.randn(1, 256, generator=g)
+    inside = _rows_inside(lambda t: dense_matmul(t, weight), x, 64, 10, g)
+    assert not torch.equal(inside, dense_matmul(x, weight))
+
+
+def test_row_sums_do_not_depend_on_the_other_rows() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 4, 320, generator=g)
+    alone = row_sum(x, True)
+    torch.testing.assert_close(alone, x.sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(_rows_inside(lambda t: row_sum(t, True), x, 77, 30, g), alone)
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "silu", "softplus"])
+def test_pointwise_forms_round_the_same_at_a_tensors_tail(name: str) -> None:
+    """torch's vector loop and scalar tail round these differently; the invariant forms do not
+    (a 31-element tensor is all tail; inside 1024 elements the same values are vectorised)."""
+    fn = getattr(primitives, name)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1024, generator=g) * 4
+    x[::97] = 30.0  # softplus's linear branch
+    whole = fn(x, True)
+    tails = torch.cat([fn(x[i : i + 31], True) for i in range(0, 31 * 33, 31)])
+    assert torch.equal(tails, whole[: 31 * 33])
+    torch.testing.assert_close(whole, fn(x), rtol=1e-6, atol=1e-6)
+    default_tails = torch.cat([fn(x[i : i + 31]) for i in range(0, 31 * 33, 31)])
+    assert not torch.equal(default_tails, fn(x)[: 31 * 33])
+
+
+def test_pair_softmax_matches_the_softmax_and_rounds_alike_everywhere() -> None:
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(40, 31, generator=g) * 3, torch.randn(40, 31, generator=g) * 3
+    ours = primitives.pair_softmax(a, b, True)
+    torch.testing.assert_close(ours, primitives.pair_softmax(a, b), rtol=1e-6, atol=1e-7)
+    rows = torch.cat(
+        [primitives.pair_softmax(a[i : i + 1], b[i : i + 1], True) for i in range(40)], 1
+    )
+    assert torch.equal(rows, ours)
