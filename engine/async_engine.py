@@ -140,8 +140,10 @@ class EngineConfig:
         identity. speculative_record: where steps that verified every draft append their
         (confidences, accepted) records for fitting one.
     kv_storage: `quantized` (window rows MXFP8, global rows and index keys FP4, the model's
-        own storage) or `exact` (the compute dtype: batch-invariant numerics, so greedy tokens
-        do not move with the batch's composition; the lossless checks of speculation use it).
+        own storage) or `exact` (the compute dtype: a row's rounding differences from the
+        batch's composition stay rounding-sized instead of flipping quantisation codes, so
+        greedy tokens rarely move; bit-identical logits need `batch_invariant`; the lossless
+        checks of speculation use it).
     dense_gemm: how the checkpoint's FP8 dense linears (attention projections, shared
         experts, indexer queries, Engram and DSpark projections) run: `bf16` dequantised to
         the compute dtype at load (the reference numerics), or `fp8` kept FP8 with their tile

@@ -195,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(KV_STORAGES),
         default=_ENGINE_DEFAULTS.kv_storage,
         help="how KV rows are stored: quantized (MXFP8 window rows, FP4 global rows and index "
-        "keys, as the model was trained) or exact (the compute dtype; batch-invariant greedy "
-        "tokens, more memory)",
+        "keys, as the model was trained) or exact (the compute dtype: batch composition moves "
+        "greedy tokens only through rounding, more memory; --batch-invariant for bit-identical "
+        "logits)",
     )
     add(
         "--dense-gemm",
