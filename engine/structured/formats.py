@@ -9,13 +9,20 @@ format (the two cannot be merged into one pattern).
 
 Keywords: `unenforced_keyword` finds the validation keywords (and formats) that xgrammar 0.2.9
 compiles without enforcing, so that a request using one is refused instead of silently
-getting a looser grammar. Types: `with_inferred_types` gives `enum` / `const` schemas without
+getting a looser grammar; that includes keywords it drops only in combination (a length
+bound beside a `pattern`, keywords beside `enum` or `$ref`, ...: see "ignored combinations").
+Types: `with_inferred_types` gives `enum` / `const` schemas without
 a `type` the type of their values (the recipe's strict-mode checks require one).
 """
 
 from __future__ import annotations
 
+import re
+from re import _constants as re_constants
+from re import _parser as re_parser
 from typing import Any
+
+import jsonschema
 
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _YEAR = "([0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"
@@ -151,11 +158,234 @@ def unenforced_keyword(schema: Any, path: str = "") -> str | None:
     if name is not None and name not in ENFORCED_FORMATS:
         known = ", ".join(sorted(ENFORCED_FORMATS))
         return f"JSON Schema format {name!r} (at {where}) is not supported; supported: {known}"
+    for check in _IGNORED_COMBINATIONS:
+        message = check(schema, where)
+        if message is not None:
+            return message
     for suffix, sub in _subschemas(schema):
         message = unenforced_keyword(sub, path + suffix)
         if message is not None:
             return message
     return None
+
+
+# ---------------------------------------------------------------- ignored combinations
+# Keywords xgrammar 0.2.9 enforces alone but drops (or loosens) next to another keyword; each
+# check below returns the message refusing such a schema, or None. Measured with a violating
+# instance (`tests/engine/structured/test_grammar.py`).
+
+_ASSERTIONS = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "properties",
+        "required",
+        "additionalProperties",
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "maxProperties",
+        "unevaluatedProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "unevaluatedItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "$ref",
+    }
+)
+_COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf")
+_RANGE_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Lengths of the strings a format accepts, where fixed (others: unbounded).
+_FORMAT_WIDTHS = {"uuid": (36, 36)}
+_LENGTH_ADVICE = {
+    "pattern": "bound the length inside the pattern instead (e.g. '^[a-z]{1,8}$')",
+    "format": "drop the length bound, or replace the format with a pattern that bounds it",
+}
+_AT_START = (re_constants.AT_BEGINNING, re_constants.AT_BEGINNING_STRING)
+_AT_END = (re_constants.AT_END, re_constants.AT_END_STRING)
+
+
+def _length_beside_pattern(schema: dict[str, Any], where: str) -> str | None:
+    """`minLength` / `maxLength` next to `pattern` or `format`: xgrammar keeps only the latter.
+    Allowed where the pattern (or format) already implies the bounds, e.g. `^[0-9]{5}$` with
+    `maxLength: 5`."""
+    bounds = [k for k in ("minLength", "maxLength") if k in schema]
+    if schema.get("minLength") == 0:
+        bounds.remove("minLength")
+    other = "pattern" if "pattern" in schema else "format" if "format" in schema else None
+    if not bounds or other is None:
+        return None
+    width = _string_width(schema)
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if width is not None and width[0] >= low and (high is None or width[1] <= high):
+        return None
+    advice = _LENGTH_ADVICE[other]
+    return (
+        f"JSON Schema keyword '{bounds[0]}' together with '{other}' (at {where}) is not "
+        f"supported: the grammar enforces the {other} only; {advice}"
+    )
+
+
+def _pattern_beside_format(schema: dict[str, Any], where: str) -> str | None:
+    """`pattern` next to an enforced `format`: xgrammar keeps only the format."""
+    if "pattern" in schema and schema.get("format") in ENFORCED_FORMATS:
+        return (
+            f"JSON Schema keyword 'pattern' together with 'format' (at {where}) is not "
+            "supported: the grammar enforces the format only; use one of them"
+        )
+    return None
+
+
+def _loose_multiple_of(schema: dict[str, Any], where: str) -> str | None:
+    """`multipleOf` is enforced only on integers without a range (xgrammar drops it on numbers,
+    untyped schemas and, for some ranges, next to `minimum` / `maximum`)."""
+    if "multipleOf" not in schema:
+        return None
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types]
+    ranged = [k for k in _RANGE_KEYWORDS if k in schema]
+    if "integer" in types and not {"number", None} & set(types) and not ranged:
+        return None
+    beside = f" together with '{ranged[0]}'" if ranged else ""
+    return (
+        f"JSON Schema keyword 'multipleOf'{beside} (at {where}) is not supported: it is "
+        "enforced only on type 'integer' without minimum/maximum"
+    )
+
+
+def _assertions_beside_literals(schema: dict[str, Any], where: str) -> str | None:
+    """Keywords next to `enum` / `const`: xgrammar allows every listed value regardless, so they
+    must hold for each value (a `type` matching the values is fine)."""
+    literal = "enum" if "enum" in schema else "const" if "const" in schema else None
+    if literal is None:
+        return None
+    values = schema["enum"] if literal == "enum" else [schema["const"]]
+    rest = {k: v for k, v in schema.items() if k in _ASSERTIONS - {"enum", "const"}}
+    if not rest or not isinstance(values, list):
+        return None
+    if "$ref" in rest:
+        keyword = "$ref"
+    else:
+        checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+        validator = jsonschema.Draft202012Validator(rest, format_checker=checker)
+        error = next((e for v in values for e in validator.iter_errors(v)), None)
+        if error is None:
+            return None
+        keyword = str(error.validator)
+    return (
+        f"JSON Schema keyword '{keyword}' together with '{literal}' (at {where}) is not "
+        f"supported: the grammar allows every '{literal}' value, and not all satisfy it"
+    )
+
+
+def _assertions_beside_combinators(schema: dict[str, Any], where: str) -> str | None:
+    """Keywords next to `$ref`, `anyOf`, `oneOf` or `allOf`: xgrammar uses the combinator
+    alone."""
+    combinator = next((k for k in _COMBINATORS if k in schema), None)
+    if combinator is None:
+        return None
+    rest = sorted(k for k in schema if k in _ASSERTIONS and k != combinator)
+    if not rest:
+        return None
+    return (
+        f"JSON Schema keyword '{rest[0]}' together with '{combinator}' (at {where}) is not "
+        f"supported: the grammar enforces the '{combinator}' alone; move '{rest[0]}' into "
+        "its schemas"
+    )
+
+
+def _ignored_pattern_syntax(schema: dict[str, Any], where: str) -> str | None:
+    """Lookaround assertions and anchors inside a `pattern`: xgrammar ignores them (it matches
+    the whole string, so only a leading `^` and a trailing `$` of a top-level branch are
+    no-ops)."""
+    pattern = schema.get("pattern")
+    if not isinstance(pattern, str):
+        return None
+    try:
+        parsed = re_parser.parse(pattern)
+    except (re.error, OverflowError, RecursionError):
+        parsed = None
+    if parsed is None:
+        found = "lookaround '(?'" if re.search(r"\(\?<?[=!]", pattern) else None
+    else:
+        found = _ignored_regex_item(parsed, True, True)
+    if found is None:
+        return None
+    return (
+        f"{found} in JSON Schema keyword 'pattern' (at {where}) is not supported: the grammar "
+        "ignores it"
+    )
+
+
+def _ignored_regex_item(sub: Any, at_start: bool, at_end: bool) -> str | None:
+    """The first lookaround, or anchor not at an edge of the whole match, in a parsed regex
+    (`re._parser` items); `at_start` / `at_end`: `sub` begins / ends where the match does."""
+    items = list(sub)
+    for i, (op, arg) in enumerate(items):
+        starts, ends = at_start and i == 0, at_end and i == len(items) - 1
+        if op is re_constants.AT and not (starts and arg in _AT_START or ends and arg in _AT_END):
+            return "an anchor ('^', '$', '\\b') inside the pattern"
+        if op in (re_constants.ASSERT, re_constants.ASSERT_NOT):
+            return "a lookaround assertion"
+        edges = op in (re_constants.BRANCH, re_constants.SUBPATTERN)
+        for nested in _regex_children(op, arg):
+            found = _ignored_regex_item(nested, starts and edges, ends and edges)
+            if found is not None:
+                return found
+    return None
+
+
+def _regex_children(op: Any, arg: Any) -> list[Any]:
+    if op is re_constants.BRANCH:
+        return list(arg[1])
+    if op is re_constants.SUBPATTERN:
+        return [arg[-1]]
+    if op in (re_constants.MAX_REPEAT, re_constants.MIN_REPEAT, re_constants.POSSESSIVE_REPEAT):
+        return [arg[2]]
+    if op is re_constants.GROUPREF_EXISTS:
+        return [a for a in arg[1:] if a is not None]
+    return []
+
+
+def _string_width(schema: dict[str, Any]) -> tuple[int, int] | None:
+    """(shortest, longest) length of the strings `schema`'s pattern or format accepts, or None
+    when unknown."""
+    pattern = schema.get("pattern")
+    name = schema.get("format")
+    if pattern is None and isinstance(name, str):
+        pattern = STRICT_FORMAT_PATTERNS.get(name)
+        if pattern is None:
+            return _FORMAT_WIDTHS.get(name)
+    if not isinstance(pattern, str):
+        return None
+    try:
+        return re_parser.parse(pattern).getwidth()
+    except (re.error, OverflowError, RecursionError):
+        return None
+
+
+_IGNORED_COMBINATIONS = (
+    _length_beside_pattern,
+    _pattern_beside_format,
+    _loose_multiple_of,
+    _assertions_beside_literals,
+    _assertions_beside_combinators,
+    _ignored_pattern_syntax,
+)
 
 
 def with_inferred_types(schema: Any) -> Any:

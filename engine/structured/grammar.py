@@ -219,7 +219,6 @@ def tool_call_spec(
         raise GrammarError("a prefilled tool-call block requires a required tool choice")
     try:
         tools = _with_strict_formats(json.loads(tools_json))
-        _check_tool_keywords(tools)
         tag = xgr.get_model_structural_tag(
             _TOOL_STRUCTURAL_TAG_MODEL,
             tools=tools,
@@ -252,16 +251,6 @@ def check_schema_keywords(schema: object, where: str = "schema") -> None:
         raise GrammarError(f"{where}: {message}")
 
 
-def _check_tool_keywords(tools: object) -> None:
-    """`check_schema_keywords` on each function's parameters (xgrammar enforces no schema for
-    a tool marked `strict: false`: its arguments are any JSON object)."""
-    for tool in tools if isinstance(tools, list) else ():
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(function, dict) and function.get("strict") is not False:
-            name = function.get("name")
-            check_schema_keywords(function.get("parameters"), f"tool {name!r} parameters")
-
-
 def _strict_schema_text(schema: str) -> str:
     """`schema` with `strict_formats` applied (unchanged if it is not valid JSON: the compiler
     reports that).
@@ -280,16 +269,24 @@ def _strict_schema_text(schema: str) -> str:
 def _with_strict_formats(tools: object) -> object:
     """Chat-style tools with `strict_formats` applied to each function's parameters and, for
     tools not marked `strict: true`, the length bounds of their raw-string parameters dropped
-    (`_without_raw_string_bounds`)."""
+    (`_without_raw_string_bounds`).
+
+    Raises:
+        GrammarError: `check_schema_keywords` on the parameters of a tool not marked
+            `strict: false` (xgrammar enforces no schema for those: any JSON object).
+    """
     if not isinstance(tools, list):
         return tools
     fixed = []
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(function, dict) and isinstance(function.get("parameters"), dict):
-            parameters = strict_formats(function["parameters"])
+            parameters = function["parameters"]
             if function.get("strict") is not True:
                 parameters = _without_raw_string_bounds(parameters)
+            if function.get("strict") is not False:
+                check_schema_keywords(parameters, f"tool {function.get('name')!r} parameters")
+            parameters = strict_formats(parameters)
             function = {**function, "parameters": parameters}
             tool = {**tool, "function": function}
         fixed.append(tool)

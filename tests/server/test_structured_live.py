@@ -640,6 +640,31 @@ def test_unenforced_schema_keywords_are_400_naming_them(oai, claude) -> None:
         )
 
 
+def test_keywords_dropped_in_combination_are_400_naming_keyword_and_path(oai, claude) -> None:
+    # xgrammar compiled each of these with one keyword silently dropped.
+    zip_code = {"type": "string", "pattern": "^[0-9]+$", "maxLength": 5}
+    schema = {"type": "object", "properties": {"zip": zip_code}, "required": ["zip"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "z", "strict": True, "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as chat:
+        _chat(oai, False, response_format=fmt)
+    assert chat.value.body["type"] == "invalid_request_error"
+    assert "'maxLength' together with 'pattern' (at /properties/zip)" in chat.value.message
+    email = {"type": "string", "format": "email", "minLength": 8}
+    text = {
+        "format": {"type": "json_schema", "name": "e", "schema": {"type": "array", "items": email}}
+    }
+    with pytest.raises(
+        openai.BadRequestError, match=r"'minLength' together with 'format' \(at /items\)"
+    ):
+        _responses(oai, True, text=text)
+    price = {"type": "number", "multipleOf": 0.25}
+    tools = [{"name": "quote", "input_schema": {"type": "object", "properties": {"p": price}}}]
+    with pytest.raises(anthropic.BadRequestError) as messages:
+        _messages(claude, False, tools=tools, tool_choice={"type": "any"})
+    assert messages.value.body["error"]["type"] == "invalid_request_error"
+    assert "'multipleOf' (at /properties/p)" in messages.value.message
+
+
 def test_strict_schemas_with_untyped_enum_or_const_compile(oai) -> None:
     # Was a 400 "one of `type`, `anyOf`, `$ref` field is required" (the package's strict mode).
     schema = {

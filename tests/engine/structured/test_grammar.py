@@ -407,6 +407,63 @@ def test_unenforced_keywords_are_refused_by_name(schema: dict, keyword: str) -> 
         spec_for_constraint("tool_call", json.dumps(tools))
 
 
+# Each pair xgrammar 0.2.9 compiles with one keyword dropped (or loosened): the instance on the
+# right violates the schema, yet its grammar accepts it.
+IGNORED_COMBINATIONS = [
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "'maxLength' together with 'pattern'"),
+    ({"type": "string", "pattern": "^a+$", "minLength": 3}, "'minLength' together with 'pattern'"),
+    ({"type": "string", "format": "email", "maxLength": 5}, "'maxLength' together with 'format'"),
+    ({"type": "string", "format": "date", "maxLength": 5}, "'maxLength' together with 'format'"),
+    ({"type": "string", "format": "email", "pattern": "^[a-z]+$"}, "'pattern' together with"),
+    ({"type": "number", "multipleOf": 0.5}, "'multipleOf'"),
+    ({"type": "integer", "multipleOf": 3, "minimum": 0}, "'multipleOf' together with 'minimum'"),
+    ({"type": "string", "pattern": "^(?=.*[0-9])[a-z0-9]+$"}, "a lookaround assertion"),
+    ({"type": "string", "pattern": "a^b"}, "an anchor"),
+    ({"type": "string", "enum": ["a", 1]}, "'type' together with 'enum'"),
+    ({"type": "string", "const": "abc", "pattern": "^x$"}, "'pattern' together with 'const'"),
+    ({"anyOf": [{"type": "string"}], "maxLength": 1}, "'maxLength' together with 'anyOf'"),
+    ({"$defs": {"o": {"type": "object"}}, "$ref": "#/$defs/o", "required": ["b"]}, "'required'"),
+]
+
+
+@pytest.mark.parametrize(("schema", "keyword"), IGNORED_COMBINATIONS)
+def test_keywords_xgrammar_drops_in_combination_are_refused_with_their_path(
+    schema: dict, keyword: str
+) -> None:
+    wrapped = {
+        "type": "object",
+        "properties": {"v": {"type": "object", "properties": {"w": schema}}},
+    }
+    where = re.escape(keyword) + r".*\(at /properties/v/properties/w\)"
+    with pytest.raises(GrammarError, match=where):
+        spec_for_constraint("json", json.dumps(wrapped))
+    with pytest.raises(GrammarError, match=where):
+        spec_for_constraint("json", json.dumps(wrapped), thinking=True)
+    for strict in (True, None):
+        function = {"name": "f", "parameters": wrapped, **({"strict": strict} if strict else {})}
+        tools = [{"type": "function", "function": function}]
+        with pytest.raises(GrammarError, match=r"tool 'f' parameters.*" + where):
+            spec_for_constraint("tool_call", json.dumps(tools))
+
+
+@pytest.mark.parametrize(
+    ("schema", "good", "bad"),
+    [
+        ({"type": "string", "pattern": "^[0-9]{5}$", "maxLength": 5}, '"01234"', '"0123"'),
+        ({"type": "string", "format": "date", "minLength": 10}, '"2024-02-29"', '"2023-02-29"'),
+        ({"type": "string", "enum": ["a", "bb"], "maxLength": 2}, '"bb"', '"c"'),
+        ({"anyOf": [{"type": "string"}, {"type": "null"}], "title": "t"}, "null", "1"),
+        ({"type": "string", "pattern": "^a$|^b$"}, '"b"', '"ab"'),
+    ],
+)
+def test_combinations_the_grammar_implies_compile_and_hold(
+    compiler: GrammarCompiler, v41_tokenizer: Tokenizer, schema: dict, good: str, bad: str
+) -> None:
+    spec = spec_for_constraint("json", json.dumps(schema))
+    assert _accepts_text(compiler, spec, _ids(v41_tokenizer, good))
+    assert not _accepts_text(compiler, spec, _ids(v41_tokenizer, bad))
+
+
 @pytest.mark.parametrize(
     ("schema", "good", "bad"),
     [
