@@ -90,6 +90,7 @@ class SpeculativeInFlight:
         self.chunks = chunks or []
         self.request_ids = [c.request_id for c in self.chunks]
         self.features: torch.Tensor | None = None
+        self.feature_rows: StepBatch | None = None  # the rows of `features` (None: `batch`)
         self.sampling: SamplingBatch | None = None
         self.rows: VerifyRows | None = None
 
@@ -177,7 +178,7 @@ class SpeculativeStep:
             processed = process_logits(logits, sampling)
             targets = runner.sampler.draw(processed, sampling)
         step = SpeculativeInFlight(output, failed, timer, proposal, plan, batch, chunks)
-        step.features = forward.dspark_features
+        step.features, step.feature_rows = forward.dspark_features, forward.rows
         step.sampling = sampling
         step.rows = self._verify_rows(processed, targets, sampling, infos, plan, proposal)
         return step
@@ -197,8 +198,11 @@ class SpeculativeStep:
         emitted = verdict.emitted
         ring_len = runner.state.draft_swa[0].shape[1]
         committed = _committed_rows(step.batch.starts, output, plan, verdict.accepted, ring_len)
+        rows = step.batch if step.feature_rows is None else step.feature_rows
+        if step.feature_rows is not None:
+            committed = step.batch.rows_in_part(step.feature_rows, committed)
         runner.model.inject_draft_context(
-            step.batch, step.features, runner.state, ints_to_device(committed, runner.device)
+            rows, step.features, runner.state, ints_to_device(committed, runner.device)
         )
         infos = [c.sampling for c in chunks]
         ids = [c.request_id for c in chunks]

@@ -697,9 +697,14 @@ class DeepseekV41ForCausalLM(nn.Module):
     ) -> None:
         """Write the drafter's context rows for the new positions of `batch` (KV injection).
 
-        keep: the flat rows to write (speculation: only committed rows), each sequence's rows
-        ascending and at most a ring's length of them; default: every sequence's last ring
-        length of rows."""
+        batch: the rows `features` belong to (`StepOutput.rows` under a decoder bounded
+        replay). keep: the flat rows to write (speculation: only committed rows), each
+        sequence's rows ascending and at most a ring's length of them; default: every
+        sequence's last ring length of rows.
+
+        NOTE: under a decoder bounded replay the rows below a chunk's decoder floor have no
+        features and keep no context row; the drafter never reads them, since its window
+        (`sliding_window` positions before the anchor) lies inside the decoder tail."""
         if self.mtp is None:
             raise ValueError("this model was built without the DSpark drafter")
         if keep is None:

@@ -19,6 +19,8 @@ block holds 64 rows of a ratio-2 source and 128 rows of a ratio-1 source.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -199,6 +201,18 @@ class StepBatch:
             reuse_ends=self.reuse_ends,
         )
         return part, rows
+
+    def rows_in_part(self, part: StepBatch, rows: Sequence[int]) -> list[int]:
+        """The flat indices in `part` (this batch's `decoder_part`) of the flat `rows` of this
+        batch, in their order, leaving out the rows below their sequence's decoder floor
+        (the part did not compute them). Host ints only."""
+        found = []
+        for row in rows:
+            seq = bisect.bisect_right(self.starts, row) - 1
+            offset = self.start_positions[seq] + row - self.starts[seq] - part.start_positions[seq]
+            if offset >= 0:
+                found.append(part.starts[seq] + offset)
+        return found
 
     def pad(self, flat: Tensor, fill: float = 0.0) -> Tensor:
         """[T, ...] → [B, T_max, ...] with `fill` in padding rows."""
