@@ -113,7 +113,8 @@ class EngineConfig:
     kv_load_timeout_s: the longest a request waits in the queue for its directory blocks.
     host_kv_cache_bytes: the host tier's budget (`engine/kv_cache/host.py`: blocks of the GPU
         tier copied to host memory, pinned on CUDA, LRU); 0 = no host tier; None =
-        `DEFAULT_HOST_FRACTION` of the memory available at start. Needs prefix caching.
+        `DEFAULT_HOST_FRACTION` of the memory available at start (measured after the model
+        loads), split between the ranks of one machine. Needs prefix caching.
     engram_placement: where the Engram tables live (`engram_store.py`): `device`, `host`
         (mapped from the checkpoint, one copy per node, rows gathered per step) or `auto`
         (host on the CPU or with several ranks, device for one CUDA rank).
@@ -334,11 +335,13 @@ class AsyncEngine:
         config: EngineConfig,
         *,
         draft_source: DraftSource | None = None,
+        num_local_ranks: int = 1,
     ) -> AsyncEngine:
         """The engine over `model`. The context limit is the configured (or the model's) one,
         lowered to the longest context whose steps fit the activation memory budget, so that
         the server refuses longer prompts at admission. draft_source: where speculative drafts
-        come from (default: the model's DSpark drafter)."""
+        come from (default: the model's DSpark drafter). num_local_ranks: the engine ranks on
+        this machine, which split the default host-tier budget."""
         cache = CacheConfig(num_blocks=config.kv_cache_tokens // 128, num_slots=config.max_num_seqs)
         kv_manager = KVCacheManager(cache, PrefixCache() if config.enable_prefix_caching else None)
         speculative = config.speculative_config(
@@ -388,7 +391,7 @@ class AsyncEngine:
                 config.swa_replay,
                 state=runner.state,
                 dir_tiers=_log_dir_tiers(config.dir_tiers()),
-                host_bytes=_host_bytes(config),
+                host_bytes=_host_bytes(config, num_local_ranks),
                 resume_slot_bytes=_log_resume_slots(config, runner.state),
                 resume_slot_url=config.resume_slot_url,
             ),
@@ -624,14 +627,17 @@ class AsyncEngine:
                 await asyncio.sleep(0.002)  # only requests waiting for KV: do not spin
 
 
-def _host_bytes(config: EngineConfig) -> int:
-    """The host tier's budget (0: none), printed."""
+def _host_bytes(config: EngineConfig, num_local_ranks: int) -> int:
+    """The host tier's budget of this rank (0: none), printed; the default is split between
+    the `num_local_ranks` ranks of this machine."""
     if not config.enable_prefix_caching:
         return 0
     budget = config.host_kv_cache_bytes
     if budget is None:
-        budget = default_host_bytes()
+        budget = default_host_bytes(num_local_ranks)
         how = f"default: {DEFAULT_HOST_FRACTION:.0%} of the memory available at start"
+        if num_local_ranks > 1:
+            how += f", split between the {num_local_ranks} ranks of this machine"
     else:
         how = "--host-kv-cache-bytes"
     logger.info(

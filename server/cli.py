@@ -20,7 +20,6 @@ import torch
 
 from engine.async_engine import DENSE_GEMMS, ENGRAM_PLACEMENTS, KV_STORAGES, EngineConfig
 from engine.distributed.config import ParallelConfig
-from engine.kv_cache.host import default_host_bytes
 from server.config import ServerConfig
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -402,20 +401,6 @@ def _add_parallel_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _host_kv_cache_bytes(value: int | None, parallel: ParallelConfig) -> int | None:
-    """The host tier's budget per rank: the option, else (None) the engine's default, which
-    ranks sharing this machine split."""
-    if value is not None or parallel.ranks_per_node == 1:
-        return value
-    budget = default_host_bytes(parallel.ranks_per_node)
-    logger.info(
-        "KV cache host tier default split between %d ranks: %.2f GiB each",
-        parallel.ranks_per_node,
-        budget / 2**30,
-    )
-    return budget
-
-
 def _own_url(host: str, port: int) -> str:
     """This server's base URL for the other servers of a shared cache directory."""
     if host in ("0.0.0.0", "::", ""):
@@ -455,7 +440,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_cache_shared_dir=args.kv_cache_shared_dir,
         kv_cache_shared_dir_bytes=args.kv_cache_shared_dir_bytes,
         kv_ttl=args.kv_ttl,
-        host_kv_cache_bytes=_host_kv_cache_bytes(args.host_kv_cache_bytes, parallel),
+        host_kv_cache_bytes=args.host_kv_cache_bytes,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_verify=args.speculative_verify,

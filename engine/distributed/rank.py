@@ -176,7 +176,7 @@ class RankEngine:
         model = load_rank_model(config, ExpertParallel.from_groups(groups), spec.num_local_ranks)
         # NOTE: AsyncEngine is only the builder here (scheduler, KV, runner, step budget as in
         # process); its loop never runs: `serve` drives the core.
-        engine = AsyncEngine.from_model(model, config)
+        engine = AsyncEngine.from_model(model, config, num_local_ranks=spec.num_local_ranks)
         runner = LockstepRunner(engine.core.runner, StepCoordinator(gloo_int_gather(groups.cpu)))
         engine.core.runner = runner
         return cls(groups.rank, engine, runner, groups.world_size)

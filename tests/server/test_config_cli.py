@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -191,17 +194,35 @@ def test_cli_batch_invariant_flag_reaches_the_model_numerics():
         EngineConfig(batch_invariant=True, dense_gemm="fp8", device="cuda", dtype="bfloat16")
 
 
-def test_cli_host_tier_budget():
-    def parsed(*argv: str) -> int | None:
-        return config_from_args(build_parser().parse_args(list(argv))).engine.host_kv_cache_bytes
+def test_cli_host_tier_budget(tiny_model, caplog: pytest.LogCaptureFixture) -> None:
+    def engine(*argv: str) -> EngineConfig:
+        return config_from_args(build_parser().parse_args(list(argv))).engine
 
-    assert parsed() is None  # the engine's default: a share of the memory available at start
-    assert parsed("--host-kv-cache-bytes", "0") == 0  # no host tier
-    assert parsed("--host-kv-cache-bytes", "2G") == 2 << 30
-    split = parsed("--ep", "2")  # two ranks on this machine split the default
-    assert split is not None and split > 0
+    assert engine().host_kv_cache_bytes is None  # the engine's default: a share of free memory
+    assert engine("--host-kv-cache-bytes", "0").host_kv_cache_bytes == 0  # no host tier
+    assert engine("--host-kv-cache-bytes", "2G").host_kv_cache_bytes == 2 << 30
     with pytest.raises(ValueError, match="host_kv_cache_bytes"):
         EngineConfig(host_kv_cache_bytes=-1)
+    # `--ep 2` runs two ranks on this machine: each rank's engine prints and uses half the
+    # default (measured by the engine, after its model is loaded).
+    config = dataclasses.replace(
+        engine("--ep", "2"), model="tiny", device="cpu", kv_cache_tokens=4096, max_model_len=2048
+    )
+    budgets, lines = {}, {}
+    for ranks in (1, 2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="engine.async_engine"):
+            built = AsyncEngine.from_model(tiny_model, config, num_local_ranks=ranks)
+        [lines[ranks]] = [
+            r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache host")
+        ]
+        pool = built.core.scheduler.prefix_reuse.host.pool.stats()
+        budgets[ranks] = pool.num_slots * pool.slot_bytes
+    assert "split between the 2 ranks of this machine" in lines[2]
+    assert "split" not in lines[1]
+    printed = float(re.search(r"([\d.]+) GiB", lines[2])[1]) * 2**30
+    assert abs(printed - budgets[2]) < 2**30 / 100, (lines[2], budgets)
+    assert 0.4 < budgets[2] / budgets[1] < 0.6, budgets
 
 
 def test_cli_engram_placement():
