@@ -9,7 +9,8 @@ Two implementations, the same contract:
 `build_engine_client(engine_config, parallel_config)` picks one. The server reaches the engine
 only through this module: requests (`generate`, `abort`), what it is (`info`), how it is doing
 (`is_running`, `failure`, `snapshot`) and its lifecycle (`start`, `shutdown`). Nothing the
-façade returns holds engine objects: snapshots are plain frozen dataclasses.
+façade returns holds engine objects: snapshots are plain frozen dataclasses. Offline tools the
+server's command line offers (`kv_cache_report`) are here too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from engine.core import EngineCore
 from engine.kv_cache.host import HostPoolStats
 from engine.kv_cache.resume import ResumeSlotStats
 from engine.kv_cache.store.dirstore import DirStoreStats
+from engine.kv_cache.store.report import directory_report, format_directory_report
+from engine.kv_cache.store.ttl import TTLPolicy
 from engine.outputs import Delta
 from engine.sampling_params import SamplingParams
 from engine.speculative.metrics import SpeculativeMetrics
@@ -319,6 +322,19 @@ class InProcessEngine:
         # NOTE: read from the event loop while a step may run in the worker thread; the
         # counters are plain ints, so a scrape sees a value at most one step old.
         return EngineSnapshot((rank_snapshot(self.async_engine.core),))
+
+
+def kv_cache_report(root: str, ttl: str, budget_bytes: int) -> str:
+    """What the KV cache directory `root` holds (blocks and bytes by traffic class and age
+    against `budget_bytes` per namespace, expired blocks under the `--kv-ttl` policy `ttl`, the
+    GC lease), as text. Read-only: safe on a directory servers are using; needs no engine.
+
+    Raises:
+        ValueError: `ttl` is not a TTL policy.
+        FileNotFoundError, NotADirectoryError: `root` holds no KV cache.
+    """
+    policy = TTLPolicy.parse(ttl)
+    return format_directory_report(root, directory_report(root, policy), budget_bytes, policy)
 
 
 def as_client(engine: EngineClient | AsyncEngine) -> EngineClient:

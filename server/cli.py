@@ -549,20 +549,16 @@ def _node_options_given(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 def _kv_cache_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`--kv-cache-report DIR`: print the directory's report; 0, or 2 when DIR is no cache."""
-    from engine.kv_cache.store.report import directory_report, format_directory_report
-    from engine.kv_cache.store.ttl import TTLPolicy
+    from engine.client import kv_cache_report
 
-    try:
-        policy = TTLPolicy.parse(args.kv_ttl)
-    except ValueError as exc:
-        parser.error(str(exc))
     root = args.kv_cache_report
     try:
-        reports = directory_report(root, policy)
+        print(kv_cache_report(root, args.kv_ttl, args.kv_cache_dir_bytes))
+    except ValueError as exc:
+        parser.error(str(exc))
     except (FileNotFoundError, NotADirectoryError):
         print(f"deepinfer-server: {root} holds no KV cache (no kv1/ directory)", file=sys.stderr)
         return 2
-    print(format_directory_report(root, reports, args.kv_cache_dir_bytes, policy))
     return 0
 
 
