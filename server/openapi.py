@@ -9,7 +9,9 @@ a prompt over the context length), and nothing here changes how a body is parsed
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel
 
 _STRING_OR_PARTS: dict[str, Any] = {
     "anyOf": [
@@ -208,34 +210,32 @@ COUNT_TOKENS_REQUEST: dict[str, Any] = {
     "required": ["model", "messages"],
 }
 
-_OPENAI_ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
-_ANTHROPIC_ERROR = {
-    "type": "object",
-    "required": ["type", "error"],
-    "properties": {
-        "type": {"const": "error"},
-        "error": {
-            "type": "object",
-            "required": ["type", "message"],
-            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
-        },
-    },
-}
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIError(BaseModel):
+    """The OpenAI error envelope (Chat Completions, Responses, the other OpenAI routes)."""
+
+    error: OpenAIErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """The Anthropic error envelope (Messages, count_tokens)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
 _ERROR_STATUSES = {
     "400": "Invalid request: malformed JSON, a field the request gets wrong or that is not "
     "supported, a prompt over the context length, nesting deeper than 64 levels",
@@ -247,8 +247,9 @@ _ERROR_STATUSES = {
 
 
 def error_responses(anthropic: bool, *, generation: bool = True) -> dict[int | str, Any]:
-    """The documented error responses of a route, in its protocol's envelope."""
-    schema = _ANTHROPIC_ERROR if anthropic else _OPENAI_ERROR
+    """The documented error responses of a route, in its protocol's envelope (published once,
+    under `components/schemas`, and referenced by every route's responses)."""
+    model = AnthropicError if anthropic else OpenAIError
     statuses = dict(_ERROR_STATUSES)
     if generation:
         if anthropic:
@@ -256,10 +257,7 @@ def error_responses(anthropic: bool, *, generation: bool = True) -> dict[int | s
         else:
             statuses["429"] = "At capacity (--max-queued-requests); retry later"
             statuses["503"] = "Shutting down, or the engine is not running"
-    return {
-        status: {"description": text, "content": {"application/json": {"schema": schema}}}
-        for status, text in statuses.items()
-    }
+    return {status: {"description": text, "model": model} for status, text in statuses.items()}
 
 
 def request_body(schema: dict[str, Any]) -> dict[str, Any]:

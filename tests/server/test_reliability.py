@@ -292,3 +292,22 @@ def test_openapi_publishes_request_schemas_and_errors(default_server):
     assert {"429", "503"} <= set(chat["responses"])
     assert "529" in document["paths"]["/v1/messages"]["post"]["responses"]
     assert "503" in document["paths"]["/health"]["get"]["responses"]
+
+
+def test_openapi_error_envelopes_are_published_once_and_referenced(default_server):
+    document = httpx.get(default_server[0] + "/openapi.json").json()
+    schemas = document["components"]["schemas"]
+    assert schemas["OpenAIError"]["required"] == ["error"]
+    assert schemas["AnthropicError"]["properties"]["type"]["const"] == "error"
+    anthropic = {"/v1/messages", "/v1/messages/count_tokens"}
+    referenced = set()
+    for path, operations in document["paths"].items():
+        for operation in operations.values():
+            for status, response in operation["responses"].items():
+                if status < "400" or status == "422" or "content" not in response:
+                    continue  # 422: FastAPI's own HTTPValidationError
+                ref = response["content"]["application/json"]["schema"].get("$ref")
+                name = "AnthropicError" if path in anthropic else "OpenAIError"
+                assert ref == f"#/components/schemas/{name}", (path, status)
+                referenced.add(name)
+    assert referenced == {"OpenAIError", "AnthropicError"}
