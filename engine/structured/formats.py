@@ -282,10 +282,14 @@ def _assertions_beside_literals(schema: dict[str, Any], where: str) -> str | Non
     else:
         checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
         validator = jsonschema.Draft202012Validator(rest, format_checker=checker)
-        error = next((e for v in values for e in validator.iter_errors(v)), None)
-        if error is None:
-            return None
-        keyword = str(error.validator)
+        try:
+            error = next((e for v in values for e in validator.iter_errors(v)), None)
+        except Exception:  # jsonschema raises several kinds for a malformed or unresolvable one
+            keyword = sorted(rest)[0]
+        else:
+            if error is None:
+                return None
+            keyword = str(error.validator)
     return (
         f"JSON Schema keyword '{keyword}' together with '{literal}' (at {where}) is not "
         f"supported: the grammar allows every '{literal}' value, and not all satisfy it"

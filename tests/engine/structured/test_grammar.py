@@ -423,6 +423,7 @@ IGNORED_COMBINATIONS = [
     ({"type": "string", "const": "abc", "pattern": "^x$"}, "'pattern' together with 'const'"),
     ({"anyOf": [{"type": "string"}], "maxLength": 1}, "'maxLength' together with 'anyOf'"),
     ({"$defs": {"o": {"type": "object"}}, "$ref": "#/$defs/o", "required": ["b"]}, "'required'"),
+    ({"enum": [1], "minimum": "x"}, "'minimum' together with 'enum'"),  # jsonschema raises
 ]
 
 
