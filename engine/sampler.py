@@ -47,8 +47,10 @@ from itertools import chain
 
 import torch
 
+import kernels
 from engine.outputs import SamplingInfo
 from engine.sampling_params import MAX_TOP_LOGPROBS
+from kernels.nucleus_cutoff import nucleus_cutoffs
 
 # Temperatures in (0, 1e-5) sample as 1e-5: logits / T must stay finite; such rows are
 # indistinguishable from greedy anyway.
@@ -247,6 +249,9 @@ class SamplingBatch:
     filter_rows: RowSelection  # top-k or top-p active (greedy rows: only if logprobs wanted)
     min_p_rows: RowSelection  # min_p > 0 (greedy rows: likewise)
     logprob_rows: RowSelection  # logprobs wanted
+    # filter rows by how the device finds their cut-off (CUDA; see `_apply_top_k_top_p`):
+    kernel_rows: RowSelection  # top_p < 1 without top_k, or top_k above the candidates
+    candidate_rows: RowSelection  # 0 < top_k <= NUCLEUS_CANDIDATES[-1]
     has_temperature: bool  # some row divides by a temperature other than 1
     uses_top_p: bool  # some filter row has top_p < 1
     uses_top_p_alone: bool  # some filter row has top_p < 1 and no top_k (the widest nuclei)
@@ -299,6 +304,19 @@ class SamplingBatch:
             where(is_filtered),
             where([p.min_p > 0 and needs for p, needs in zip(params, needs_filters, strict=True)]),
             where(wants_logprobs),
+            # on the device, top-p rows without a top_k the candidates can hold take the kernel
+            where(
+                [
+                    f and ((k == 0 and p.top_p < 1) or k > NUCLEUS_CANDIDATES[-1])
+                    for k, p, f in zip(top_k, params, is_filtered, strict=True)
+                ]
+            ),
+            where(
+                [
+                    f and 0 < k <= NUCLEUS_CANDIDATES[-1]
+                    for k, f in zip(top_k, is_filtered, strict=True)
+                ]
+            ),
         ]
         ints = _upload(
             [
@@ -330,7 +348,7 @@ class SamplingBatch:
         )
         k_t, seeds_t, positions_t, wants_t, bias_rows_t, bias_tokens_t = ints[:6]
         forced_rows_t, forced_tokens_t = ints[6:8]
-        sample, greedy, filtered, min_p_sel, logprob_sel = (
+        sample, greedy, filtered, min_p_sel, logprob_sel, kernel_sel, candidate_sel = (
             RowSelection(index, len(sel), len(sel) == len(infos))
             for index, sel in zip(ints[8:], selections, strict=True)
         )
@@ -359,6 +377,8 @@ class SamplingBatch:
             filter_rows=filtered,
             min_p_rows=min_p_sel,
             logprob_rows=logprob_sel,
+            kernel_rows=kernel_sel,
+            candidate_rows=candidate_sel,
             has_temperature=any(t != 1.0 for t in temperature),
             uses_top_p=any(p.top_p < 1 for p, f in zip(params, is_filtered, strict=True) if f),
             uses_top_p_alone=any(k == 0 for k, f in zip(top_k, is_filtered, strict=True) if f),
@@ -499,15 +519,23 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> None:
 def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     """Top-k, then top-p on the renormalised top-k survivors, as one threshold per row.
 
-    Without top-p rows a `topk(max_top_k)` gives each row's k-th value. With them, the cut-offs
-    come from `topk` candidates (`_candidate_cutoffs`) where that is exact without a host wait,
-    else from the sorted rule (`sorted_top_k_top_p_cutoffs`). Ties with the cut-off are kept.
+    Without top-p rows a `topk(max_top_k)` gives each row's k-th value. With them, on the CPU
+    the cut-offs come from `topk` candidates (`_candidate_cutoffs`, reading on the host which
+    rows need wider ones) and from the sorted rule (`sorted_top_k_top_p_cutoffs`) for rows
+    wider still. On CUDA (and in Triton's interpreter) nothing is read back and nothing sorts
+    the vocabulary: rows with 0 < top_k <= the last candidate count take the candidates (bit
+    for bit the sorted rule), the others (`batch.kernel_rows`: top-p without top_k, or a larger
+    top_k) the search kernel `kernels.nucleus_cutoff` (the same rule with fp32 sums in a fixed
+    order: equal kept sets except where the mass at the cut-off is within
+    `kernels.nucleus_cutoff.MASS_TOLERANCE` of top_p). Which rows take which depends only on
+    each row's parameters, so a row's kept set does not depend on the batch. Ties with the
+    cut-off are kept.
     """
     sel = batch.filter_rows
     if sel.size == 0:
         return
-    k = sel.take(batch.top_k)[:, None]
     if not batch.uses_top_p:
+        k = sel.take(batch.top_k)[:, None]
 
         def top_k_only(xs: torch.Tensor) -> None:
             values = xs.topk(batch.max_top_k, dim=-1).values
@@ -515,18 +543,17 @@ def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
 
         sel.apply_(x, top_k_only)
         return
+    if x.is_cuda or kernels.interpreting():
+        _device_top_k_top_p(x, batch)
+        return
     rows = _NucleusRows(
-        k, sel.take(batch.top_p)[:, None], batch.max_top_k > 0, batch.uses_top_p_alone
+        sel.take(batch.top_k)[:, None],
+        sel.take(batch.top_p)[:, None],
+        batch.max_top_k > 0,
+        batch.uses_top_p_alone,
     )
     num_candidates = max(NUCLEUS_CANDIDATES[0], batch.max_top_k)
-    # NOTE: whether a top-p-alone row's nucleus fits in its candidates is known on the device;
-    # on CPU the host reads it for free, on CUDA it would wait for the step (async scheduling
-    # queues sampling behind the forward), so CUDA batches with such rows take the sort.
-    use_candidates = (
-        num_candidates <= NUCLEUS_CANDIDATES[-1]
-        and num_candidates < batch.vocab_size
-        and (x.device.type == "cpu" or not rows.any_vocab)
-    )
+    use_candidates = num_candidates <= NUCLEUS_CANDIDATES[-1] and num_candidates < batch.vocab_size
 
     def top_k_top_p(xs: torch.Tensor) -> None:
         if use_candidates:
@@ -536,6 +563,34 @@ def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
         xs.masked_fill_(xs < cutoff, -math.inf)
 
     sel.apply_(x, top_k_top_p)
+
+
+def _device_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
+    """`_apply_top_k_top_p` without a host read or a sort: candidates for the rows whose top_k
+    they hold, the search kernel for the others."""
+    by_kernel, by_candidates = batch.kernel_rows, batch.candidate_rows
+
+    def search(xs: torch.Tensor) -> None:
+        top_k, top_p = by_kernel.take(batch.top_k), by_kernel.take(batch.top_p)
+        xs.masked_fill_(xs < nucleus_cutoffs(xs, top_k, top_p), -math.inf)
+
+    by_kernel.apply_(x, search)
+    # NOTE: candidates at the whole row (c = vocab) are the sorted rule itself; with no top-p-
+    # alone row `_candidate_cutoffs` reads nothing back.
+    num_candidates = min(
+        max(NUCLEUS_CANDIDATES[0], min(batch.max_top_k, NUCLEUS_CANDIDATES[-1])), batch.vocab_size
+    )
+    rows = _NucleusRows(
+        by_candidates.take(batch.top_k)[:, None],
+        by_candidates.take(batch.top_p)[:, None],
+        True,
+        False,
+    )
+
+    def candidates(xs: torch.Tensor) -> None:
+        xs.masked_fill_(xs < _candidate_cutoffs(xs, rows, num_candidates), -math.inf)
+
+    by_candidates.apply_(x, candidates)
 
 
 # `topk` candidates per top-p row, tried in turn (the first at least the batch's largest top_k):
