@@ -8,12 +8,15 @@ Each case is one batch of `rows` identical-parameter rows of `vocab` fp32 logits
 (scale 4: thousands, wider than the topk candidates) and flat (scale 1: most of the vocabulary).
 "old" is the filter as the sampler ran it before (one descending sort of every filter row, the
 softmax of the sorted row, cumsum); "new" is `process_logits` (a copy plus the filter: topk
-candidates, the sort only for rows whose nucleus is wider on CPU and for top-p-alone batches on
-CUDA). Both are timed on the same logits, interleaved, median of `repeats` (CUDA: events after
-a warm-up). Reported per case: µs per batch old and new, the speed-up, the median kept tokens
-per row and the rows whose kept sets differ (old and new may differ only where the better
-tokens' mass is within rounding of top_p; see `sorted_top_k_top_p_cutoffs`). The primitives
-line times `sort` and `topk` at each candidate count alone. Writes sampler_speed.json.
+candidates, the sort only for rows whose nucleus is wider on CPU; on CUDA the cut-off search
+kernel for top-p-alone rows and top_k above the candidates, never a sort). Both are timed on the
+same logits, interleaved, median of `repeats` (CUDA: events after a warm-up). Reported per
+case: µs per batch old and new, the speed-up, the median kept tokens per row and the rows whose
+kept sets differ (old and new may differ only where the better tokens' mass is within rounding
+of top_p; see `sorted_top_k_top_p_cutoffs` and `kernels.nucleus_cutoff.MASS_TOLERANCE`).
+The primitives line times `sort` and `topk` at each candidate count alone and, on CUDA, the
+search kernel (`kernels.nucleus_cutoff`, top_p 0.95 with and without top_k 50), on the first
+distribution's logits. Writes sampler_speed.json.
 """
 
 from __future__ import annotations
@@ -111,11 +114,25 @@ def bench_case(
 
 
 def bench_primitives(logits: torch.Tensor, repeats: int, timer: Callable) -> dict[str, float]:
-    out = {}
-    for name, fn in [
+    """sort and topk alone; on CUDA also the cut-off search kernel (`kernels.nucleus_cutoff`)
+    for top_p 0.95 alone and with top_k 50 (its count search), which replaces the sort."""
+    rows = logits.shape[0]
+    primitives = [
         ("sort", lambda: logits.sort(dim=-1, descending=True)),
         *((f"topk({n})", lambda n=n: logits.topk(n, dim=-1)) for n in NUCLEUS_CANDIDATES),
-    ]:
+    ]
+    if logits.is_cuda:
+        from kernels.nucleus_cutoff import nucleus_cutoffs
+
+        top_p = torch.full((rows,), 0.95, device=logits.device)
+        no_k = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+        k50 = torch.full_like(no_k, 50)
+        primitives += [
+            ("kernel(top_p)", lambda: nucleus_cutoffs(logits, no_k, top_p)),
+            ("kernel(top_k 50 + top_p)", lambda: nucleus_cutoffs(logits, k50, top_p)),
+        ]
+    out = {}
+    for name, fn in primitives:
         fn()  # warm-up
         out[name] = statistics.median(timer(fn) for _ in range(repeats))
     return out
@@ -144,7 +161,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     for rows in args.rows:
         base = torch.randn(rows, args.vocab, generator=generator).to(device)
-        prim = bench_primitives(base, args.repeats, timer)
+        prim = bench_primitives(base * SCALES[args.dists[0]], args.repeats, timer)
         print(f"\nrows {rows}: " + ", ".join(f"{k} {v:,.0f} µs" for k, v in prim.items()))
         print(
             f"{'dist':<7} {'case':<24} {'old µs':>12} {'new µs':>12} {'speed-up':>9} "

@@ -6,7 +6,8 @@ the sampled ids and, when asked, logprobs, all still on the device: the caller b
 host with one `.tolist()` each. Nothing in here syncs with the host per request; which code paths
 run (penalties, top-k/top-p, min-p, logprobs) is decided from plain Python data at batch build time.
 (One exception, on CPU only, where host and device are one: top-p reads which rows' nuclei are
-wider than their `topk` candidates, `_candidate_cutoffs`.)
+wider than their `topk` candidates, `_candidate_cutoffs`. On CUDA those rows' cut-offs come from
+the search kernel `kernels.nucleus_cutoff` instead, so no step reads back or sorts the vocabulary.)
 
 Processing order (`process_logits`), each step per row:
 
@@ -594,8 +595,9 @@ def _device_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
 
 
 # `topk` candidates per top-p row, tried in turn (the first at least the batch's largest top_k):
-# most nuclei fit in the first; a top-p-alone row whose nucleus does not fit in the last takes
-# the sort. A batch with a top_k above the last sorts (`topk` would cost about as much).
+# most nuclei fit in the first; on CPU a top-p-alone row whose nucleus does not fit in the last
+# takes the sort, and a batch with a top_k above the last sorts (`topk` would cost about as
+# much). On CUDA only rows with 0 < top_k <= the last take candidates (`_device_top_k_top_p`).
 NUCLEUS_CANDIDATES = (256, 4096)
 # Candidates whose cumulative mass is below top_p + this (8 float ulps at 1) may not hold the
 # whole nucleus: the sorted rule's `before` of a later token can round one ulp below its mass.
@@ -656,7 +658,7 @@ def _candidate_cutoffs(xs: torch.Tensor, rows: _NucleusRows, num_candidates: int
     last candidate's probability), else the sorted rule.
 
     NOTE: the host reads which rows those are (free on CPU; callers on CUDA pass only rows with
-    top_k <= num_candidates, which never need it).
+    0 < top_k <= num_candidates, which never need it).
     """
     rows = rows.with_vocab_exps(xs)
     cutoff, mass, last = _nucleus_cutoffs(xs, xs.topk(num_candidates, dim=-1), rows)

@@ -52,9 +52,9 @@ _KEY_NEG_INF = -2139095041
 
 @triton.jit
 def _keys(x):
-    """Ordered int64 keys of fp32 values (−0.0 as +0.0)."""
+    """Ordered int32 keys of fp32 values (−0.0 as +0.0)."""
     bits = (x + 0.0).to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
@@ -76,13 +76,15 @@ def _search(
     while hi - lo > 1:
         step = (hi - lo + NUM) // (NUM + 1)
         thresholds = tl.minimum(lo + step * parts, hi)
+        # NOTE: keys of the open interval fit int32 (only the step's arithmetic needs int64)
+        bounds = thresholds.to(tl.int32)
         acc = tl.zeros([NUM], dtype=tl.float32)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < width
             x = tl.load(row_ptr + cols, mask=inside, other=-float("inf"))
             weight = tl.exp(x - row_max) if MASS else inside.to(tl.float32)
-            hit = _keys(x)[:, None] >= thresholds[None, :]
+            hit = _keys(x)[:, None] >= bounds[None, :]
             acc += tl.sum(tl.where(hit, weight[:, None], 0.0), axis=0)
         reached = acc >= target
         lo = tl.maximum(lo, tl.max(tl.where(reached, thresholds, lo), axis=0))
@@ -121,7 +123,7 @@ def _nucleus_cutoff_kernel(
         )
     row_max = tl.max(row_max, axis=0)
     lo = tl.full([], KEY_NEG_INF, tl.int64)
-    hi = _keys(row_max) + 1
+    hi = _keys(row_max).to(tl.int64) + 1
     if row_max == -float("inf"):
         hi = lo + 1  # nothing to keep or drop
         row_max = 0.0
@@ -134,7 +136,7 @@ def _nucleus_cutoff_kernel(
             cols = start + tl.arange(0, BLOCK)
             inside = cols < width
             x = tl.load(row_ptr + cols, mask=inside, other=-float("inf"))
-            strictly = _keys(x) > lo
+            strictly = _keys(x).to(tl.int64) > lo
             total += tl.where(strictly, tl.exp(x - row_max), 0.0)
             above += (strictly & inside).to(tl.float32)
         norm = tl.sum(total, axis=0)
@@ -145,11 +147,14 @@ def _nucleus_cutoff_kernel(
     tl.store(out_ptr + row, _value(lo))
 
 
-def nucleus_cutoffs(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def nucleus_cutoffs(
+    x: Tensor, top_k: Tensor, top_p: Tensor, num_thresholds: int = NUM_THRESHOLDS
+) -> Tensor:
     """Each row's cut-off `[n, 1]` fp32 (see the module docstring); a row keeps `x >= cutoff`.
 
     x: fp32 `[n, vocab]` (rows contiguous); top_k: int `[n]` or `[n, 1]` (0 = off, < vocab);
     top_p: fp32 `[n]` or `[n, 1]` in (0, 1]. One launch; nothing comes back to the host.
+    num_thresholds: keys tried per pass (a power of two; fewer: less arithmetic, more passes).
 
     Raises:
         ValueError: another dtype or shape, or not on CUDA (or Triton's interpreter).
@@ -171,7 +176,7 @@ def nucleus_cutoffs(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
             x.stride(0),
             KEY_NEG_INF=_KEY_NEG_INF,
             BLOCK=BLOCK,
-            NUM=NUM_THRESHOLDS,
+            NUM=num_thresholds,
             num_warps=8,
         )
     return out

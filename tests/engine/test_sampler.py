@@ -358,6 +358,81 @@ def test_cuda_top_k_top_p_equals_the_cuda_sorted_rule() -> None:
     _assert_filtered_like_the_sorted_rule(logits, params)
 
 
+def device_filter_rows(device: str, vocab: int) -> dict:
+    """process_logits of a batch mixing every route on `device` (CUDA or Triton's interpreter),
+    against the sorted rule: which rows' kept sets differ and the float64 boundary gaps."""
+    from kernels.nucleus_cutoff import boundary_gaps
+
+    params = [
+        SamplingParams(top_p=0.95),  # the kernel (top-p alone)
+        SamplingParams(top_p=0.5, temperature=0.7),
+        SamplingParams(top_k=4500 if vocab > 4500 else 0, top_p=0.9),  # the kernel (wide top_k)
+        SamplingParams(top_k=50, top_p=0.95),  # the candidates
+        SamplingParams(top_k=7),  # the candidates (top-k alone beside top-p rows)
+        SamplingParams(top_p=1e-6),
+    ]
+    logits = _logits(len(params), vocab, seed=30, scale=4.0).to(device)
+    logits[1, ::3] = -math.inf  # a mask
+    batch = SamplingBatch.from_infos(
+        [_info(p, seed=r) for r, p in enumerate(params)], vocab, device
+    )
+    scaled = logits / batch.temperature[:, None]
+    k = batch.top_k[:, None]
+    top_p = batch.top_p[:, None]
+    want = scaled.masked_fill(scaled < sorted_top_k_top_p_cutoffs(scaled, k, top_p), -math.inf)
+    gaps = boundary_gaps(scaled, k, top_p)
+    sort, nonzero = torch.Tensor.sort, torch.Tensor.nonzero
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the device path sorted or read back")
+
+    torch.Tensor.sort = torch.Tensor.nonzero = refuse
+    if logits.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # a host read raises
+    try:
+        processed = process_logits(logits, batch)
+    finally:
+        torch.Tensor.sort, torch.Tensor.nonzero = sort, nonzero
+        if logits.is_cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    differ = (processed.isfinite() != want.isfinite()).any(-1)
+    return {
+        "differ": differ.nonzero().flatten().tolist(),
+        "gaps": gaps.tolist(),
+        "candidates_exact": bool(torch.equal(processed[3:5], want[3:5])),
+        "kept": processed.isfinite().sum(-1).tolist(),
+    }
+
+
+_DEVICE_INTERPRETED = """
+import json
+from tests.engine.test_sampler import device_filter_rows
+print(json.dumps(device_filter_rows("cpu", 5000)))
+"""
+
+
+def _assert_device_rows(result: dict) -> None:
+    from kernels.nucleus_cutoff import MASS_TOLERANCE
+
+    assert result["candidates_exact"], result
+    assert all(result["gaps"][r] < MASS_TOLERANCE for r in result["differ"]), result
+    assert result["kept"][5] == 1 and result["kept"][4] == 7, result
+
+
+def test_the_device_path_neither_sorts_nor_reads_back_in_the_interpreter() -> None:
+    # under TRITON_INTERPRET the CPU takes the CUDA route: kernel rows, candidate rows, no sort,
+    # no host read (`nonzero`, the CPU's choice of wider candidates)
+    from tests.kernels.interpreted import run_interpreted
+
+    _assert_device_rows(run_interpreted(_DEVICE_INTERPRETED))
+
+
+@pytest.mark.gpu
+def test_cuda_top_p_never_syncs_or_sorts() -> None:
+    _assert_device_rows(device_filter_rows("cuda", VOCAB))
+
+
 # ----------------------------------------------------------------------------------------------
 # Greedy, penalties, bias, min_tokens
 # ----------------------------------------------------------------------------------------------
