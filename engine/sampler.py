@@ -520,7 +520,8 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> None:
 def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     """Top-k, then top-p on the renormalised top-k survivors, as one threshold per row.
 
-    Without top-p rows a `topk(max_top_k)` gives each row's k-th value. With them, on the CPU
+    Without top-p rows a `topk(max_top_k)` gives each row's k-th value (on CUDA past the last
+    candidate count, the search kernel's exact count search). With them, on the CPU
     the cut-offs come from `topk` candidates (`_candidate_cutoffs`, reading on the host which
     rows need wider ones) and from the sorted rule (`sorted_top_k_top_p_cutoffs`) for rows
     wider still. On CUDA (and in Triton's interpreter) nothing is read back and nothing sorts
@@ -535,16 +536,23 @@ def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     sel = batch.filter_rows
     if sel.size == 0:
         return
+    device_path = x.is_cuda or kernels.interpreting()
     if not batch.uses_top_p:
         k = sel.take(batch.top_k)[:, None]
+        # NOTE: `topk` sorts what it returns; past the candidates the search's count is cheaper
+        # (the k-th value is exact either way)
+        by_search = device_path and batch.max_top_k > NUCLEUS_CANDIDATES[-1]
 
         def top_k_only(xs: torch.Tensor) -> None:
-            values = xs.topk(batch.max_top_k, dim=-1).values
-            xs.masked_fill_(xs < values.gather(1, k - 1), -math.inf)
+            if by_search:
+                cutoff = nucleus_cutoffs(xs, k, torch.ones(len(xs), device=xs.device))
+            else:
+                cutoff = xs.topk(batch.max_top_k, dim=-1).values.gather(1, k - 1)
+            xs.masked_fill_(xs < cutoff, -math.inf)
 
         sel.apply_(x, top_k_only)
         return
-    if x.is_cuda or kernels.interpreting():
+    if device_path:
         _device_top_k_top_p(x, batch)
         return
     rows = _NucleusRows(

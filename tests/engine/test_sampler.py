@@ -386,12 +386,22 @@ def device_filter_rows(device: str, vocab: int) -> dict:
     def refuse(*args, **kwargs):
         raise AssertionError("the device path sorted or read back")
 
+    top_k_only = SamplingBatch.from_infos(
+        [_info(SamplingParams(top_k=k), seed=r) for r, k in enumerate((vocab - 500, 30))],
+        vocab,
+        device,
+    )
+    values = logits[:2].sort(dim=-1, descending=True).values
+    by_topk = logits[:2].masked_fill(
+        logits[:2] < values[:, [vocab - 501, 29]].diag()[:, None], -math.inf
+    )
     torch.Tensor.sort = torch.Tensor.nonzero = refuse
     if logits.is_cuda:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # a host read raises
     try:
         processed = process_logits(logits, batch)
+        wide_top_k = process_logits(logits[:2], top_k_only)
     finally:
         torch.Tensor.sort, torch.Tensor.nonzero = sort, nonzero
         if logits.is_cuda:
@@ -401,6 +411,7 @@ def device_filter_rows(device: str, vocab: int) -> dict:
         "differ": differ.nonzero().flatten().tolist(),
         "gaps": gaps.tolist(),
         "candidates_exact": bool(torch.equal(processed[3:5], want[3:5])),
+        "top_k_alone_exact": bool(torch.equal(wide_top_k, by_topk)),
         "kept": processed.isfinite().sum(-1).tolist(),
     }
 
@@ -415,7 +426,7 @@ print(json.dumps(device_filter_rows("cpu", 5000)))
 def _assert_device_rows(result: dict) -> None:
     from kernels.nucleus_cutoff import MASS_TOLERANCE
 
-    assert result["candidates_exact"], result
+    assert result["candidates_exact"] and result["top_k_alone_exact"], result
     assert all(result["gaps"][r] < MASS_TOLERANCE for r in result["differ"]), result
     assert result["kept"][5] == 1 and result["kept"][4] == 7, result
 
