@@ -16,10 +16,10 @@ the magnitude flipped for negatives, so that keys order as the floats do). A pas
 in tiles, sums the weights of the tokens at or above `NUM_THRESHOLDS` keys spread evenly over
 the interval still open and narrows it to one of NUM_THRESHOLDS + 1 parts, until one key is left:
 about 8 passes for 32 bits, each a read of the row (the count search for v_k and the mass search
-each take theirs). A key found this way is a value of the row, so c is exact; the sums are fp32
-in a fixed order (a tile's tree, then tile after tile), so a row's cut-off does not depend on the
-rest of the batch and is the same on every run, but it can differ from a float64 computation of
-the rule where the mass at the cut-off is within rounding of p (`MASS_TOLERANCE`).
+each take theirs). A key found this way is a value of the row, so c is exact; the sums run in a
+fixed order (a tile's fp32 tree, then tile after tile in float64), so a row's cut-off does not
+depend on the rest of the batch and is the same on every run, but it can differ from a float64
+computation of the rule where the mass at the cut-off is within rounding of p (`MASS_TOLERANCE`).
 
 −inf entries weigh 0 (they count for v_k like any value); a row that is all −inf gets −inf.
 `nucleus_cutoffs_reference` is the rule in float64 torch, by a sort.
@@ -38,11 +38,12 @@ from kernels import check_runnable
 
 __all__ = ["MASS_TOLERANCE", "boundary_gaps", "nucleus_cutoffs", "nucleus_cutoffs_reference"]
 
-# The fp32 sums of a 129K row (trees of 1,024 within a tile, ~127 tiles in sequence) and the
-# exponentials are within this of the exact mass relative to the normaliser (the worst case:
-# ~127 sequential additions of eps/2 each, plus a tile tree's 10): where top_p is further than
-# this from both masses at the float64 cut-off, the kernel's cut-off is the float64 one.
-MASS_TOLERANCE = 2.0**-16
+# Each mass is a float64 sum over tiles of fp32 tile sums (a tree of 1,024: at most 10 roundings
+# of 2^-24 relative) of fp32 exponentials (`ex2.approx` of x·log2 e: a few 2^-24 relative per
+# unit of |x − max|, ~1e-7·E|x − max| weighted by mass); together well under this bound, relative
+# to the normaliser. Where top_p is further than this from both masses at the float64 cut-off,
+# the kernel's cut-off is the float64 one.
+MASS_TOLERANCE = 2.0**-18
 
 BLOCK = 1024
 NUM_THRESHOLDS = 16
@@ -78,14 +79,14 @@ def _search(
         thresholds = tl.minimum(lo + step * parts, hi)
         # NOTE: keys of the open interval fit int32 (only the step's arithmetic needs int64)
         bounds = thresholds.to(tl.int32)
-        acc = tl.zeros([NUM], dtype=tl.float32)
+        acc = tl.zeros([NUM], dtype=tl.float64)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < width
             x = tl.load(row_ptr + cols, mask=inside, other=-float("inf"))
             weight = tl.exp(x - row_max) if MASS else inside.to(tl.float32)
             hit = _keys(x)[:, None] >= bounds[None, :]
-            acc += tl.sum(tl.where(hit, weight[:, None], 0.0), axis=0)
+            acc += tl.sum(tl.where(hit, weight[:, None], 0.0), axis=0).to(tl.float64)
         reached = acc >= target
         lo = tl.maximum(lo, tl.max(tl.where(reached, thresholds, lo), axis=0))
         hi = tl.minimum(hi, tl.min(tl.where(reached, hi, thresholds), axis=0))
@@ -128,22 +129,23 @@ def _nucleus_cutoff_kernel(
         hi = lo + 1  # nothing to keep or drop
         row_max = 0.0
     if top_k > 0:
-        lo = _search(row_ptr, width, row_max, lo, hi, top_k.to(tl.float32), False, BLOCK, NUM)
+        lo = _search(row_ptr, width, row_max, lo, hi, top_k.to(tl.float64), False, BLOCK, NUM)
     if top_p < 1.0:
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        above = tl.zeros([BLOCK], dtype=tl.float32)
+        norm = tl.zeros([], dtype=tl.float64)
+        above = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < width
             x = tl.load(row_ptr + cols, mask=inside, other=-float("inf"))
             strictly = _keys(x).to(tl.int64) > lo
-            total += tl.where(strictly, tl.exp(x - row_max), 0.0)
-            above += (strictly & inside).to(tl.float32)
-        norm = tl.sum(total, axis=0)
+            norm += tl.sum(tl.where(strictly, tl.exp(x - row_max), 0.0), axis=0).to(tl.float64)
+            above += (strictly & inside).to(tl.int32)
         if top_k > 0:
             # the k best positions: those above v_k, then copies of v_k
-            norm += (top_k.to(tl.float32) - tl.sum(above, axis=0)) * tl.exp(_value(lo) - row_max)
-        lo = _search(row_ptr, width, row_max, lo, hi, top_p * norm, True, BLOCK, NUM)
+            ties = (top_k - tl.sum(above, axis=0)).to(tl.float64)
+            norm += ties * tl.exp(_value(lo) - row_max).to(tl.float64)
+        target = top_p.to(tl.float64) * norm
+        lo = _search(row_ptr, width, row_max, lo, hi, target, True, BLOCK, NUM)
     tl.store(out_ptr + row, _value(lo))
 
 

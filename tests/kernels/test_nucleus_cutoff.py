@@ -78,11 +78,22 @@ def disagreements(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> 
     }
 
 
+# The sorted rule's own rounding (fp32 probabilities, an fp32 scan on CUDA) is looser.
+SORTED_TOLERANCE = 2.0**-14
+
+
 def _assert_rule_held(result: dict) -> None:
     gaps = result["gaps"]
     # the kernel's kept set is the float64 one wherever the mass is clear of top_p
     assert all(gaps[r] < MASS_TOLERANCE for r in result["kernel_vs_float64"]), result
-    assert all(gaps[r] < MASS_TOLERANCE for r in result["kernel_vs_sorted"]), result
+    assert all(gaps[r] < SORTED_TOLERANCE for r in result["kernel_vs_sorted"]), result
+    differ = result["kernel_vs_sorted"]
+    kernel_exact = [r for r in differ if r not in result["kernel_vs_float64"]]
+    print(
+        f"rows {len(gaps)}: kernel vs float64 differ on {len(result['kernel_vs_float64'])}, "
+        f"kernel vs sorted rule on {len(differ)} (float64 sides with the kernel on "
+        f"{len(kernel_exact)}); gaps of those rows: {[f'{gaps[r]:.2g}' for r in differ]}"
+    )
 
 
 _INTERPRETED = """
@@ -154,3 +165,19 @@ def test_many_rows_at_the_real_vocabulary_on_cuda(scale: float) -> None:
     # the batch does not move a row's cut-off
     alone = nucleus_cutoffs(x[5:6], top_k[5:6], top_p[5:6])
     assert torch.equal(alone, nucleus_cutoffs(x, top_k, top_p)[5:6])
+
+
+def test_kernel_compiles_for_hopper_without_spills() -> None:
+    # what the interpreter cannot show: the loops, branches and int64/int32 mixing type-check
+    # for sm90, and the [1024, 16] comparison tiles stay in registers
+    from kernels.nucleus_cutoff import _KEY_NEG_INF, _nucleus_cutoff_kernel
+    from tests.kernels.interpreted import compile_for_hopper
+
+    pointers = {"x_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "out_ptr": "*fp32"}
+    ptx = compile_for_hopper(
+        _nucleus_cutoff_kernel,
+        {**pointers, "width": "i32", "row_stride": "i32"},
+        {"KEY_NEG_INF": _KEY_NEG_INF, "BLOCK": 1024, "NUM": 16},
+        {*pointers, "width", "row_stride"},
+    )
+    assert ".entry" in ptx and ".local" not in ptx
