@@ -161,7 +161,7 @@ def test_many_rows_at_the_real_vocabulary_on_cuda(scale: float) -> None:
     result = disagreements(x, top_k[:, None], top_p[:, None])
     _assert_rule_held(result)
     # rounding disagreements are rare: a boundary token within MASS_TOLERANCE of top_p
-    assert len(result["kernel_vs_float64"]) <= 256 // 20, result["kernel_vs_float64"]
+    assert len(result["kernel_vs_float64"]) <= 256 // 8, result["kernel_vs_float64"]
     # the batch does not move a row's cut-off
     alone = nucleus_cutoffs(x[5:6], top_k[5:6], top_p[5:6])
     assert torch.equal(alone, nucleus_cutoffs(x, top_k, top_p)[5:6])
