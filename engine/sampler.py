@@ -527,11 +527,11 @@ def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     wider still. On CUDA (and in Triton's interpreter) nothing is read back and nothing sorts
     the vocabulary: rows with 0 < top_k <= the last candidate count take the candidates (bit
     for bit the sorted rule), the others (`batch.kernel_rows`: top-p without top_k, or a larger
-    top_k) the search kernel `kernels.nucleus_cutoff` (the same rule with fp32 sums in a fixed
-    order: equal kept sets except where the mass at the cut-off is within
-    `kernels.nucleus_cutoff.MASS_TOLERANCE` of top_p). Which rows take which depends only on
-    each row's parameters, so a row's kept set does not depend on the batch. Ties with the
-    cut-off are kept.
+    top_k) the search kernel `kernels.nucleus_cutoff` (the same rule, its masses summed in a
+    fixed order: fp32 within a tile, float64 across; equal kept sets except where the mass at
+    the cut-off is within `kernels.nucleus_cutoff.MASS_TOLERANCE` of top_p). Which rows take
+    which depends only on each row's parameters, so a row's kept set does not depend on the
+    batch. Ties with the cut-off are kept.
     """
     sel = batch.filter_rows
     if sel.size == 0:
