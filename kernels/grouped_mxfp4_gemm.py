@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import check_runnable
+from kernels import check_runnable, interpreting
 from kernels.element_codes import mxfp4_to_float
 
 MXFP4_BLOCK = 32
@@ -380,6 +380,11 @@ def _dequantize_tile(
     return tl.reshape(values, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
 
 
+# The interpreter's bf16 dot is not trustworthy: there the prefill kernel's operands (bf16 values,
+# exact in fp32) go to an fp32 dot.
+_PREFILL_DOT = tl.constexpr(tl.float32 if interpreting() else tl.bfloat16)
+
+
 def _prefill_configs() -> list[triton.Config]:
     """(BLOCK_N, BLOCK_K, warps, stages) of the prefill kernel (token rows as the wgmma's M)."""
     shapes = [(32, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3),
@@ -455,12 +460,12 @@ def _prefill_kernel(
         w = _dequantize_tile(
             codes_ptr, scales_ptr, offs_n, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
         )
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x.to(_PREFILL_DOT), tl.trans(w.to(_PREFILL_DOT)), acc)
         if GATED:
             w_up = _dequantize_tile(
                 codes_ptr, scales_ptr, offs_up, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
             )
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+            acc_up = tl.dot(x.to(_PREFILL_DOT), tl.trans(w_up.to(_PREFILL_DOT)), acc_up)
     if GATED:
         gate = tl.minimum(acc, gate_limit)
         acc = gate * tl.sigmoid(gate) * tl.clamp(acc_up, -gate_limit, gate_limit)
@@ -514,7 +519,8 @@ def grouped_mxfp4_gemm(
         the clamped SwiGLU [num_positions, N] at positions (padding rows uninitialised).
     row_weight: fp32 [T·top_k] routing weights multiplied into each output row.
     fixed_tiles: the prefill kernel with one tile config per K (no tuner; batch-invariant
-        mode): needs block_m > DECODE_MAX_BLOCK_M.
+        mode): needs block_m > DECODE_MAX_BLOCK_M. Triton's CPU interpreter always runs these
+        tiles (the tuner needs a GPU; the decode tiles' inline PTX has no interpreter).
 
     Raises:
         ValueError: a shape, dtype or stride the kernel does not take.
@@ -540,7 +546,9 @@ def grouped_mxfp4_gemm(
     out_rows = blocks.num_positions if gated else blocks.num_pairs
     out = torch.empty(out_rows, n, dtype=out_dtype, device=x.device)
     weights = (codes, scales.view(torch.uint8))
-    if fixed_tiles:
+    if interpreting() and blocks.block_m <= DECODE_MAX_BLOCK_M:
+        raise ValueError("the decode tiles' inline PTX does not run in Triton's interpreter")
+    if fixed_tiles or interpreting():  # (the tuner needs a GPU)
         if blocks.block_m <= DECODE_MAX_BLOCK_M:
             raise ValueError(f"fixed tiles need blocks of more than {DECODE_MAX_BLOCK_M} rows")
         _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **_fixed_tiles(k))

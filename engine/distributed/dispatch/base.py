@@ -28,7 +28,7 @@ Combine, two orders (the `ordered` flag, `scaleout.md` §2.3):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -118,13 +118,21 @@ class RecvBatch:
     weights: Tensor
     recv_counts: Tensor
     plan: SendPlan
+    _pairs: tuple[Tensor, Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
 
     def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
         """(row [P], local expert [P], weight [P]) of the valid pairs in row-major order — the
-        order `combine` expects the pair outputs in."""
-        valid = self.local_ids >= 0
-        row = valid.nonzero(as_tuple=True)[0]
-        return row, self.local_ids[valid], self.weights[valid]
+        order `combine` expects the pair outputs in. Computed once per batch (P is read on the
+        host: one sync), then cached for `combine`."""
+        if self._pairs is None:
+            k = self.local_ids.shape[1]
+            flat = (self.local_ids >= 0).flatten().nonzero(as_tuple=True)[0]
+            self._pairs = (
+                torch.div(flat, k, rounding_mode="floor"),
+                self.local_ids.flatten()[flat],
+                self.weights.flatten()[flat],
+            )
+        return self._pairs
 
 
 def _as_bytes(t: Tensor) -> Tensor:

@@ -15,8 +15,11 @@ Two paths compute the routed experts:
 Expert parallelism (`scaleout.md` §2.2, built with `expert_parallel`): the layer holds only its
 rank's routed experts (`LocalExperts`, registered under their global ids = checkpoint names),
 routes over all experts, ships tokens with `engine.distributed.dispatch`, runs its local experts
-on what it received (`_run_local_experts`, the reference loop) and combines back. The two local
-paths above are untouched when `expert_parallel` is None.
+on what it received (`run_local_experts`) and combines back. The received (row, local expert,
+weight) pairs take the same two paths: the reference loop, or — where the grouped kernel runs —
+one routing of top-1 over the local experts (each pair's row gathered, `align_to_experts` on the
+device, the same two launches; no host read of expert counts). The two local paths above are
+untouched when `expert_parallel` is None.
 
 Batch-invariant mode (`Numerics.moe_batch_invariant`): routed experts compute every row alone
 (`Expert.row_invariant`: a row's result cannot depend on which rows share the call) and the EP
@@ -208,7 +211,12 @@ class MoE(nn.Module):
         )
 
     def _use_grouped_kernel(self, x: Tensor) -> bool:
-        return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(self, "w13_codes")
+        """bf16 activations, packed MXFP4 experts, on CUDA (or in Triton's CPU interpreter,
+        where the tests run the kernel's logic)."""
+        from kernels import interpreting
+
+        on_device = x.is_cuda or interpreting()
+        return on_device and x.dtype == torch.bfloat16 and hasattr(self, "w13_codes")
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(expert ids [T, k], fp32 weights [T, k]); gate logits are computed in fp32."""
@@ -250,12 +258,15 @@ class MoE(nn.Module):
     def _routed_expert_parallel(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """Dispatch, run the local experts, combine (a collective over the EP group)."""
         recv = self.dispatcher.dispatch(x, ids, weights)
-        return self.dispatcher.combine(self._run_local_experts(recv), recv, self.batch_invariant)
+        return self.dispatcher.combine(self.run_local_experts(recv), recv, self.batch_invariant)
 
-    def _run_local_experts(self, recv: RecvBatch) -> Tensor:
+    def run_local_experts(self, recv: RecvBatch) -> Tensor:
         """fp32 weighted outputs [P, D] of the received (row, local expert) pairs, in
-        `RecvBatch.pairs` order; one `Expert` call per local expert that has rows."""
+        `RecvBatch.pairs` order: the grouped kernel when `_use_grouped_kernel`, else one
+        `Expert` call per local expert that has rows (reads the per-expert counts on the host)."""
         row, expert_id, weight = recv.pairs()
+        if self._use_grouped_kernel(recv.x):
+            return self._local_grouped(recv.x, row, expert_id, weight)
         order = torch.argsort(expert_id, stable=True)
         counts = torch.bincount(expert_id, minlength=len(self.experts)).tolist()
         out = torch.zeros(len(row), recv.x.shape[1], dtype=torch.float32, device=recv.x.device)
@@ -271,21 +282,55 @@ class MoE(nn.Module):
             lo += count
         return out
 
+    def _local_grouped(self, x: Tensor, row: Tensor, expert_id: Tensor, weight: Tensor) -> Tensor:
+        """The received pairs through the grouped kernel: each pair is a routing of top-1 (its
+        row of `x` gathered, its local expert, its weight), so `align_to_experts` lays them out
+        on the device and the down GEMM writes pair p's output at row p — `RecvBatch.pairs`
+        order, as `combine` expects."""
+        from kernels.grouped_mxfp4_gemm import align_to_experts
+
+        num_pairs = row.numel()
+        if num_pairs == 0:  # a rank nobody sent anything to still joins the combine
+            return torch.zeros(0, x.shape[1], dtype=torch.float32, device=x.device)
+        blocks = align_to_experts(expert_id[:, None], len(self.experts), self._block_m(num_pairs))
+        return self._grouped_pairs(x[row].contiguous(), blocks, weight)
+
     def _routed_grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        from kernels.grouped_mxfp4_gemm import align_to_experts, grouped_mxfp4_gemm
+        from kernels.grouped_mxfp4_gemm import align_to_experts
 
         num_tokens = x.shape[0]
         if num_tokens == 0:
             return torch.zeros_like(x, dtype=torch.float32)
-        num_experts = len(self.experts)
+        blocks = align_to_experts(ids, len(self.experts), self._block_m(num_tokens * self.top_k))
+        per_slot = self._grouped_pairs(x.contiguous(), blocks, weights.flatten())
+        per_slot = per_slot.view(num_tokens, self.top_k, -1)
+        if not self.batch_invariant:
+            return per_slot.sum(1)
+        total = per_slot[:, 0]
+        for slot in range(1, self.top_k):  # slot order, as elementwise adds
+            total = total + per_slot[:, slot]
+        return total
+
+    def _block_m(self, num_pairs: int) -> int:
         if self.batch_invariant:  # one tile shape for every step: a row never sees M
-            block_m = FIXED_BLOCK_M
-        else:
-            block_m = _block_m(num_tokens * self.top_k, num_experts, self.decode_tiles_exact)
-        blocks = align_to_experts(ids, num_experts, block_m)
-        pair_weight = weights.flatten().float().contiguous()
+            return FIXED_BLOCK_M
+        return _block_m(num_pairs, len(self.experts), self._decode_tiles())
+
+    def _decode_tiles(self) -> bool:
+        """Whether the decode tiles may run: exact for these scales, and not in Triton's CPU
+        interpreter (their inline PTX has no interpreter)."""
+        from kernels import interpreting
+
+        return self.decode_tiles_exact and not interpreting()
+
+    def _grouped_pairs(self, x: Tensor, blocks, pair_weight: Tensor) -> Tensor:
+        """fp32 weighted outputs [T · top_k, D] of the routing `blocks` (token rows `x`):
+        gate/up + clamped SwiGLU, then down, each one grouped-kernel launch."""
+        from kernels.grouped_mxfp4_gemm import grouped_mxfp4_gemm
+
+        pair_weight = pair_weight.float().contiguous()
         act = grouped_mxfp4_gemm(
-            x.contiguous(),
+            x,
             blocks,
             self.w13_codes,
             self.w13_scales,
@@ -293,7 +338,7 @@ class MoE(nn.Module):
             row_weight=pair_weight if self.weight_before_down else None,
             fixed_tiles=self.batch_invariant,
         )
-        per_slot = grouped_mxfp4_gemm(
+        return grouped_mxfp4_gemm(
             act,
             blocks,
             self.w2_codes,
@@ -302,13 +347,6 @@ class MoE(nn.Module):
             out_dtype=torch.float32,
             fixed_tiles=self.batch_invariant,
         )
-        per_slot = per_slot.view(num_tokens, self.top_k, -1)
-        if not self.batch_invariant:
-            return per_slot.sum(1)
-        total = per_slot[:, 0]
-        for slot in range(1, self.top_k):  # slot order, as elementwise adds
-            total = total + per_slot[:, slot]
-        return total
 
 
 FIXED_BLOCK_M = 64  # batch-invariant mode: the prefill kernel's tiles at every step
