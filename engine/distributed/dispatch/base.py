@@ -118,7 +118,9 @@ class RecvBatch:
     weights: Tensor
     recv_counts: Tensor
     plan: SendPlan
-    _pairs: tuple[Tensor, Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
+    _pairs: tuple[Tensor, Tensor, Tensor] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
         """(row [P], local expert [P], weight [P]) of the valid pairs in row-major order — the
