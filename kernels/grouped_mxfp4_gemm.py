@@ -78,6 +78,8 @@ class ExpertBlocks:
 def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """Lay the routing `expert_ids` [T, top_k] out in expert-pure blocks of `block_m` positions.
 
+    An id < 0 marks a pair that is not computed here (an EP rank's received rows: slots served
+    by other ranks, padding rows): it gets no position, and its output row is never written.
     The block count is the bound T·top_k // block_m + min(E, T·top_k), so no count is read back
     to the host; blocks past the used ones get expert -1 and cost one load each.
     """
@@ -87,19 +89,24 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> Expe
     flat = expert_ids.flatten().long()
     num_pairs = flat.numel()
     num_blocks = num_pairs // block_m + min(num_experts, num_pairs)
+    num_positions = num_blocks * block_m
+    key = torch.where(flat >= 0, flat, num_experts)  # skipped pairs sort last, as "expert E"
     # (not bincount: on CUDA it reads the largest id back to size its output)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(
-        0, flat, torch.ones_like(flat)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
+        0, key, torch.ones_like(key)
     )
-    padded = (counts + block_m - 1) // block_m * block_m
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
+    order = torch.argsort(key, stable=True)
+    sorted_experts = key[order]
     rank = torch.arange(num_pairs, device=device) - start[sorted_experts]
-    positions = (padded_end - padded)[sorted_experts] + rank
-    pair_of_pos = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=device)
+    # skipped pairs land on one extra position past the end, dropped below
+    first_position = torch.cat((padded_end - padded, padded_end.new_full((1,), num_positions)))
+    positions = first_position[sorted_experts] + torch.where(sorted_experts < num_experts, rank, 0)
+    pair_of_pos = torch.full((num_positions + 1,), -1, dtype=torch.int32, device=device)
     pair_of_pos[positions] = order.to(torch.int32)
+    pair_of_pos = pair_of_pos[:num_positions]
     block_start = torch.arange(num_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)

@@ -104,10 +104,10 @@ def test_ordered_combine_sums_in_expert_id_order_not_slot_order() -> None:
     weights = torch.tensor([[1e8, -1e8, 1.0], [1.0, 1.0, 1.0]])
     recv = dispatcher.dispatch(x, ids, weights)
     row, _, weight = recv.pairs()
-    pair_out = recv.x[row] * weight[:, None]
+    slot_out = recv.slot_outputs(recv.x[row] * weight[:, None])
     # fp32, experts ascending: (1 + −1e8) + 1e8 = 0; slot order: (1e8 − 1e8) + 1 = 1.
-    assert dispatcher.combine(pair_out, recv, ordered=True)[:, 0].tolist() == [0.0, 6.0]
-    assert dispatcher.combine(pair_out, recv, ordered=False)[:, 0].tolist() == [1.0, 6.0]
+    assert dispatcher.combine(slot_out, recv, ordered=True)[:, 0].tolist() == [0.0, 6.0]
+    assert dispatcher.combine(slot_out, recv, ordered=False)[:, 0].tolist() == [1.0, 6.0]
 
 
 def test_partial_read_keeps_only_the_chosen_routed_experts(tiny_checkpoint: Path) -> None:

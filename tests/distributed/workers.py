@@ -93,7 +93,7 @@ def _run(dispatcher: Dispatcher, x, ids, weights, ordered: bool) -> torch.Tensor
     row, local, weight = recv.pairs()
     global_ids = local + dispatcher.placement.first_expert
     pair_out = _expert(recv.x[row], global_ids) * weight[:, None]
-    return dispatcher.combine(pair_out, recv, ordered)
+    return dispatcher.combine(recv.slot_outputs(pair_out), recv, ordered)
 
 
 def dispatch_checks(groups: RankGroups) -> dict[str, Any]:

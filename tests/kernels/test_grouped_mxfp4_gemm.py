@@ -162,3 +162,23 @@ def test_moe_on_cuda_uses_the_kernel_and_matches_the_reference_path(num_tokens: 
     moe.pack_experts()
     grouped = moe(x)
     assert _relative_error(grouped, expected) < 1e-2
+
+
+def test_alignment_skips_pairs_marked_minus_one() -> None:
+    """An EP rank's received rows: slots served elsewhere (−1) get no position; the others are
+    laid out exactly as the routing without them."""
+    ids = _routing(40, 8, 3, seed=5)
+    skipped = torch.rand(40, 3, generator=torch.Generator().manual_seed(6)) < 0.6
+    skipped[:, 0] &= ~skipped.all(1)
+    marked = torch.where(skipped, torch.full_like(ids, -1), ids)
+    marked[7] = -1  # a padding row
+    blocks = align_to_experts(marked, 8, 16)
+    pairs = blocks.pair_of_pos
+    kept = (marked.flatten() >= 0).nonzero().flatten()
+    assert sorted(pairs[pairs >= 0].tolist()) == kept.tolist()
+    expert_of_pos = blocks.block_expert.long().repeat_interleave(16)
+    used = pairs >= 0
+    assert torch.equal(expert_of_pos[used], marked.flatten()[pairs[used].long()])
+    assert blocks.num_positions == (40 * 3 // 16 + 8) * 16  # the bound counts every slot
+    nothing = align_to_experts(torch.full((4, 3), -1), 8, 16)
+    assert (nothing.pair_of_pos == -1).all() and (nothing.block_expert == -1).all()

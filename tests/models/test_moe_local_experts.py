@@ -82,9 +82,9 @@ CASES = [
 
 
 def local_expert_errors(device: str = "cpu") -> list[dict]:
-    """Per case: pairs, whether the kernel ran, relative norm error of the grouped outputs
-    against the loop's, the worst row's relative error, and (fixed tiles) whether a pair's
-    output alone equals its output inside the batch bitwise."""
+    """Per case: pairs, the slot layout's shape and zeros, whether the kernel ran, relative
+    norm error of the grouped pair outputs against the loop's, the worst pair's relative
+    error, and (fixed tiles) whether a row's outputs alone equal them inside the batch bitwise."""
     results = []
     for num_rows, all_valid, before_down, invariant in CASES:
         moe = rank_moe(dim=64, inter=96, seed=num_rows, device=device)
@@ -94,8 +94,15 @@ def local_expert_errors(device: str = "cpu") -> list[dict]:
         reference = moe.run_local_experts(recv)  # unpacked: the loop
         moe.pack_experts()
         grouped = moe.run_local_experts(received(num_rows, 64, num_rows + 1, all_valid, device))
-        result = {"pairs": grouped.shape[0], "shape_equal": grouped.shape == reference.shape}
+        batch = grouped
+        result = {
+            "pairs": int((recv.local_ids >= 0).sum()),
+            "shape": list(grouped.shape),
+            "shape_equal": grouped.shape == reference.shape,
+            "zero_elsewhere": bool((grouped[recv.local_ids < 0] == 0).all()),
+        }
         if num_rows:
+            grouped, reference = grouped[recv.local_ids >= 0], reference[recv.local_ids >= 0]
             # the kernel ran: its fp32 down output is not rounded to bf16 as each loop call's is
             result["kernel_ran"] = not torch.equal(grouped, reference)
             diff = (grouped - reference).norm(dim=1)
@@ -103,21 +110,27 @@ def local_expert_errors(device: str = "cpu") -> list[dict]:
             result["worst_row"] = float((diff / reference.norm(dim=1)).max())
         if invariant:
             alone = received(num_rows, 64, num_rows + 1, all_valid, device)
-            first = int((alone.local_ids[0] >= 0).sum())
             alone.x, alone.local_ids, alone.weights = (
                 alone.x[:1],
                 alone.local_ids[:1],
                 alone.weights[:1],
             )
-            result["alone_equal"] = torch.equal(moe.run_local_experts(alone), grouped[:first])
+            result["alone_equal"] = torch.equal(moe.run_local_experts(alone)[0], batch[0])
         results.append(result)
     return results
 
 
 def _check(results: list[dict]) -> None:
-    assert results[0] == {"pairs": 0, "shape_equal": True}  # a rank that received nothing
+    # a rank that received nothing
+    assert results[0] == {
+        "pairs": 0,
+        "shape": [0, 3, 64],
+        "shape_equal": True,
+        "zero_elsewhere": True,
+    }
     for result in results[1:]:
         assert result["shape_equal"] and result["pairs"] > 0 and result["kernel_ran"]
+        assert result["zero_elsewhere"]  # the slot layout `combine` takes
         # the single-rank grouped path's bound against the reference path (same rounding points)
         assert result["rel"] < 1e-2, result
         assert result["worst_row"] < 3e-2, result  # each pair's output in `pairs` order

@@ -1,8 +1,9 @@
 """The MoE token-dispatch contract (`scaleout.md` §2.2–§2.3) and the work every transport shares.
 
     dispatcher.dispatch(x, ids, weights) -> RecvBatch      tokens this rank's experts must run
-    experts(RecvBatch)                    -> pair outputs  one fp32 row per local (token, k) pair
-    dispatcher.combine(pair_out, recv, ordered) -> y [T, D] routed output back at the owner
+    experts(RecvBatch)                    -> slot outputs  fp32 [R, k, D]: one row per received
+                                                           (row, slot), zero where served elsewhere
+    dispatcher.combine(slot_out, recv, ordered) -> y [T, D] routed output back at the owner
 
 Sender side (`SendPlan`): each token is shipped ONCE per destination rank that owns at least one
 of its top-k experts, with all k (local expert id or −1, weight) pairs; rows are grouped by
@@ -118,23 +119,29 @@ class RecvBatch:
     weights: Tensor
     recv_counts: Tensor
     plan: SendPlan
-    _pairs: tuple[Tensor, Tensor, Tensor] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
+    _pair_index: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def pairs(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(row [P], local expert [P], weight [P]) of the valid pairs in row-major order — the
-        order `combine` expects the pair outputs in. Computed once per batch (P is read on the
-        host: one sync), then cached for `combine`."""
-        if self._pairs is None:
-            k = self.local_ids.shape[1]
-            flat = (self.local_ids >= 0).flatten().nonzero(as_tuple=True)[0]
-            self._pairs = (
-                torch.div(flat, k, rounding_mode="floor"),
-                self.local_ids.flatten()[flat],
-                self.weights.flatten()[flat],
-            )
-        return self._pairs
+        """(row [P], local expert [P], weight [P]) of the valid pairs in row-major order."""
+        flat = self.pair_index()
+        k = self.local_ids.shape[1]
+        row = torch.div(flat, k, rounding_mode="floor")
+        return row, self.local_ids.flatten()[flat], self.weights.flatten()[flat]
+
+    def pair_index(self) -> Tensor:
+        """Flat slot (row · k + slot) of each valid pair, row-major [P]. P is read on the host
+        (one sync), once per batch."""
+        if self._pair_index is None:
+            self._pair_index = (self.local_ids >= 0).flatten().nonzero(as_tuple=True)[0]
+        return self._pair_index
+
+    def slot_outputs(self, pair_out: Tensor) -> Tensor:
+        """Pair outputs [P, D] in `pairs` order → the slot layout [R, k, D] `combine` takes
+        (zeros at slots served elsewhere)."""
+        num_rows, k = self.local_ids.shape
+        out = pair_out.new_zeros(num_rows * k, pair_out.shape[1])
+        out[self.pair_index()] = pair_out
+        return out.view(num_rows, k, pair_out.shape[1])
 
 
 def _as_bytes(t: Tensor) -> Tensor:
@@ -188,34 +195,50 @@ class Dispatcher(ABC):
             plan=plan,
         )
 
-    def combine(self, pair_out: Tensor, recv: RecvBatch, ordered: bool) -> Tensor:
-        """Routed output [T, D] fp32 of this rank's own tokens from the pair outputs [P, D]
-        (fp32, weighted, in `RecvBatch.pairs` order). See the module docstring for `ordered`."""
+    def combine(self, slot_out: Tensor, recv: RecvBatch, ordered: bool) -> Tensor:
+        """Routed output [T, D] fp32 of this rank's own tokens from the expert outputs in slot
+        layout [R, k, D] (fp32, weighted, zero where `recv.local_ids` < 0: slots served
+        elsewhere). See the module docstring for `ordered`."""
         plan = recv.plan
         num_tokens, k = plan.ids.shape
-        dim = pair_out.shape[1]
-        row, _, _ = recv.pairs()
+        dim = slot_out.shape[-1]
         if ordered:
-            back, back_counts = pair_out, _per_source(recv, row)
+            back = slot_out.reshape(-1, dim)[recv.pair_index()]  # valid pairs, row-major
+            back_counts = _per_source(recv)
             sent_valid = plan.local_ids >= 0
             expect = _group_sums(sent_valid.sum(1), plan.send_counts)
         else:
-            back = torch.zeros(recv.x.shape[0], dim, dtype=torch.float32, device=pair_out.device)
-            back.index_add_(0, row, pair_out)
+            back = sum_slots(slot_out)
             back_counts, expect = recv.recv_counts, plan.send_counts
         rows, _ = self._exchange(_as_bytes(back), back_counts, expect, k if ordered else 1)
         returned = _from_bytes(rows, torch.float32)
-        out = torch.zeros(num_tokens, dim, dtype=torch.float32, device=pair_out.device)
+        out = torch.zeros(num_tokens, dim, dtype=torch.float32, device=slot_out.device)
         if not ordered:
             return out.index_add_(0, plan.token, returned)  # partials in rank order
-        per_pair = torch.zeros(num_tokens, k, dim, dtype=torch.float32, device=pair_out.device)
+        per_pair = torch.zeros(num_tokens, k, dim, dtype=torch.float32, device=slot_out.device)
         sent_row, sent_k = sent_valid.nonzero(as_tuple=True)
         per_pair[plan.token[sent_row], sent_k] = returned
-        by_id = plan.ids.argsort(dim=1, stable=True)[..., None].expand_as(per_pair)
-        by_expert = per_pair.gather(1, by_id)
-        for j in range(k):
-            out = out + by_expert[:, j]
-        return out
+        return sum_by_expert_id(per_pair, plan.ids)
+
+
+def sum_slots(slot_out: Tensor) -> Tensor:
+    """[R, k, D] → [R, D]: each row's slots added in slot order from 0.0 (the fast combine's
+    per-destination partial)."""
+    total = torch.zeros_like(slot_out[:, 0])
+    for j in range(slot_out.shape[1]):
+        total = total + slot_out[:, j]
+    return total
+
+
+def sum_by_expert_id(per_pair: Tensor, ids: Tensor) -> Tensor:
+    """[T, k, D] → [T, D]: a token's k rows added in ascending expert id `ids` [T, k] from 0.0
+    (the ordered combine; the reference path's order)."""
+    by_id = ids.argsort(dim=1, stable=True)[..., None].expand_as(per_pair)
+    by_expert = per_pair.gather(1, by_id)
+    out = torch.zeros_like(per_pair[:, 0])
+    for j in range(per_pair.shape[1]):
+        out = out + by_expert[:, j]
+    return out
 
 
 def _group_sums(values: Tensor, counts: Tensor) -> Tensor:
@@ -226,8 +249,6 @@ def _group_sums(values: Tensor, counts: Tensor) -> Tensor:
     )
 
 
-def _per_source(recv: RecvBatch, pair_row: Tensor) -> Tensor:
+def _per_source(recv: RecvBatch) -> Tensor:
     """Valid pairs received from each source rank."""
-    valid_per_row = torch.zeros(recv.x.shape[0], dtype=torch.long, device=pair_row.device)
-    valid_per_row.index_add_(0, pair_row, torch.ones_like(pair_row))
-    return _group_sums(valid_per_row, recv.recv_counts)
+    return _group_sums((recv.local_ids >= 0).sum(1), recv.recv_counts)

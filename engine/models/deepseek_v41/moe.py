@@ -15,11 +15,11 @@ Two paths compute the routed experts:
 Expert parallelism (`scaleout.md` §2.2, built with `expert_parallel`): the layer holds only its
 rank's routed experts (`LocalExperts`, registered under their global ids = checkpoint names),
 routes over all experts, ships tokens with `engine.distributed.dispatch`, runs its local experts
-on what it received (`run_local_experts`) and combines back. The received (row, local expert,
-weight) pairs take the same two paths: the reference loop, or — where the grouped kernel runs —
-one routing of top-1 over the local experts (each pair's row gathered, `align_to_experts` on the
-device, the same two launches; no host read of expert counts). The two local paths above are
-untouched when `expert_parallel` is None.
+on what it received (`run_local_experts`) and combines back. The received rows take the same two
+paths: the reference loop over the valid (row, local expert) pairs, or — where the grouped
+kernel runs — the rows' local ids [R, k] as the kernel's routing, −1 (served elsewhere, or a
+padding row) skipped by `align_to_experts` on the device; the same two launches, no host read.
+The two local paths above are untouched when `expert_parallel` is None.
 
 Batch-invariant mode (`Numerics.moe_batch_invariant`): routed experts compute every row alone
 (`Expert.row_invariant`: a row's result cannot depend on which rows share the call) and the EP
@@ -261,12 +261,13 @@ class MoE(nn.Module):
         return self.dispatcher.combine(self.run_local_experts(recv), recv, self.batch_invariant)
 
     def run_local_experts(self, recv: RecvBatch) -> Tensor:
-        """fp32 weighted outputs [P, D] of the received (row, local expert) pairs, in
-        `RecvBatch.pairs` order: the grouped kernel when `_use_grouped_kernel`, else one
-        `Expert` call per local expert that has rows (reads the per-expert counts on the host)."""
-        row, expert_id, weight = recv.pairs()
+        """fp32 weighted outputs of the received pairs in slot layout [R, k, D] (zero at slots
+        served elsewhere), as `combine` takes them: the grouped kernel when
+        `_use_grouped_kernel`, else one `Expert` call per local expert that has rows (reads the
+        pairs and the per-expert counts on the host)."""
         if self._use_grouped_kernel(recv.x):
-            return self._local_grouped(recv.x, row, expert_id, weight)
+            return self._local_grouped(recv)
+        row, expert_id, weight = recv.pairs()
         order = torch.argsort(expert_id, stable=True)
         counts = torch.bincount(expert_id, minlength=len(self.experts)).tolist()
         out = torch.zeros(len(row), recv.x.shape[1], dtype=torch.float32, device=recv.x.device)
@@ -280,20 +281,23 @@ class MoE(nn.Module):
                 else:
                     out[pairs] = expert(rows).float() * w
             lo += count
-        return out
+        return recv.slot_outputs(out)
 
-    def _local_grouped(self, x: Tensor, row: Tensor, expert_id: Tensor, weight: Tensor) -> Tensor:
-        """The received pairs through the grouped kernel: each pair is a routing of top-1 (its
-        row of `x` gathered, its local expert, its weight), so `align_to_experts` lays them out
-        on the device and the down GEMM writes pair p's output at row p — `RecvBatch.pairs`
-        order, as `combine` expects."""
+    def _local_grouped(self, recv: RecvBatch) -> Tensor:
+        """The received rows as a routing over the local experts: `recv.local_ids` [R, k] is
+        the grouped kernel's [T, top_k] with −1 at slots it skips, so the gate/up GEMM reads
+        row r for slot (r, j) and the down GEMM writes it at r · k + j: no gather, no host
+        read. Block size from R (a received row carries one local pair or more)."""
         from kernels.grouped_mxfp4_gemm import align_to_experts
 
-        num_pairs = row.numel()
-        if num_pairs == 0:  # a rank nobody sent anything to still joins the combine
-            return torch.zeros(0, x.shape[1], dtype=torch.float32, device=x.device)
-        blocks = align_to_experts(expert_id[:, None], len(self.experts), self._block_m(num_pairs))
-        return self._grouped_pairs(x[row].contiguous(), blocks, weight)
+        num_rows, k = recv.local_ids.shape
+        dim = recv.x.shape[1]
+        if num_rows == 0:  # a rank nobody sent anything to still joins the combine
+            return torch.zeros(0, k, dim, dtype=torch.float32, device=recv.x.device)
+        blocks = align_to_experts(recv.local_ids, len(self.experts), self._block_m(num_rows))
+        per_slot = self._grouped_pairs(recv.x.contiguous(), blocks, recv.weights.flatten())
+        valid = (recv.local_ids >= 0).flatten()[:, None]
+        return torch.where(valid, per_slot, 0.0).view(num_rows, k, dim)  # skipped: unwritten
 
     def _routed_grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         from kernels.grouped_mxfp4_gemm import align_to_experts
