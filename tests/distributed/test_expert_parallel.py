@@ -48,7 +48,7 @@ def test_coordinator_agrees_on_every_ranks_work_and_sleeps_when_idle(ranks: list
 def test_dispatchers_equal_the_single_process_combine(ranks: list[dict]) -> None:
     for result in ranks:
         got = result["dispatch"]
-        for name in ("all_to_all", "fixed_big", "fixed_tiny"):
+        for name in ("all_to_all", "fixed_big", "fixed_tiny", "fixed_one_pass"):
             assert got[f"{name}/ordered/exact"], (name, got)  # fixed expert-id order: bitwise
             assert got[f"{name}/fast/rel"] <= 1e-6, (name, got)
     assert any(result["dispatch"]["num_tokens"] == 0 for result in ranks)
@@ -61,6 +61,8 @@ def test_fixed_capacity_equals_all_to_all_with_and_without_overflow(ranks: list[
         for tag in ("fast", "ordered"):
             assert got[f"fixed_big/{tag}/equals_all_to_all"]
             assert got[f"fixed_tiny/{tag}/equals_all_to_all"]
+            # the padded layout end to end (12 tokens = the capacity), bitwise the same
+            assert got[f"fixed_one_pass/{tag}/equals_all_to_all"]
     # 12 tokens on one rank over capacity 1: every rank ran the same extra passes.
     passes = {result["dispatch"]["fixed_tiny/passes"] for result in ranks}
     assert len(passes) == 1 and passes.pop() > 1

@@ -86,6 +86,17 @@ def test_dispatcher_config_is_a_registry_lookup() -> None:
         DispatcherConfig("all_to_all", capacity_tokens=4)
 
 
+def test_one_pass_dispatch_refuses_more_tokens_than_its_capacity_before_any_collective() -> None:
+    config = DispatcherConfig("fixed_capacity", capacity_tokens=2, one_pass=True)
+    dispatcher = build_dispatcher(config, ExpertPlacement(8, 2, 0), None)  # no group: never used
+    with pytest.raises(ValueError, match="exceed the one-pass capacity of 2"):
+        dispatcher.dispatch(
+            torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
+        )
+    with pytest.raises(ValueError, match="one_pass"):
+        DispatcherConfig("all_to_all", one_pass=True)
+
+
 def test_send_plan_ships_each_token_once_per_destination() -> None:
     placement = ExpertPlacement(8, 4, 0)  # rank r owns experts 2r, 2r + 1
     ids = torch.tensor([[0, 1, 6], [2, 7, 3], [5, 4, 0]])

@@ -104,6 +104,7 @@ def dispatch_checks(groups: RankGroups) -> dict[str, Any]:
         "all_to_all": DispatcherConfig("all_to_all"),
         "fixed_big": DispatcherConfig("fixed_capacity", capacity_tokens=16),
         "fixed_tiny": DispatcherConfig("fixed_capacity", capacity_tokens=1),
+        "fixed_one_pass": DispatcherConfig("fixed_capacity", capacity_tokens=12, one_pass=True),
     }
     out: dict[str, Any] = {"num_tokens": x.shape[0]}
     results = {}
@@ -120,7 +121,7 @@ def dispatch_checks(groups: RankGroups) -> dict[str, Any]:
         out[f"{name}/passes"] = getattr(dispatcher, "num_passes_last", 1)
     for ordered in (False, True):
         tag = "ordered" if ordered else "fast"
-        for name in ("fixed_big", "fixed_tiny"):
+        for name in ("fixed_big", "fixed_tiny", "fixed_one_pass"):
             out[f"{name}/{tag}/equals_all_to_all"] = torch.equal(
                 results[name, ordered], results["all_to_all", ordered]
             )

@@ -91,6 +91,19 @@ class SendPlan:
     ids: Tensor
 
 
+@dataclass
+class SlotPlan:
+    """Sender-side bookkeeping of a static-layout dispatch (`fixed_capacity`, one pass).
+
+    slot: [T, N] the padded-layout row (peer · C + position) of token t's row to peer p,
+        N · C where the token sends nothing to p.
+    ids: [T, k] the global expert ids.
+    """
+
+    slot: Tensor
+    ids: Tensor
+
+
 def plan_send(ids: Tensor, placement: ExpertPlacement) -> SendPlan:
     """Rows to ship for routing `ids` [T, k] (one per token and destination rank)."""
     num_tokens, ep_size = ids.shape[0], placement.ep_size
@@ -109,16 +122,17 @@ def plan_send(ids: Tensor, placement: ExpertPlacement) -> SendPlan:
 class RecvBatch:
     """Rows received by this rank, grouped by source rank.
 
-    x: [R, D] token activations; local_ids: [R, k] int64 (−1: a pair served elsewhere);
-    weights: [R, k] fp32; recv_counts: [N] rows from each source rank; plan: the sender-side
-    plan of the same dispatch (this rank's own tokens), needed by `combine`.
+    x: [R, D] token activations; local_ids: [R, k] int64 (−1: a pair served elsewhere, or a
+    padding row of a static layout); weights: [R, k] fp32; recv_counts: [N] rows from each
+    source rank; plan: the sender-side plan of the same dispatch (this rank's own tokens),
+    needed by `combine` (`SlotPlan` for a static layout).
     """
 
     x: Tensor
     local_ids: Tensor
     weights: Tensor
     recv_counts: Tensor
-    plan: SendPlan
+    plan: SendPlan | SlotPlan
     _pair_index: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def pairs(self) -> tuple[Tensor, Tensor, Tensor]:

@@ -14,9 +14,19 @@ extra collective is needed. Rows keep their order, so the result equals `all_to_
 
 Sizing: a rank sends a token at most once per peer, so C ≥ the step's largest per-rank token
 count (`StepAgreement.max_tokens`, equal on all ranks) never overflows: one pass, static shapes.
-NOTE: this reference implementation reads the headers on the host to compact the valid rows for
-the expert loop; a captured decode graph consumes the padded layout directly (masked grouped
-GEMM, a GPU follow-up) and must be sized so it cannot overflow.
+This general form reads the counts and headers on the host (to size the passes and compact the
+rows).
+
+`one_pass` (the caller guarantees every rank's tokens ≤ C: a CUDA-graph bucket, or C sized from
+the agreed max tokens) reads nothing on the host. The layout stays padded end to end:
+
+    dispatch   send [N · C, W]: token t's row to peer p at p · C + (its rank among p's tokens);
+               padding rows carry local ids −1 (no header: a padding row holds no pair)
+    experts    RecvBatch of R = N · C rows; the grouped kernel skips the −1 slots
+    combine    back [N · C, D] (fast: slots summed) or [N · C, k, D] (ordered), same row order;
+               the owner gathers its rows by `SlotPlan.slot` and adds them as the general path
+
+A rank over capacity raises ValueError before any collective (a host check of its own T).
 """
 
 from __future__ import annotations
@@ -25,21 +35,95 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from engine.distributed.dispatch.base import Dispatcher, ExpertPlacement
+from engine.distributed.dispatch.base import (
+    Dispatcher,
+    ExpertPlacement,
+    RecvBatch,
+    SlotPlan,
+    _as_bytes,
+    _from_bytes,
+    sum_by_expert_id,
+    sum_slots,
+)
 
 _HEADER_BYTES = 16  # two int64: rows in the block, sender's max rows still unsent
 
 
 class FixedCapacityDispatcher(Dispatcher):
     def __init__(
-        self, placement: ExpertPlacement, group: dist.ProcessGroup | None, capacity_tokens: int
+        self,
+        placement: ExpertPlacement,
+        group: dist.ProcessGroup | None,
+        capacity_tokens: int,
+        one_pass: bool = False,
     ) -> None:
         if capacity_tokens < 1:
             raise ValueError(f"capacity_tokens must be at least 1, got {capacity_tokens}")
         super().__init__(placement)
         self.group = group
         self.capacity_tokens = capacity_tokens
+        self.one_pass = one_pass
         self.num_passes_last = 0  # passes of the latest exchange (observability, tests)
+
+    def dispatch(self, x: Tensor, ids: Tensor, weights: Tensor) -> RecvBatch:
+        if not self.one_pass:
+            return super().dispatch(x, ids, weights)
+        num_tokens, k = ids.shape
+        if num_tokens > self.capacity_tokens:
+            raise ValueError(
+                f"{num_tokens} tokens exceed the one-pass capacity of {self.capacity_tokens}"
+            )
+        ep_size, cap = self.placement.ep_size, self.capacity_tokens
+        ranks = torch.arange(ep_size, device=ids.device)
+        dest = self.placement.owner_of(ids)
+        hit = torch.zeros(num_tokens, ep_size, dtype=torch.bool, device=ids.device)
+        hit.scatter_(1, dest, True)
+        slot = torch.where(hit, torch.cumsum(hit.long(), 0) - 1 + ranks * cap, ep_size * cap)
+        local = ids[:, None, :] - (ranks * self.placement.experts_per_rank)[:, None]
+        local = torch.where(dest[:, None, :] == ranks[:, None], local, -1).to(torch.int32)
+        x_bytes, w_bytes = _as_bytes(x), _as_bytes(weights.float())
+        x_width = x_bytes.shape[1]
+        width = x_width + 4 * k + w_bytes.shape[1]
+        rows = torch.cat(
+            (
+                x_bytes[:, None].expand(-1, ep_size, -1),
+                _as_bytes(local.view(-1, k)).view(num_tokens, ep_size, 4 * k),
+                w_bytes[:, None].expand(-1, ep_size, -1),
+            ),
+            dim=2,
+        )
+        send = torch.zeros(ep_size * cap + 1, width, dtype=torch.uint8, device=x.device)
+        send[:, x_width : x_width + 4 * k] = 0xFF  # int32 −1: padding rows hold no pair
+        send[slot.flatten()] = rows.reshape(-1, width)  # (unsent rows land on the extra row)
+        send = send[:-1]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        self.num_passes_last = 1
+        return RecvBatch(
+            x=_from_bytes(recv[:, :x_width], x.dtype),
+            local_ids=_from_bytes(recv[:, x_width : x_width + 4 * k], torch.int32).long(),
+            weights=_from_bytes(recv[:, x_width + 4 * k :], torch.float32),
+            recv_counts=torch.full((ep_size,), cap, dtype=torch.long, device=x.device),
+            plan=SlotPlan(slot=slot, ids=ids),
+        )
+
+    def combine(self, slot_out: Tensor, recv: RecvBatch, ordered: bool) -> Tensor:
+        if not self.one_pass:
+            return super().combine(slot_out, recv, ordered)
+        plan = recv.plan
+        back = (slot_out if ordered else sum_slots(slot_out)).contiguous()
+        returned = torch.empty_like(back)
+        dist.all_to_all_single(returned, back, group=self.group)
+        returned = torch.cat((returned, returned.new_zeros((1, *returned.shape[1:]))))
+        if ordered:  # slot j of token t came back on the row it was sent on to its owner
+            row = plan.slot.gather(1, self.placement.owner_of(plan.ids))
+            per_pair = returned[row, torch.arange(row.shape[1], device=row.device)]
+            return sum_by_expert_id(per_pair, plan.ids)
+        partials = returned[plan.slot]  # [T, N, D]; zero rows where nothing was sent
+        out = torch.zeros_like(partials[:, 0])
+        for rank in range(partials.shape[1]):  # partials in rank order
+            out = out + partials[:, rank]
+        return out
 
     def _exchange(
         self, rows: Tensor, send_counts: Tensor, recv_counts: Tensor | None, rows_per_token: int
