@@ -114,7 +114,9 @@ def plan_send(ids: Tensor, placement: ExpertPlacement) -> SendPlan:
     row_dest = dest[token]
     local = ids[token] - rank[:, None] * placement.experts_per_rank
     local_ids = torch.where(row_dest == rank[:, None], local, torch.full_like(local, -1))
-    send_counts = torch.bincount(rank, minlength=ep_size)
+    # (not bincount: on CUDA it reads the largest rank back to size its output)
+    send_counts = torch.zeros(ep_size, dtype=torch.long, device=ids.device)
+    send_counts.scatter_add_(0, rank, torch.ones_like(rank))
     return SendPlan(token=token, local_ids=local_ids, send_counts=send_counts, ids=ids)
 
 
