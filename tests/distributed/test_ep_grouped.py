@@ -7,7 +7,8 @@ its own tokens (uneven; a rank may have none) through:
 * fast mode, `all_to_all` and `fixed_capacity` one-pass: the single-process layer's output
   within the kernel's rounding;
 * batch-invariant mode (ordered combine, fixed tiles): bitwise the EP-1 layer's (`local`
-  dispatcher: the same combine order, one process);
+  dispatcher: the same combine order) and the single-process layer's (`_routed_grouped`, which
+  adds in the same expert-id order);
 * `fixed_capacity` one-pass: no host sync in the whole layer (CUDA sync debug mode "error").
 
 One GPU runs the EP-1 group (world size 1, the same code paths); two GPUs the EP2 group; the CPU
@@ -88,9 +89,11 @@ def layer_checks(rank: int, world_size: int, port: int, device_type: str) -> dic
             ep = _packed(_layer(dispatcher), full, device)
             with torch.no_grad():
                 out[f"{name}/fast_rel"] = _rel(ep(x), single(x))
-                ep.batch_invariant = ep_one.batch_invariant = True
-                out[f"{name}/invariant_bitwise"] = torch.equal(ep(x), ep_one(x))
-                ep.batch_invariant = ep_one.batch_invariant = False
+                ep.batch_invariant = ep_one.batch_invariant = single.batch_invariant = True
+                invariant = ep(x)
+                out[f"{name}/invariant_bitwise"] = torch.equal(invariant, ep_one(x))
+                out[f"{name}/invariant_equals_one_process"] = torch.equal(invariant, single(x))
+                ep.batch_invariant = ep_one.batch_invariant = single.batch_invariant = False
                 if name == "one_pass" and device_type == "cuda":
                     ep(x)  # compiled and tuned: the next call only launches
                     torch.cuda.synchronize(device)
@@ -110,6 +113,7 @@ def _check(results: list[dict[str, Any]], on_cuda: bool = True) -> None:
         for name in ("all_to_all", "one_pass"):
             assert result[f"{name}/fast_rel"] < 1e-2, result
             assert result[f"{name}/invariant_bitwise"], result
+            assert result[f"{name}/invariant_equals_one_process"], result
         if on_cuda:
             assert result["one_pass/no_host_sync"] is True, result
 

@@ -24,7 +24,9 @@ The two local paths above are untouched when `expert_parallel` is None.
 Batch-invariant mode (`Numerics.moe_batch_invariant`): routed experts compute every row alone
 (`Expert.row_invariant`: a row's result cannot depend on which rows share the call) and the EP
 combine adds a token's expert outputs in ascending expert id — the reference loop's order — so
-the output does not depend on where experts live (bitwise equal to one process).
+the output does not depend on where experts live (bitwise equal to one process). The grouped
+kernel's fixed tiles are row-invariant too, and `_routed_grouped` adds in the same order, so
+on CUDA one process and any EP size agree bitwise as well.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.distributed.dispatch import Dispatcher, RecvBatch
+from engine.distributed.dispatch.base import sum_by_expert_id
 from engine.models.deepseek_v41.dense import Linear, dense_matmul
 from engine.models.deepseek_v41.primitives import clamped_swiglu, sqrtsoftplus_route
 from engine.models.deepseek_v41.weight_formats import MXFP4_BLOCK, mxfp4_dequantize
@@ -310,10 +313,7 @@ class MoE(nn.Module):
         per_slot = per_slot.view(num_tokens, self.top_k, -1)
         if not self.batch_invariant:
             return per_slot.sum(1)
-        total = per_slot[:, 0]
-        for slot in range(1, self.top_k):  # slot order, as elementwise adds
-            total = total + per_slot[:, slot]
-        return total
+        return sum_by_expert_id(per_slot, ids)  # the EP ordered combine's order
 
     def _block_m(self, num_pairs: int) -> int:
         if self.batch_invariant:  # one tile shape for every step: a row never sees M
