@@ -40,6 +40,24 @@ def tiny_model_exact_kv(tiny_checkpoint: Path):
 
 
 @pytest.fixture(scope="session")
+def default_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `default` structure with random weights (seed 0), written once per session: the
+    live server's model and the engine tests on the `default` structure share it."""
+    from engine.models import write_random_checkpoint
+
+    return write_random_checkpoint("default", tmp_path_factory.mktemp("default") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="session")
+def default_model_exact_kv(default_checkpoint: Path):
+    """The `default` checkpoint with exact KV storage (token equality needs batch-invariant
+    numerics, see `tests/engine/speculative/test_lossless.py`)."""
+    from engine.models import Numerics, load_model
+
+    return load_model(default_checkpoint, numerics=Numerics(kv_quantize=False))
+
+
+@pytest.fixture(scope="session")
 def v41_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with the reconstructed V4.1 tokenizer.json, written once per session."""
     from engine.models.deepseek_v41.tokenizer_files import write_v41_tokenizer

@@ -128,14 +128,11 @@ def test_sampled_tokens_and_processed_logprobs_are_the_same_beside_sampling_requ
     assert _differing_steps(model, config, 8, sampled=True) == []
 
 
-@pytest.mark.slow  # writes the `default` checkpoint (~25 s on the shared CPU)
-def test_the_default_model_is_bitwise_the_same_beside_8_requests(tmp_path) -> None:
+@pytest.mark.slow  # the `default` model on the shared CPU
+def test_the_default_model_is_bitwise_the_same_beside_8_requests(default_checkpoint) -> None:
     """The `default` structure (real vocabulary, 128-token window, wider heads), quantized KV."""
-    from engine.models import write_random_checkpoint
-
-    folder = write_random_checkpoint("default", tmp_path / "ckpt", seed=0)
     config = _config(model="default", batch_invariant=True)
-    model = load_model(folder, numerics=config.numerics)
+    model = load_model(default_checkpoint, numerics=config.numerics)
     assert _differing_steps(model, config, 8) == []
 
 

@@ -203,13 +203,12 @@ DEFAULT_ENGINE = EngineConfig(
 
 
 @pytest.fixture(scope="session")
-def default_server(tmp_path_factory: pytest.TempPathFactory):
+def default_server(default_checkpoint):
     """A live server on the `default` model (real vocabulary and V4.1 tokenizer):
     yields (base URL, app, engine)."""
-    from engine.models import load_model, write_random_checkpoint
+    from engine.models import load_model
 
-    folder = write_random_checkpoint("default", tmp_path_factory.mktemp("default") / "ckpt")
-    engine = AsyncEngine.from_model(load_model(folder), DEFAULT_ENGINE)
+    engine = AsyncEngine.from_model(load_model(default_checkpoint), DEFAULT_ENGINE)
     # A short grammar timeout keeps the pathological-schema test quick.
     config = ServerConfig(engine=DEFAULT_ENGINE, grammar_compile_timeout_s=2.0)
     app = create_app(config, engine=engine)

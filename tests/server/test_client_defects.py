@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
@@ -285,8 +286,8 @@ def test_usage_counts_every_generated_token(default_server) -> None:
     """EOS sampled in the reasoning (logit_bias makes it likely): completion tokens count every
     token, reasoning tokens never exceed them."""
     url = default_server[0]
-    for seed in range(6):
-        body = {
+    bodies = [
+        {
             "model": MODEL,
             "messages": USER,
             "max_tokens": 12,
@@ -295,7 +296,12 @@ def test_usage_counts_every_generated_token(default_server) -> None:
             "logit_bias": {"1": 8},
             "logprobs": True,
         }
-        for usage in _chat_usage(url, body):
+        for seed in range(6)
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:  # one batch: the counts hold in any batch
+        usages = list(pool.map(lambda body: _chat_usage(url, body), bodies))
+    for seed, pair in enumerate(usages):
+        for usage in pair:
             reasoning = usage["completion_tokens_details"]["reasoning_tokens"]
             assert reasoning <= usage["completion_tokens"], (seed, usage)
             assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
@@ -377,15 +383,25 @@ def _assert_cut_prefixes(cuts: list[list[str]], reference: str) -> None:
     assert any(a and a.startswith('{"') for a in seen), seen
 
 
+@pytest.fixture(scope="module")
+def plain_cuts(oai) -> tuple[str, list]:
+    """The non-streamed reference call's arguments and the non-streamed cuts at CUT_LIMITS, one
+    request each, sequential (seeded tokens may move with the batch): both forms use them."""
+    _, (reference,), _, _ = _cut_tool_call(oai, CUT_REFERENCE, stream=False)
+    return reference, [_cut_tool_call(oai, m, stream=False) for m in CUT_LIMITS]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_tool_call_cut_by_max_tokens_keeps_its_logprobs(oai, stream) -> None:
+def test_tool_call_cut_by_max_tokens_keeps_its_logprobs(oai, plain_cuts, stream) -> None:
     """A forced call cut by `max_tokens` at every part of the DSML block: finish `length`, the
     arguments are the JSON prefix generated so far (streamed deltas concatenate to the same
     text), and every generated token keeps its logprob entry."""
-    _, (reference,), _, _ = _cut_tool_call(oai, CUT_REFERENCE, stream=False)
+    reference, plain = plain_cuts
     cuts = []
-    for max_tokens in CUT_LIMITS:
-        finish, arguments, entries, usage = _cut_tool_call(oai, max_tokens, stream)
+    for i, max_tokens in enumerate(CUT_LIMITS):
+        finish, arguments, entries, usage = (
+            _cut_tool_call(oai, max_tokens, stream) if stream else plain[i]
+        )
         assert finish == "length"
         assert usage.completion_tokens == max_tokens
         # Every generated token is tool-call markup (the prompt opened the calls block).
@@ -393,7 +409,7 @@ def test_tool_call_cut_by_max_tokens_keeps_its_logprobs(oai, stream) -> None:
         cuts.append(arguments)
     _assert_cut_prefixes(cuts, reference)
     if stream:
-        assert cuts == [_cut_tool_call(oai, m, stream=False)[1] for m in CUT_LIMITS]
+        assert cuts == [arguments for _, arguments, _, _ in plain]
 
 
 def test_responses_tool_call_cut_by_max_output_tokens(oai) -> None:
@@ -404,11 +420,9 @@ def test_responses_tool_call_cut_by_max_output_tokens(oai) -> None:
     kwargs = dict(
         model=MODEL, input="Weather in Lima?", tools=[tool], tool_choice="required", extra_body=OFF
     )
-    for max_tokens in (12, 19, 28):
+
+    def plain_and_streamed(max_tokens: int):
         out = oai.responses.create(**kwargs, max_output_tokens=max_tokens)
-        assert out.status == "incomplete"
-        assert out.incomplete_details.reason == "max_output_tokens"
-        assert all(i.arguments.startswith("{") for i in out.output if i.type == "function_call")
         streamed, done, final = "", None, None
         for event in oai.responses.create(**kwargs, max_output_tokens=max_tokens, stream=True):
             if event.type == "response.function_call_arguments.delta":
@@ -417,5 +431,13 @@ def test_responses_tool_call_cut_by_max_output_tokens(oai) -> None:
                 done = event.arguments
             elif event.type == "response.incomplete":
                 final = [i.arguments for i in event.response.output if i.type == "function_call"]
+        return out, streamed, done, final
+
+    with ThreadPoolExecutor(3) as pool:  # unseeded: nothing here depends on the batch
+        results = list(pool.map(plain_and_streamed, (12, 19, 28)))
+    for out, streamed, done, final in results:
+        assert out.status == "incomplete"
+        assert out.incomplete_details.reason == "max_output_tokens"
+        assert all(i.arguments.startswith("{") for i in out.output if i.type == "function_call")
         assert final is not None and final == ([] if done is None else [done])
         assert done is None or (done == streamed and done.startswith("{")), (done, streamed)

@@ -14,7 +14,6 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.async_engine import AsyncEngine
-from engine.models import Numerics, load_model
 from engine.sampling_params import SamplingParams
 from server.app import create_app
 from server.config import ServerConfig
@@ -61,13 +60,12 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
-def test_chat_turns_resume_from_slots_and_answer_as_without_cache(default_server) -> None:
+def test_chat_turns_resume_from_slots_and_answer_as_without_cache(default_model_exact_kv) -> None:
     """Two servers on the session's `default` checkpoint with exact KV storage, slots on and
     cache off, each prefilling a prompt in one chunk. Float sums differ between a decoded and
     a prefilled row and between chunkings; with encoded (FP4/FP8) KV such a difference can
     round a row the other way and flip a random model's greedy token (`docs/model.md`)."""
-    path = default_server[2].core.runner.model.checkpoint_path
-    model = load_model(path, numerics=Numerics(kv_quantize=False))
+    model = default_model_exact_kv
     one_chunk = dataclasses.replace(DEFAULT_ENGINE, target_step_ms=600_000.0)
     configs = [one_chunk, dataclasses.replace(one_chunk, enable_prefix_caching=False)]
     apps = [

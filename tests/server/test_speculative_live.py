@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from engine.async_engine import AsyncEngine
-from engine.models import Numerics, load_model
 from engine.models.deepseek_v41.state import TOKEN_RING
 from engine.speculative.drafts import DraftRequests, Proposal
 from server.app import create_app
@@ -72,10 +71,9 @@ class NgramDrafts:
 
 
 @pytest.fixture(scope="module")
-def speculative_server(default_server):
+def speculative_server(default_model_exact_kv):
     """(OpenAI client, engine) of a live server with speculation over the `default` weights."""
-    folder = default_server[2].core.runner.model.checkpoint_path
-    model = load_model(folder, numerics=Numerics(kv_quantize=False))
+    model = default_model_exact_kv
     config = dataclasses.replace(
         DEFAULT_ENGINE,
         speculative="dspark",

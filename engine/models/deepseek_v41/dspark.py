@@ -26,7 +26,8 @@ _NEG_INF = float("-inf")
 class MarkovHead(nn.Module):
     def __init__(self, vocab: int, rank: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, rank, dtype=dtype)
+        # Uninitialised, as the text model's embedding (the weights are loaded).
+        self.embed = nn.Embedding(vocab, rank, _weight=torch.empty(vocab, rank, dtype=dtype))
         self.head = Linear(rank, vocab, dtype)
 
     def bias(self, prev: Tensor) -> Tensor:

@@ -309,7 +309,11 @@ class DeepseekV41ForCausalLM(nn.Module):
                 cfg.engram_compressed_vocab_size,
             )
             token_map = torch.zeros(cfg.vocab_size, dtype=torch.long)
-        self.embed = nn.Embedding(cfg.vocab_size, d, dtype=dtype)
+        # Built uninitialised (the weights are loaded): `normal_` on "meta" imports torch._dynamo,
+        # seconds at every process start.
+        self.embed = nn.Embedding(
+            cfg.vocab_size, d, _weight=torch.empty(cfg.vocab_size, d, dtype=dtype)
+        )
         self.layers = nn.ModuleList(
             Block(
                 cfg,
