@@ -59,7 +59,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def logged_pids(log: Path, pattern: str = r"engine ranks connected: pids") -> list[int]:

@@ -50,7 +50,7 @@ def server_process():
                     break
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         yield process, url
     finally:
         if process.poll() is None:

@@ -60,7 +60,7 @@ def wait_ready(proc: subprocess.Popen, url: str) -> str:
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server at {url} did not start")
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def _num_blocks(root: str) -> int:
