@@ -61,7 +61,7 @@ def test_responses_seed_reproduces_tokens(oai: openai.OpenAI) -> None:
         out = oai.responses.create(
             model=MODEL,
             input="Tell me a story.",
-            max_output_tokens=24,
+            max_output_tokens=12,
             temperature=1.0,
             reasoning=NO_REASONING,
             store=False,

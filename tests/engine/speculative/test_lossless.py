@@ -98,9 +98,20 @@ def _run(core: EngineCore, requests: list[Request]) -> dict[str, list[int]]:
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 
+_REFERENCES: dict[tuple, tuple[object, dict[str, list[int]]]] = {}
+
+
 def _reference(model, prompts, max_tokens) -> dict[str, list[int]]:
-    core = _core(model, speculative="off")
-    return _run(core, [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)])
+    """The non-speculative run's tokens, computed once per (model, prompts, max_tokens): the
+    parametrised tests ask for the same run (the model is kept, so its id stays its own)."""
+    key = (id(model), tuple(map(tuple, prompts)), max_tokens)
+    if key not in _REFERENCES:
+        core = _core(model, speculative="off")
+        requests = [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
+        _REFERENCES[key] = model, _run(core, requests)
+    kept, tokens = _REFERENCES[key]
+    assert kept is model
+    return {rid: list(ids) for rid, ids in tokens.items()}
 
 
 @pytest.mark.parametrize("num_speculative_tokens", [1, 2, 3, 4, 5])
