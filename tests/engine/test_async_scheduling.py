@@ -24,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured import GrammarCompiler, GrammarSpec
 from engine.thinking_budget import ThinkingBudget
-from tests.engine.engine_checks import assert_all_released
+from tests.engine.engine_checks import abort_mid_stream, assert_all_released
 
 TINY_VOCAB = 1024
 EOS_ID = 1
@@ -162,30 +162,7 @@ def test_aborts_mid_stream_free_everything(tiny_model) -> None:
     engine = _engine(tiny_model, True)
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
 
-    async def scenario() -> list[int]:
-        await engine.start()
-        streams = [engine.generate([0, 5 + i, 6], params, f"d{i}") for i in range(4)]
-        prefill = engine.generate([0, *range(3, 600)], params, "prefill")
-        counts = []
-        for stream in streams:
-            count = 0
-            async for delta in stream:
-                count += len(delta.token_ids)
-                if count >= 3:
-                    break
-            counts.append(count)
-        task = asyncio.create_task(prefill.__anext__())
-        await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        for stream in streams:
-            await stream.aclose()
-        await prefill.aclose()
-        await engine.shutdown()
-        return counts
-
-    assert asyncio.run(scenario()) == [3, 3, 3, 3]
+    assert abort_mid_stream(engine, params) == [3, 3, 3, 3]
     assert_all_released(engine)
 
 

@@ -27,7 +27,7 @@ from engine.speculative.planner import FixedPlanner
 from engine.speculative.scheduling import DraftScheduling
 from engine.speculative.step import DraftsAhead
 from engine.thinking_budget import ThinkingBudget
-from tests.engine.engine_checks import assert_all_released
+from tests.engine.engine_checks import abort_mid_stream, assert_all_released
 from tests.engine.speculative.test_interactions import (
     HistoryDrafts,
     _engine,
@@ -319,30 +319,7 @@ def test_async_aborts_mid_flight_free_everything(tiny_model_exact_kv) -> None:
     engine = _async_spec(model, None)
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
 
-    async def scenario() -> list[int]:
-        await engine.start()
-        streams = [engine.generate([0, 5 + i, 6], params, f"d{i}") for i in range(4)]
-        prefill = engine.generate([0, *range(3, 600)], params, "prefill")
-        counts = []
-        for stream in streams:
-            count = 0
-            async for delta in stream:
-                count += len(delta.token_ids)
-                if count >= 3:
-                    break
-            counts.append(count)
-        task = asyncio.create_task(prefill.__anext__())
-        await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        for stream in streams:
-            await stream.aclose()
-        await prefill.aclose()
-        await engine.shutdown()
-        return counts
-
-    assert all(count >= 3 for count in asyncio.run(scenario()))
+    assert all(count >= 3 for count in abort_mid_stream(engine, params))
     assert engine.core.runner.speculative.metrics.num_request_steps > 0
     assert_all_released(engine)
 
