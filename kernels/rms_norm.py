@@ -27,20 +27,6 @@ MAX_WIDTH = 16384
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, weight_ptr, out_ptr, width, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    in_row = cols < width
-    x = tl.load(x_ptr + row * width + cols, mask=in_row, other=0.0).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)
-    if HAS_WEIGHT:
-        y = y * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=in_row)
-
-
-@triton.jit
-def _rms_norm_fp8_kernel(
     x_ptr,
     weight_ptr,
     out_ptr,
@@ -49,6 +35,7 @@ def _rms_norm_fp8_kernel(
     width,
     eps,
     HAS_WEIGHT: tl.constexpr,
+    EMIT_FP8: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
 ):
@@ -61,13 +48,57 @@ def _rms_norm_fp8_kernel(
         y = y * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     y = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * width + cols, y, mask=in_row)
-    # the codes of the rounded output, as a consumer reading `out` would quantize it
-    codes, biased = quantize_slab(tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)))
-    group_cols = tl.reshape(cols, (BLOCK // GROUP, GROUP))
-    tl.store(codes_ptr + row * width + group_cols, codes, mask=group_cols < width)
-    groups = tl.arange(0, BLOCK // GROUP)
-    num_groups = width // GROUP
-    tl.store(scale_ptr + row * num_groups + groups, biased.to(tl.uint8), mask=groups < num_groups)
+    if EMIT_FP8:
+        # the codes of the rounded output, as a consumer reading `out` would quantize it
+        codes, biased = quantize_slab(tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)))
+        group_cols = tl.reshape(cols, (BLOCK // GROUP, GROUP))
+        tl.store(codes_ptr + row * width + group_cols, codes, mask=group_cols < width)
+        groups = tl.arange(0, BLOCK // GROUP)
+        num_groups = width // GROUP
+        scales = biased.to(tl.uint8)
+        tl.store(scale_ptr + row * num_groups + groups, scales, mask=groups < num_groups)
+
+
+def _launch(
+    x: Tensor, weight: Tensor | None, eps: float, fp8_block: int | None, name: str
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Check, allocate and run `_rms_norm_kernel`: (out, codes, raw scale bytes); the codes
+    and scales only when `fp8_block` is given."""
+    width = x.shape[-1]
+    if width > MAX_WIDTH or (weight is not None and weight.shape != (width,)):
+        got = None if weight is None else tuple(weight.shape)
+        raise ValueError(f"rows of at most {MAX_WIDTH}, weight of their width; got {width}, {got}")
+    if fp8_block is not None and (
+        fp8_block < 16 or fp8_block & (fp8_block - 1) or width % fp8_block
+    ):
+        raise ValueError(f"the width ({width}) must be a multiple of the block ({fp8_block})")
+    check_runnable(x, name)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    codes = scales = None
+    if fp8_block is not None:
+        codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty(
+            (*x.shape[:-1], width // fp8_block), dtype=torch.uint8, device=x.device
+        )
+    num_rows = x.numel() // max(width, 1)
+    if num_rows and width:
+        size = max(triton.next_power_of_2(width), fp8_block or 1)
+        _rms_norm_kernel[(num_rows,)](
+            x,
+            weight.contiguous() if weight is not None else x,
+            out,
+            codes if codes is not None else x,
+            scales if scales is not None else x,
+            width,
+            eps,
+            HAS_WEIGHT=weight is not None,
+            EMIT_FP8=fp8_block is not None,
+            BLOCK=size,
+            GROUP=fp8_block or 1,
+            num_warps=min(16, max(1, size // 512)),
+        )
+    return out, codes, scales
 
 
 def rms_norm_fp8(
@@ -80,33 +111,7 @@ def rms_norm_fp8(
         ValueError: as `rms_norm`, or a width that is not a multiple of `block` (a power of
             two ≥ 16).
     """
-    width = x.shape[-1]
-    if width > MAX_WIDTH or (weight is not None and weight.shape != (width,)):
-        got = None if weight is None else tuple(weight.shape)
-        raise ValueError(f"rows of at most {MAX_WIDTH}, weight of their width; got {width}, {got}")
-    if block < 16 or block & (block - 1) or width % block:
-        raise ValueError(f"the width ({width}) must be a multiple of the block ({block})")
-    check_runnable(x, "rms_norm_fp8")
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((*x.shape[:-1], width // block), dtype=torch.uint8, device=x.device)
-    num_rows = x.numel() // max(width, 1)
-    if num_rows and width:
-        size = max(triton.next_power_of_2(width), block)
-        _rms_norm_fp8_kernel[(num_rows,)](
-            x,
-            weight.contiguous() if weight is not None else x,
-            out,
-            codes,
-            scales,
-            width,
-            eps,
-            HAS_WEIGHT=weight is not None,
-            BLOCK=size,
-            GROUP=block,
-            num_warps=min(16, max(1, size // 512)),
-        )
+    out, codes, scales = _launch(x, weight, eps, block, "rms_norm_fp8")
     return out, codes, scales.view(torch.float8_e8m0fnu)
 
 
@@ -117,27 +122,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
         ValueError: a last dimension wider than MAX_WIDTH, a weight of another width, or not on
             CUDA.
     """
-    width = x.shape[-1]
-    if width > MAX_WIDTH or (weight is not None and weight.shape != (width,)):
-        got = None if weight is None else tuple(weight.shape)
-        raise ValueError(f"rows of at most {MAX_WIDTH}, weight of their width; got {width}, {got}")
-    check_runnable(x, "rms_norm")
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    num_rows = x.numel() // max(width, 1)
-    if num_rows and width:
-        block = triton.next_power_of_2(width)
-        _rms_norm_kernel[(num_rows,)](
-            x,
-            weight.contiguous() if weight is not None else x,
-            out,
-            width,
-            eps,
-            HAS_WEIGHT=weight is not None,
-            BLOCK=block,
-            num_warps=min(16, max(1, block // 512)),
-        )
-    return out
+    return _launch(x, weight, eps, None, "rms_norm")[0]
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:

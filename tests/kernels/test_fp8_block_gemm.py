@@ -213,7 +213,7 @@ def test_gemm_compiles_to_fp8_wgmma_with_pipelined_loads(quantize_a: bool) -> No
 
 def test_quantizers_compile_for_hopper() -> None:
     from kernels.fp8_block_gemm import _quantize_kernel
-    from kernels.rms_norm import _rms_norm_fp8_kernel
+    from kernels.rms_norm import _rms_norm_kernel
 
     ptx = compile_for_hopper(
         _quantize_kernel,
@@ -224,10 +224,10 @@ def test_quantizers_compile_for_hopper() -> None:
     )  # fmt: skip
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     ptx = compile_for_hopper(
-        _rms_norm_fp8_kernel,
+        _rms_norm_kernel,
         {"x_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*fp8e4nv",
          "scale_ptr": "*u8", "width": "i32", "eps": "fp32"},
-        {"HAS_WEIGHT": True, "BLOCK": 8192, "GROUP": 32},
+        {"HAS_WEIGHT": True, "EMIT_FP8": True, "BLOCK": 8192, "GROUP": 32},
         {"x_ptr", "weight_ptr", "out_ptr", "codes_ptr", "scale_ptr", "width"},
     )  # fmt: skip
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
