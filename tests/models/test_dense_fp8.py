@@ -121,13 +121,25 @@ def test_fp8_dense_logits_track_the_dequantized_model(tiny_checkpoint: Path) -> 
 @pytest.mark.gpu
 def test_cuda_fp8_model_matches_its_cpu_emulation(tiny_checkpoint: Path) -> None:
     numerics = Numerics(kv_quantize=False, dense_fp8=True)
+    cpu_model = load_model(tiny_checkpoint, numerics=numerics, progress=False)
+    gpu_model = load_model(tiny_checkpoint, device="cuda", numerics=numerics, progress=False)
+    # every FP8 linear at the model's own weights, same input: the kernel vs the CPU reference
+    on_gpu = dict(gpu_model.named_modules())
+    linears = {n: m for n, m in cpu_model.named_modules() if isinstance(m, FP8BlockLinear)}
+    assert linears
+    g = torch.Generator().manual_seed(0)
+    for name, linear in linears.items():
+        x = torch.randn(5, linear.in_features, generator=g)
+        assert _rel(on_gpu[name](x.cuda()), linear(x)) < 5e-4, name
+    # The whole model: CUDA and the CPU round fp32 differently (~1e-6), and FP8 activation
+    # codes turn that into whole-code steps that a random model amplifies. Perturbing the CPU
+    # model's fp32 parameters by 1e-7 / 1e-6 / 1e-5 (relative) moves `tiny`'s FP8 logits by
+    # 0.03 / 0.20 / 0.36 of their norm (measured); CUDA vs CPU measured 0.39. A wrong weight
+    # layout or scale gives uncorrelated logits instead.
     prompts = _prompts()
-    cpu = load_model(tiny_checkpoint, numerics=numerics, progress=False).logits(prompts)
-    gpu = load_model(tiny_checkpoint, device="cuda", numerics=numerics, progress=False)
-    logits = gpu.logits(prompts)
-    # fp32 both sides; a 1e-7 input difference rarely moves an FP8 activation code
-    assert _rel(logits, cpu) < 1e-2
-    assert (logits.cpu().argmax(-1) == cpu.argmax(-1)).float().mean() >= 0.98
+    cpu, logits = cpu_model.logits(prompts), gpu_model.logits(prompts).cpu()
+    assert torch.isfinite(logits).all() and _rel(logits, cpu) < 0.6
+    assert torch.corrcoef(torch.stack((logits.flatten(), cpu.flatten())))[0, 1] > 0.8
 
 
 @pytest.mark.gpu

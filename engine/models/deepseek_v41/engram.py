@@ -78,7 +78,7 @@ class HostEngramTable(nn.Module):
             return
         if self._copied is not None:
             self._copied.synchronize()
-        staged_w, staged_s = self._buffers(len(rows), device)
+        staged_w, staged_s = self._staging_pair(len(rows), device)
         torch.index_select(self.host_weight, 0, rows, out=staged_w[0][: len(rows)])
         torch.index_select(self.host_scale, 0, rows, out=staged_s[0][: len(rows)])
         if self._stream is None:
@@ -93,7 +93,7 @@ class HostEngramTable(nn.Module):
             self._copied.record(self._stream)
         self._pending = (ids, weight, scale)
 
-    def _buffers(self, num_rows: int, device: torch.device) -> tuple[tuple, tuple]:
+    def _staging_pair(self, num_rows: int, device: torch.device) -> tuple[tuple, tuple]:
         """((pinned weight, device weight), (pinned scale, device scale)) of >= num_rows rows."""
         if self._staging is None or self._staging[0].shape[0] < num_rows:
             capacity = 1 << max(num_rows - 1, 1).bit_length()
