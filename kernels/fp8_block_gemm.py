@@ -83,7 +83,10 @@ def _e4m3_rne(y):
     t = tl.abs(y) * _pow2(-ulp_exponent)
     t = (t + _ROUND_MAGIC) - _ROUND_MAGIC
     r = tl.minimum(t * _pow2(ulp_exponent), 448.0)
-    return tl.where(bits < 0, -r, r)
+    # the sign by its bit: compiled, `-r` is 0 − r, which turns −0 into +0 (the reference's
+    # cast keeps −0: code 0x80)
+    sign = bits & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
