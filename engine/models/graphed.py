@@ -115,7 +115,10 @@ class GraphedSegment:
                     output.copy_(result)
         except RuntimeError as exc:
             self.failures[bucket] = f"{type(exc).__name__}: {exc}"
-            logger.warning("CUDA graph capture failed for %d tokens; eager: %s", bucket, exc)
+            first = not self.failures.keys() - {bucket}
+            logger.warning(
+                "CUDA graph capture failed for %d tokens; eager: %s", bucket, exc, exc_info=first
+            )
             return None
         captured = _Captured(graph, static, outputs)
         self.graphs[bucket] = captured
