@@ -77,6 +77,9 @@ class RequestRejectedError(ValueError):
     """A request that can never run on this engine (`AsyncEngine.check_request`)."""
 
 
+AUTO_DTYPE = "auto"  # bfloat16 on CUDA (MXFP4 experts, grouped kernel, CUDA graphs), else float32
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What `AsyncEngine.from_config` builds.
@@ -157,7 +160,7 @@ class EngineConfig:
 
     model: str = "default"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = AUTO_DTYPE  # resolved at construction (`AUTO_DTYPE`)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 32768
     kv_cache_tokens: int = 262144
@@ -190,6 +193,9 @@ class EngineConfig:
     dense_gemm: str = "bf16"
 
     def __post_init__(self) -> None:
+        if self.dtype == AUTO_DTYPE:  # frozen: the resolved value replaces `auto` once
+            on_cuda = torch.device(self.device).type == "cuda"
+            object.__setattr__(self, "dtype", "bfloat16" if on_cuda else "float32")
         if self.host_kv_cache_bytes is not None and self.host_kv_cache_bytes < 0:
             raise ValueError("host_kv_cache_bytes must be >= 0")
         self.dir_tiers()  # raises ValueError for a bad directory-tier option

@@ -18,7 +18,13 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.async_engine import DENSE_GEMMS, ENGRAM_PLACEMENTS, KV_STORAGES, EngineConfig
+from engine.async_engine import (
+    AUTO_DTYPE,
+    DENSE_GEMMS,
+    ENGRAM_PLACEMENTS,
+    KV_STORAGES,
+    EngineConfig,
+)
 from engine.distributed.config import ParallelConfig
 from server.config import ServerConfig
 
@@ -104,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--dtype",
-        default=_ENGINE_DEFAULTS.dtype,
-        choices=["float32", "bfloat16", "float16"],
-        help="activation dtype",
+        default=AUTO_DTYPE,
+        choices=[AUTO_DTYPE, "float32", "bfloat16", "float16"],
+        help="activation dtype; auto = bfloat16 on CUDA (routed experts stay MXFP4 for the "
+        "grouped kernel, CUDA graphs), float32 on the CPU",
     )
     add("--api-key", default=None, help="require this key (Bearer / x-api-key)")
     add(

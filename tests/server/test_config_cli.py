@@ -101,7 +101,7 @@ def test_help_shows_the_defaults():
         "(default: 127.0.0.1)",
         "Hugging Face hub id (default: default)",
         "else cpu (default: auto)",
-        "(default: float32)",
+        "float32 on the CPU (default: auto)",
         "(default: 64)",
         "(default: 262144)",
         "(default: 256)",
@@ -306,3 +306,20 @@ def test_cli_dense_gemm():
         EngineConfig(dense_gemm="int8")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--dense-gemm", "fp16"])
+
+
+def test_cli_dtype_defaults_to_bfloat16_on_cuda_and_float32_on_the_cpu():
+    """`--device cuda` alone serves bf16 with MXFP4 experts through the grouped kernel: with a
+    float32 default it ran the per-expert reference path (host reads of the expert counts, so
+    no CUDA graph captured) at 75 ms per token on the H200."""
+
+    def engine(*argv: str) -> EngineConfig:
+        return config_from_args(build_parser().parse_args(list(argv))).engine
+
+    on_cuda = engine("--device", "cuda")
+    assert on_cuda.dtype == "bfloat16" and on_cuda.quantized_experts
+    assert engine("--device", "cpu").dtype == "float32"
+    assert engine("--device", "cuda", "--dtype", "float32").dtype == "float32"
+    assert EngineConfig(device="cuda").dtype == "bfloat16" and EngineConfig().dtype == "float32"
+    with pytest.raises(SystemExit):
+        engine("--dtype", "float64")
