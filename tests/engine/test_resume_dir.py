@@ -7,7 +7,7 @@ from __future__ import annotations
 import zlib
 
 from engine.kv_cache.resume_dir import PointerDirectory, RemoteSlots, SlotPointer
-from tests.server.conftest import free_port
+from tests.ports import free_port
 
 KEY = bytes(range(32))
 

@@ -3,7 +3,6 @@ routes standing in for the protocol routes (which are wired later)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ from server.disconnect import run_until_disconnect
 from server.errors import APIError, ErrorKind
 from server.metrics import ServerMetrics
 from server.sse import data_stream, event_stream
+from tests.ports import free_port  # noqa: F401  (re-exported: the server tests import it from here)
 
 API_KEY = "sk-test-key"
 TINY_ENGINE = EngineConfig(
@@ -163,12 +163,6 @@ def make_app(tiny_model) -> Callable[..., tuple[FastAPI, dict[str, threading.Eve
         return app, events
 
     return make
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
