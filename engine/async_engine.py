@@ -94,6 +94,7 @@ class EngineConfig:
         core, so the fill would compete with it instead of hiding behind it).
     cuda_graphs: on CUDA, replay each block's pure parts from CUDA graphs in steps of up to 512
         tokens (`DeepseekV41ForCausalLM.enable_cuda_graphs`); False runs every step eagerly.
+        Needs `quantized_experts` (bfloat16): otherwise a warning, and every step runs eagerly.
     target_step_ms: prefill chunks are sized so that a step's predicted time (a cost model
         fitted to the engine's own steps) stays within this; None = by device
         (`DEFAULT_TARGET_STEP_MS`).
@@ -709,6 +710,13 @@ def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
     )
     logger.info("the engine holds its weights: %s", describe_held(model))
     if device.type == "cuda" and config.cuda_graphs:
-        model.enable_cuda_graphs()
-        model.capture_cuda_graphs(config.max_num_seqs)
+        if config.quantized_experts:
+            model.enable_cuda_graphs()
+            model.capture_cuda_graphs(config.max_num_seqs)
+        else:  # the per-expert MoE reads each layer's expert counts on the host
+            logger.warning(
+                "CUDA graphs off: --dtype %s dequantises the routed experts, whose per-expert "
+                "path cannot be captured; --dtype bfloat16 keeps them MXFP4",
+                config.dtype,
+            )
     return model
