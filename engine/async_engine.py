@@ -709,14 +709,22 @@ def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
         numerics=config.numerics,
     )
     logger.info("the engine holds its weights: %s", describe_held(model))
-    if device.type == "cuda" and config.cuda_graphs:
-        if config.quantized_experts:
-            model.enable_cuda_graphs()
-            model.capture_cuda_graphs(config.max_num_seqs)
-        else:  # the per-expert MoE reads each layer's expert counts on the host
-            logger.warning(
-                "CUDA graphs off: --dtype %s dequantises the routed experts, whose per-expert "
-                "path cannot be captured; --dtype bfloat16 keeps them MXFP4",
-                config.dtype,
-            )
+    capture_graphs(model, config)
     return model
+
+
+def capture_graphs(model: DeepseekV41ForCausalLM, config: EngineConfig) -> None:
+    """On CUDA with `cuda_graphs`, capture the blocks' graphs for up to `max_num_seqs` tokens
+    now; without MXFP4 experts (a float32 or float16 dtype) warn instead: the per-expert MoE
+    reads each layer's expert counts on the host, so no capture could succeed."""
+    if model.device.type != "cuda" or not config.cuda_graphs:
+        return
+    if not config.quantized_experts:
+        logger.warning(
+            "CUDA graphs off: --dtype %s dequantises the routed experts, whose per-expert "
+            "path cannot be captured; --dtype bfloat16 keeps them MXFP4",
+            config.dtype,
+        )
+        return
+    model.enable_cuda_graphs()
+    model.capture_cuda_graphs(config.max_num_seqs)

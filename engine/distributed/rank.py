@@ -31,7 +31,7 @@ from multiprocessing.connection import Client, Connection
 
 import torch
 
-from engine.async_engine import AsyncEngine, EngineConfig
+from engine.async_engine import AsyncEngine, EngineConfig, capture_graphs
 from engine.client import engine_info, rank_snapshot
 from engine.distributed.coordinator import StepCoordinator, gloo_int_gather
 from engine.distributed.expert_parallel import ExpertParallel
@@ -144,9 +144,7 @@ def load_rank_model(
         numerics=config.numerics,
     )
     logger.info("holds its weights: %s", describe_held(model))
-    if device.type == "cuda" and config.cuda_graphs:
-        model.enable_cuda_graphs()
-        model.capture_cuda_graphs(config.max_num_seqs)
+    capture_graphs(model, config)
     return model
 
 
