@@ -97,21 +97,43 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> Expe
     )
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
-    start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(key, stable=True)
-    sorted_experts = key[order]
-    rank = torch.arange(num_pairs, device=device) - start[sorted_experts]
     # skipped pairs land on one extra position past the end, dropped below
     first_position = torch.cat((padded_end - padded, padded_end.new_full((1,), num_positions)))
-    positions = first_position[sorted_experts] + torch.where(sorted_experts < num_experts, rank, 0)
+    if num_pairs <= COUNTED_RANK_MAX_PAIRS:
+        pair, rank = _ranks_counted(key, num_experts)
+    else:
+        pair, rank = _ranks_sorted(key, counts)
+    expert = key[pair]
+    positions = first_position[expert] + torch.where(expert < num_experts, rank, 0)
     pair_of_pos = torch.full((num_positions + 1,), -1, dtype=torch.int32, device=device)
-    pair_of_pos[positions] = order.to(torch.int32)
+    pair_of_pos[positions] = pair.to(torch.int32)
     pair_of_pos = pair_of_pos[:num_positions]
     block_start = torch.arange(num_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     num_tokens, top_k = expert_ids.shape
     return ExpertBlocks(pair_of_pos, block_expert, block_m, top_k, num_tokens)
+
+
+# Routings of up to this many (token, slot) pairs rank pairs within their expert by a prefix
+# count over a one-hot [pairs, E + 1] table (decode steps: a few small kernels); larger ones sort
+# (the radix sort was 1.1 ms of a 64-sequence decode step on the H200, 40 launches).
+COUNTED_RANK_MAX_PAIRS = 4096
+
+
+def _ranks_counted(key: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(pair index, rank of the pair among the earlier pairs of its key) for every pair."""
+    hot = key[:, None] == torch.arange(num_experts + 1, device=key.device)
+    earlier = torch.cumsum(hot, 0, dtype=torch.int32) - hot.to(torch.int32)
+    rank = earlier.gather(1, key[:, None]).squeeze(1).long()
+    return torch.arange(key.numel(), device=key.device), rank
+
+
+def _ranks_sorted(key: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """`_ranks_counted` by a stable sort: pairs in key order, each with its rank in its key."""
+    order = torch.argsort(key, stable=True)
+    start = torch.cumsum(counts, 0) - counts
+    return order, torch.arange(key.numel(), device=key.device) - start[key[order]]
 
 
 # In-register dequantisation. One 32-bit word of codes holds 8 values v0..v7 (byte i: v2i low

@@ -44,6 +44,22 @@ def test_alignment_places_every_pair_once_in_expert_pure_blocks(
     assert blocks.num_pairs == num_tokens * top_k
 
 
+@pytest.mark.parametrize("num_tokens", [1, 300, 683])
+def test_counted_and_sorted_alignment_lay_out_the_same_blocks(num_tokens, monkeypatch) -> None:
+    """Up to COUNTED_RANK_MAX_PAIRS pairs rank within their expert by a prefix count, above by
+    a stable sort: the same blocks either way, skipped (-1) pairs included."""
+    import kernels.grouped_mxfp4_gemm as module
+
+    ids = _routing(num_tokens, 48, 6, seed=7)
+    ids[::5, 1] = -1
+    layouts = []
+    for limit in (0, 10**6):  # every routing sorted, then every routing counted
+        monkeypatch.setattr(module, "COUNTED_RANK_MAX_PAIRS", limit)
+        layouts.append(align_to_experts(ids, 48, 16))
+    assert torch.equal(layouts[0].pair_of_pos, layouts[1].pair_of_pos)
+    assert torch.equal(layouts[0].block_expert, layouts[1].block_expert)
+
+
 def _quantized_moe(dim: int, inter: int, num_experts: int, top_k: int, seed: int) -> MoE:
     torch.manual_seed(seed)
     moe = MoE(dim, inter, num_experts, top_k, 2.5, 7.0, torch.bfloat16, quantized_experts=True)
