@@ -390,7 +390,7 @@ def _kernel_times(prof, on_cuda: bool) -> list[tuple[str, str, float]]:
 
 def profile(model, fn, device: torch.device, title: str, out: Path | None) -> str:
     """Profile one call of `fn`: the top ten kernels (with the model parts they ran in) and the
-    kernel time per model part; written to `out` too."""
+    kernel time per model part; written to `out` too, with every kernel listed."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -410,19 +410,20 @@ def profile(model, fn, device: torch.device, title: str, out: Path | None) -> st
         by_kernel[name][part] += us
         calls[name] = calls.get(name, 0) + 1
     unit = "GPU" if device.type == "cuda" else "CPU"
-    lines = [
+    head = (
         f"## {title}: {len(times)} kernels, {total / 1e3:.2f} ms of {unit} time, "
-        f"{wall * 1e3:.2f} ms wall (profiled)",
-        f"{'ms':>9} {'share':>6} {'calls':>6}  kernel  [parts]",
-    ]
+        f"{wall * 1e3:.2f} ms wall (profiled)"
+    )
+    lines = [head, f"{'ms':>9} {'share':>6} {'calls':>6}  kernel  [parts]"]
     ranked = sorted(by_kernel.items(), key=lambda item: sum(item[1].values()), reverse=True)
-    for name, parts in ranked[:10]:
+    rows = []
+    for name, parts in ranked:
         us = sum(parts.values())
         where = ", ".join(
             f"{part} {t / us:.0%}" for part, t in sorted(parts.items(), key=lambda i: -i[1])
         )
-        share = us / total
-        lines.append(f"{us / 1e3:>9.2f} {share:>6.1%} {calls[name]:>6}  {name[:80]}  [{where}]")
+        rows.append((f"{us / 1e3:>9.2f} {us / total:>6.1%} {calls[name]:>6}", name, where))
+    lines += [f"{numbers}  {name[:80]}  [{where}]" for numbers, name, where in rows[:10]]
     per_part: dict[str, float] = {}
     launches: dict[str, int] = {}
     for _, part, us in times:
@@ -432,8 +433,10 @@ def profile(model, fn, device: torch.device, title: str, out: Path | None) -> st
     for part, us in sorted(per_part.items(), key=lambda i: -i[1]):
         lines.append(f"{us / 1e3:>9.2f} {us / total:>6.1%} {launches[part]:>6}  {part}")
     text = "\n".join(lines)
-    if out is not None:
-        (out / f"profile_{title.replace(' ', '_')}.txt").write_text(text + "\n")
+    if out is not None:  # the file: every kernel, whole names
+        every = [f"{numbers}  {name[:200]}  [{where}]" for numbers, name, where in rows]
+        path = out / f"profile_{title.replace(' ', '_')}.txt"
+        path.write_text("\n".join((text, f"## {title}: every kernel", *every)) + "\n")
     return text
 
 

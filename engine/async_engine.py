@@ -726,5 +726,13 @@ def capture_graphs(model: DeepseekV41ForCausalLM, config: EngineConfig) -> None:
             config.dtype,
         )
         return
+    start = time.perf_counter()
     model.enable_cuda_graphs()
     model.capture_cuda_graphs(config.max_num_seqs)
+    failed = len(model.graph_failures())
+    logger.info(
+        "CUDA graphs captured at start for steps of up to %d tokens in %.1f s%s",
+        config.max_num_seqs,
+        time.perf_counter() - start,
+        f" ({failed} block parts run eagerly: see the warnings)" if failed else "",
+    )
