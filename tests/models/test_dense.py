@@ -7,7 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.deepseek_v41 import primitives
-from engine.models.deepseek_v41.dense import dense_matmul, row_sum
+from engine.models.deepseek_v41.dense import (
+    Linear,
+    dense_matmul,
+    fp32_times_bf16,
+    row_sum,
+    split_bf16,
+)
 
 
 def _rows_inside(fn, rows: torch.Tensor, total: int, at: int, g: torch.Generator):
@@ -76,3 +82,28 @@ def test_pair_softmax_matches_the_softmax_and_rounds_alike_everywhere() -> None:
         [primitives.pair_softmax(a[i : i + 1], b[i : i + 1], True) for i in range(40)], 1
     )
     assert torch.equal(rows, ours)
+
+
+def test_three_bf16_parts_add_up_to_the_fp32_value_exactly() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 512, generator=g) * torch.logspace(-30, 30, 64)[:, None]
+    parts = split_bf16(x)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, 64, 512)
+    assert torch.equal(parts[0].float() + parts[1].float() + parts[2].float(), x)
+    # two parts would not do: the third carries real bits for most values
+    assert (parts[0].float() + parts[1].float() != x).float().mean() > 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_cuda_fp32_products_of_bf16_weights_run_on_tensor_cores_to_fp32_accuracy(rows) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 5120, generator=g).cuda()
+    linear = Linear(5120, 2000, torch.bfloat16).cuda()
+    reference = x.double() @ linear.weight.double().t()
+    ours = linear.forward_fp32(x)
+    plain = x @ linear.weight.float().t()
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, fp32_times_bf16(x, linear.weight))  # the fast path ran
+    error = float((ours.double() - reference).norm() / reference.norm())
+    assert error <= 2 * float((plain.double() - reference).norm() / reference.norm()) + 1e-8

@@ -40,6 +40,16 @@ gives sums over the last dim the same property).
 NOTE: the CPU path relies on a BLAS call being a fixed function of its shape, strides and
 operand alignment (never of the other rows' values), which MKL's GEMM is; the engine tests
 (`tests/engine/test_batch_invariance.py`) check the whole forward bitwise.
+
+fp32 products of bf16 weights (`Linear.forward_fp32`)
+------------------------------------------------------
+
+Logits, the attention's `wkv`/`wgate`, the indexer's weights and DSpark's heads are computed as
+f32(x) · f32(W)ᵀ. On CUDA with bf16 weights (outside batch-invariant mode) that is one bf16
+tensor-core GEMM with fp32 output over x split exactly into three bf16 parts stacked as rows
+(x = hi + mid + lo; bf16 × bf16 products are exact in fp32): no fp32 copy of W per call (the
+lm head's was 2.6 GB per step at the released widths) and no fp32 CUDA-core GEMM. It differs
+from the fp32 GEMM only in the order of the fp32 sums (~1e-7 relative).
 """
 
 from __future__ import annotations
@@ -110,8 +120,47 @@ class Linear(nn.Linear):
         return dense_matmul(x, self.weight, self.batch_invariant)
 
     def forward_fp32(self, x: Tensor) -> Tensor:
-        """`f32(x) · f32(W)ᵀ` (gates, scores and logits computed in fp32)."""
-        return dense_matmul(x.float(), self.weight.float(), self.batch_invariant)
+        """`f32(x) · f32(W)ᵀ` (gates, scores and logits computed in fp32; module docstring)."""
+        x = x.float()
+        weight = self.weight
+        on_tensor_cores = x.is_cuda and weight.dtype == torch.bfloat16 and not self.batch_invariant
+        if on_tensor_cores and _bf16_mm_to_fp32_runs(x.device):
+            return fp32_times_bf16(x, weight)
+        return dense_matmul(x, weight.float(), self.batch_invariant)
+
+
+def split_bf16(x: Tensor) -> Tensor:
+    """fp32 x [..., K] → bf16 [3, ..., K] with x = Σ parts exactly (for |x| ≥ 2^-110: the last
+    part stays a normal bf16)."""
+    hi = x.bfloat16()
+    rest = x - hi.float()
+    mid = rest.bfloat16()
+    return torch.stack((hi, mid, (rest - mid.float()).bfloat16()))
+
+
+def fp32_times_bf16(x: Tensor, weight: Tensor) -> Tensor:
+    """fp32 x [..., K] · bf16 weight [N, K]ᵀ → fp32 [..., N]: one bf16 GEMM with fp32 output
+    over `split_bf16(x)`'s three parts as rows (CUDA: `torch.mm(..., out_dtype=float32)`)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    parts = split_bf16(x.reshape(-1, k)).reshape(-1, k)
+    out = torch.mm(parts, weight.t(), out_dtype=torch.float32).view(3, -1, weight.shape[0])
+    return (out[0] + out[1] + out[2]).view(*lead, weight.shape[0])
+
+
+_MM_TO_FP32: dict[torch.device, bool] = {}
+
+
+def _bf16_mm_to_fp32_runs(device: torch.device) -> bool:
+    """Whether this torch runs bf16 GEMMs with fp32 output on `device` (tried once per device,
+    with no host read, so a CUDA-graph warm-up may be the first call)."""
+    if device not in _MM_TO_FP32:
+        probe = torch.ones(2, 32, dtype=torch.bfloat16, device=device)
+        try:
+            runs = torch.mm(probe, probe.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            runs = False
+        _MM_TO_FP32[device] = runs
+    return _MM_TO_FP32[device]
 
 
 class FP8BlockLinear(nn.Module):
