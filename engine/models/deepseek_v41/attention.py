@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.models.deepseek_v41.config import DeepseekV41Config
-from engine.models.deepseek_v41.dense import Linear, dense_matmul, grouped_linear
+from engine.models.deepseek_v41.dense import (
+    Linear,
+    bf16_mm_to_fp32_runs,
+    bmm_exact_bf16,
+    dense_matmul,
+    grouped_linear,
+)
 from engine.models.deepseek_v41.kv_formats import KVCodec
 from engine.models.deepseek_v41.primitives import apply_rope, pair_softmax, rms_norm
 from engine.models.deepseek_v41.state import BLOCK_TOKENS, PAIR_RING, ModelState, StepBatch
@@ -449,7 +455,9 @@ class Attention(nn.Module):
         if self.batch_invariant:
             scores = self._index_scores_fixed_order(iq, hw, keys, batch)
         else:
-            scores = self._index_scores(batch.pad(iq), batch.pad(hw), keys)  # [B, T_max, J]
+            exact_in_bf16 = ctx.codecs.index.storage_dtype in (torch.uint8, torch.bfloat16)
+            on_tensor_cores = keys.is_cuda and exact_in_bf16 and bf16_mm_to_fp32_runs(keys.device)
+            scores = self._index_scores(batch.pad(iq), batch.pad(hw), keys, on_tensor_cores)
         pos = batch.pad(batch.positions, fill=-1)
         num_visible = torch.div(pos + 1, r, rounding_mode="floor")  # [B, T_max]
         j = torch.arange(num_visible_max, device=x.device)
@@ -482,14 +490,26 @@ class Attention(nn.Module):
         return ctx.codecs.index.decode(stored)
 
     @staticmethod
-    def _index_scores(iq: Tensor, hw: Tensor, keys: Tensor) -> Tensor:
-        """`score[b, t, j] = Σ_h hw[b,t,h] · relu(iq[b,t,h] · keys[b,j])` in fp32."""
-        b, t_max, heads, _ = iq.shape
+    def _index_scores(
+        iq: Tensor, hw: Tensor, keys: Tensor, on_tensor_cores: bool = False
+    ) -> Tensor:
+        """`score[b, t, j] = Σ_h hw[b,t,h] · relu(iq[b,t,h] · keys[b,j])` in fp32 [B, T_max, J].
+
+        on_tensor_cores: iq and keys hold values exact in bf16 (FP4-decoded or bf16 rows), so
+        the dots run as bf16 GEMMs with fp32 output (`bmm_exact_bf16`): the same products, in
+        another summation order than the fp32 CUDA-core GEMM."""
+        b, t_max, heads, dim = iq.shape
         num_j = keys.shape[1]
         step = max(1, _INDEX_SCORE_ELEMS // max(1, heads * num_j * b))
         out = []
         for lo in range(0, t_max, step):
-            dots = torch.einsum("bthd,bjd->bthj", iq[:, lo : lo + step].float(), keys.float())
+            q = iq[:, lo : lo + step].float()
+            if on_tensor_cores:
+                rows = q.shape[1]
+                flat = bmm_exact_bf16(q.reshape(b, rows * heads, dim), keys.transpose(1, 2))
+                dots = flat.view(b, rows, heads, num_j)
+            else:
+                dots = torch.einsum("bthd,bjd->bthj", q, keys.float())
             out.append(torch.einsum("bthj,bth->btj", dots.relu(), hw[:, lo : lo + step].float()))
         return torch.cat(out, 1)
 

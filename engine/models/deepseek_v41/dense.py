@@ -124,7 +124,7 @@ class Linear(nn.Linear):
         x = x.float()
         weight = self.weight
         on_tensor_cores = x.is_cuda and weight.dtype == torch.bfloat16 and not self.batch_invariant
-        if on_tensor_cores and _bf16_mm_to_fp32_runs(x.device):
+        if on_tensor_cores and bf16_mm_to_fp32_runs(x.device):
             return fp32_times_bf16(x, weight)
         return dense_matmul(x, weight.float(), self.batch_invariant)
 
@@ -147,16 +147,24 @@ def fp32_times_bf16(x: Tensor, weight: Tensor) -> Tensor:
     return (out[0] + out[1] + out[2]).view(*lead, weight.shape[0])
 
 
+def bmm_exact_bf16(a: Tensor, b: Tensor) -> Tensor:
+    """fp32 a [B, M, K] · b [B, K, N] → fp32 [B, M, N] for operands whose values are exact in
+    bf16 (FP4/FP8-decoded rows, bf16 rows): one bf16 tensor-core GEMM per batch entry, the
+    products exact in fp32 (CUDA: `torch.bmm(..., out_dtype=float32)`)."""
+    return torch.bmm(a.bfloat16(), b.bfloat16(), out_dtype=torch.float32)
+
+
 _MM_TO_FP32: dict[torch.device, bool] = {}
 
 
-def _bf16_mm_to_fp32_runs(device: torch.device) -> bool:
-    """Whether this torch runs bf16 GEMMs with fp32 output on `device` (tried once per device,
-    with no host read, so a CUDA-graph warm-up may be the first call)."""
+def bf16_mm_to_fp32_runs(device: torch.device) -> bool:
+    """Whether this torch runs bf16 GEMMs (`mm`, `bmm`) with fp32 output on `device` (tried once
+    per device, with no host read, so a CUDA-graph warm-up may be the first call)."""
     if device not in _MM_TO_FP32:
         probe = torch.ones(2, 32, dtype=torch.bfloat16, device=device)
         try:
             runs = torch.mm(probe, probe.t(), out_dtype=torch.float32).dtype == torch.float32
+            runs = runs and bmm_exact_bf16(probe[None], probe.t()[None]).dtype == torch.float32
         except (RuntimeError, TypeError, NotImplementedError):
             runs = False
         _MM_TO_FP32[device] = runs
