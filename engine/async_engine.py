@@ -53,7 +53,7 @@ from engine.step_budget import (
 )
 
 if TYPE_CHECKING:
-    from engine.speculative.drafts import DraftSource
+    from engine.speculative.drafts import DraftFactory, DraftSource
     from engine.structured import CompiledConstraint
 
 logger = logging.getLogger(__name__)
@@ -342,12 +342,14 @@ class AsyncEngine:
         config: EngineConfig,
         *,
         draft_source: DraftSource | None = None,
+        draft_factory: DraftFactory | None = None,
         num_local_ranks: int = 1,
     ) -> AsyncEngine:
         """The engine over `model`. The context limit is the configured (or the model's) one,
         lowered to the longest context whose steps fit the activation memory budget, so that
         the server refuses longer prompts at admission. draft_source: where speculative drafts
-        come from (default: the model's DSpark drafter). num_local_ranks: the engine ranks on
+        come from (default: the model's DSpark drafter); draft_factory: builds it over the
+        runner's state instead (tests; see `ModelRunner`). num_local_ranks: the engine ranks on
         this machine, which split the default host-tier budget."""
         cache = CacheConfig(num_blocks=config.kv_cache_tokens // 128, num_slots=config.max_num_seqs)
         kv_manager = KVCacheManager(cache, PrefixCache() if config.enable_prefix_caching else None)
@@ -365,6 +367,7 @@ class AsyncEngine:
             ),
             speculative=speculative,
             draft_source=draft_source,
+            draft_factory=draft_factory,
         )
         step_budget = _step_budget(model, config)
         max_model_len = config.max_model_len or model.config.max_position_embeddings

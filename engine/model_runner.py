@@ -54,7 +54,7 @@ from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 
 if TYPE_CHECKING:
     from engine.speculative.config import SpeculativeConfig
-    from engine.speculative.drafts import DraftSource
+    from engine.speculative.drafts import DraftFactory, DraftSource
     from engine.speculative.step import SpeculativeStep
     from engine.structured.tracker import GrammarTracker
 
@@ -316,11 +316,13 @@ class ModelRunner:
         overlap_grammar_mask: bool = True,
         speculative: SpeculativeConfig | None = None,
         draft_source: DraftSource | None = None,
+        draft_factory: DraftFactory | None = None,
     ) -> None:
         """overlap_grammar_mask: fill a step's grammar bitmask on a worker thread while the
         forward runs (False: fill it on the step's thread before the forward).
         speculative: with an enabled config every step runs `SpeculativeStep` (drafts from
-        `draft_source`, by default the model's DSpark drafter over this runner's state)."""
+        `draft_source`, else `draft_factory(model, state)` over this runner's state, by default
+        the model's DSpark drafter)."""
         self.model = model
         self.device = model.device
         self.state = model.allocate_state(num_slots, num_blocks)
@@ -333,7 +335,7 @@ class ModelRunner:
             from engine.speculative.drafts import DSparkDrafts
             from engine.speculative.step import SpeculativeStep
 
-            source = draft_source or DSparkDrafts(model, self.state)
+            source = draft_source or (draft_factory or DSparkDrafts)(model, self.state)
             self.speculative = SpeculativeStep(speculative, source)
 
     def release(self, request_ids: list[str]) -> None:

@@ -82,6 +82,7 @@ from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.speculative.drafts import DraftFactory
     from engine.structured import CompiledConstraint
 
 logger = logging.getLogger(__name__)
@@ -111,11 +112,15 @@ class MultiProcessEngine:
         config: EngineConfig,
         parallel: ParallelConfig,
         on_failure: Callable[[str], None] | None = None,
+        *,
+        drafts: DraftFactory | None = None,
     ) -> None:
+        """drafts: tests only: every rank drafts with `drafts(model, state)` (`RankSpec`)."""
         if parallel.node_rank != 0:
             raise ValueError("the API server runs on node 0; other nodes run `serve_ranks`")
         self.parallel = parallel
         self._on_failure = on_failure
+        self._drafts = drafts
         # NOTE: a preset is generated here once, before the ranks start; every rank resolves
         # `config.model` again on its own node (another node has its own cache folder).
         path = resolve_model_source(config.model)
@@ -151,7 +156,9 @@ class MultiProcessEngine:
         try:
             master_port = free_port() if single else parallel.master_port
             address = (parallel.master_addr, listener.address[1])
-            self._procs = spawn_ranks(self._config.device, parallel, master_port, address, authkey)
+            self._procs = spawn_ranks(
+                self._config.device, parallel, master_port, address, authkey, drafts=self._drafts
+            )
             self._conns, pids = self._accept(listener)
         finally:
             listener.close()
@@ -500,9 +507,11 @@ def spawn_ranks(
     master_port: int,
     address: tuple[str, int],
     authkey: bytes,
+    *,
+    drafts: DraftFactory | None = None,
 ) -> list[mp.Process]:
     """Start this node's ranks (`parallel.local_ranks`) on `device`'s type, each connecting to
-    the API process at `address` (which tells it what to serve)."""
+    the API process at `address` (which tells it what to serve); drafts: see `RankSpec`."""
     ctx = mp.get_context("spawn")
     device_type = torch.device(device).type
     if device_type == "cuda":
@@ -529,6 +538,7 @@ def spawn_ranks(
             authkey=authkey,
             num_threads=num_threads,
             num_local_ranks=parallel.ranks_per_node,
+            drafts=drafts,
         )
         proc = ctx.Process(target=run_rank, args=(spec,), name=f"engine-rank-{rank}", daemon=True)
         proc.start()

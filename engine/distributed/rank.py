@@ -28,6 +28,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -59,6 +60,9 @@ from engine.models import DeepseekV41ForCausalLM, load_model
 from engine.models.embedded import resolve_model_source
 from engine.request import Request
 
+if TYPE_CHECKING:
+    from engine.speculative.drafts import DraftFactory
+
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 300.0  # how long a rank retries reaching the API process (node 0)
@@ -71,6 +75,8 @@ class RankSpec:
     address / authkey: the API process's listener (on node 0) and its HMAC key.
     num_threads: torch CPU threads of this rank.
     num_local_ranks: the ranks of this node (they share its host memory).
+    drafts: tests only: the rank's speculative drafts come from `drafts(model, state)` instead
+    of the DSpark drafter (a module-level callable or a partial of one, to cross the spawn).
 
     What to serve (the engine config) comes from the API process (`RankSetup`).
     """
@@ -80,6 +86,7 @@ class RankSpec:
     authkey: bytes
     num_threads: int
     num_local_ranks: int = 1
+    drafts: DraftFactory | None = None
 
 
 def run_rank(spec: RankSpec) -> None:
@@ -174,7 +181,9 @@ class RankEngine:
         model = load_rank_model(config, ExpertParallel.from_groups(groups), spec.num_local_ranks)
         # NOTE: AsyncEngine is only the builder here (scheduler, KV, runner, step budget as in
         # process); its loop never runs: `serve` drives the core.
-        engine = AsyncEngine.from_model(model, config, num_local_ranks=spec.num_local_ranks)
+        engine = AsyncEngine.from_model(
+            model, config, draft_factory=spec.drafts, num_local_ranks=spec.num_local_ranks
+        )
         runner = LockstepRunner(engine.core.runner, StepCoordinator(gloo_int_gather(groups.cpu)))
         engine.core.runner = runner
         return cls(groups.rank, engine, runner, groups.world_size)

@@ -9,6 +9,7 @@ sampler's own `SAMPLE` stream in the coupled mode (`dspark.md` §1.5, §2.5).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -55,6 +56,11 @@ class DraftSource(Protocol):
     num_drafts: int
 
     def propose(self, requests: DraftRequests) -> Proposal: ...
+
+
+DraftFactory = Callable[["DeepseekV41ForCausalLM", "ModelState"], DraftSource]
+"""Builds a runner's draft source over its model and state (`DSparkDrafts` is one); picklable
+ones cross a process spawn (tests inject drafts into expert-parallel ranks this way)."""
 
 
 class DSparkDrafts:

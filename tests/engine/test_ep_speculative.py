@@ -8,12 +8,20 @@ and must still pair their MoE collectives (`dspark.md` §4.8): one target pass p
 Exact KV storage on both sides keeps greedy tokens batch-invariant (see
 `tests/engine/speculative/test_lossless.py`). The prompts differ in length, so one rank also
 prefills while the other verifies.
+
+The DSpark drafter on random weights almost never agrees with the target, so those runs commit
+one token per step. `test_ep2_multi_token_commits_give_the_greedy_tokens_of_one_token_decoding`
+injects `HistoryDrafts` into both ranks (`MultiProcessEngine(drafts=...)`, a picklable factory
+each rank calls over its model and state): the reference continuation with one wrong draft at a
+position-chosen index, so steps commit 1..6 tokens on both ranks, each verify row's acceptance
+still decided by the ranks' target logits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 
 import pytest
 
@@ -23,6 +31,7 @@ from engine.distributed.multiprocess import MultiProcessEngine
 from engine.models import load_model
 from engine.models.embedded import resolve_model_source
 from engine.sampling_params import SamplingParams
+from tests.engine.speculative.history_drafts import history_drafts
 
 ENGINE = EngineConfig(
     model="tiny",
@@ -76,3 +85,19 @@ def test_ep2_with_speculation_gives_the_greedy_tokens_of_one_token_decoding(
     ranks = engine.snapshot().ranks
     verified = [r.speculative.num_verified for r in ranks]
     assert all(v > 0 for v in verified), verified  # both ranks ran verify rows
+
+
+def test_ep2_multi_token_commits_give_the_greedy_tokens_of_one_token_decoding(reference) -> None:
+    config = dataclasses.replace(ENGINE, speculative="dspark")
+    references = [p + t for p, t in zip(PROMPTS, reference, strict=True)]
+    engine = MultiProcessEngine(
+        config,
+        ParallelConfig(ep_size=2, timeout_s=30.0),
+        drafts=functools.partial(history_drafts, references),
+    )
+    assert _generate(engine, PROMPTS) == reference
+    ranks = [r.speculative for r in engine.snapshot().ranks]
+    # accept_length[a + 1]: request-steps that committed a + 1 tokens (a drafts accepted).
+    assert all(sum(m.accept_length[2:]) > 0 for m in ranks), [m.accept_length for m in ranks]
+    widths = {w for m in ranks for w, n in enumerate(m.accept_length) if n}
+    assert widths == {1, 2, 3, 4, 5, 6}, [m.accept_length for m in ranks]

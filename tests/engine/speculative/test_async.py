@@ -28,8 +28,8 @@ from engine.speculative.scheduling import DraftScheduling
 from engine.speculative.step import DraftsAhead
 from engine.thinking_budget import ThinkingBudget
 from tests.engine.engine_checks import abort_mid_stream, assert_all_released
+from tests.engine.speculative.history_drafts import HistoryDrafts
 from tests.engine.speculative.test_interactions import (
-    HistoryDrafts,
     _engine,
     _outputs,
     _prompt,

@@ -1,9 +1,9 @@
 """Speculation with the rest of the engine (`dspark.md` §4, §5.2 tests 4, 5, 7), on `tiny`.
 
-Drafts come from `HistoryDrafts`: each request's continuation in a run without speculation,
-found by the request's last committed tokens (the runner's token history) and its anchor, with
-one wrong draft at a position-chosen index; a request whose history matches no continuation gets
-drafts that are rejected. The verify, acceptance and commit path is the product's. Exact KV
+Drafts come from `HistoryDrafts` (`history_drafts.py`): each request's continuation in a run
+without speculation, found by the request's last committed tokens and its anchor, with one wrong
+draft at a position-chosen index; a request whose history matches no continuation gets drafts
+that are rejected. The verify, acceptance and commit path is the product's. Exact KV
 storage: token equality needs batch-invariant numerics (see `test_lossless.py`).
 """
 
@@ -11,54 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import re
 
 import pytest
 import torch
 
 from engine.async_engine import AsyncEngine, EngineConfig
-from engine.models.deepseek_v41.state import TOKEN_RING
 from engine.sampler import counter_hash, gumbel_from_hash, noise_keys
 from engine.sampling_params import SamplingParams
 from engine.speculative.drafts import DraftRequests, Proposal
 from tests.engine.engine_checks import assert_all_released
-
-HISTORY = 3
-
-
-class HistoryDrafts:
-    """Drafts from known continuations, found by (last HISTORY tokens, anchor, position)."""
-
-    num_drafts = 5
-
-    def __init__(self, vocab_size: int, references: list[list[int]]) -> None:
-        self.vocab_size = vocab_size
-        self.references = references
-        self.state = None  # the runner's ModelState, set once the engine exists
-
-    def propose(self, requests: DraftRequests) -> Proposal:
-        rows = []
-        anchors = requests.anchors.tolist()
-        for anchor, p, slot in zip(
-            anchors, requests.positions.tolist(), requests.slots.tolist(), strict=True
-        ):
-            ring = [q % TOKEN_RING for q in range(p - HISTORY, p)]
-            history = [*self.state.tokens[slot, ring].tolist(), anchor]
-            ref = next((r for r in self.references if r[p - HISTORY : p + 1] == history), None)
-            if ref is None:
-                rows.append([(anchor + 1) % self.vocab_size] * self.num_drafts)
-                continue
-            drafts = [ref[q] if q < len(ref) else 0 for q in range(p + 1, p + 1 + self.num_drafts)]
-            wrong = random.Random(p).randrange(self.num_drafts + 1)
-            if wrong < self.num_drafts:
-                drafts[wrong] = (drafts[wrong] + 1) % self.vocab_size
-            rows.append(drafts)
-        drafts = torch.tensor(rows, dtype=torch.long)
-        # The drafts are fixed tokens: q is one-hot at each (what rejection sampling needs).
-        logits = torch.full((*drafts.shape, self.vocab_size), float("-inf"))
-        logits.scatter_(2, drafts[..., None], 0.0)
-        return Proposal(drafts, logits, torch.full(drafts.shape, 0.5))
+from tests.engine.speculative.history_drafts import HistoryDrafts
 
 
 class MixtureDrafts(HistoryDrafts):
