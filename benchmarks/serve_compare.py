@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from engine import envs
+from engine.distributed.groups import free_port
 
 MODES = {
     "default": [],
@@ -34,12 +34,6 @@ MODES = {
     "spec-off": ["--speculative", "off"],
     "invariant": ["--batch-invariant"],
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> float:
@@ -70,7 +64,7 @@ def _loadtest(base_url: str, args: argparse.Namespace, concurrency: int, request
 
 
 def run_mode(mode: str, args: argparse.Namespace, out_dir: Path) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     log_path = out_dir / f"server_{mode}.log"
     server = [
         sys.executable, "-m", "server", "--model", args.model, "--device", args.device,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import zlib
 
+from engine.distributed.groups import free_port
 from engine.kv_cache.resume_dir import PointerDirectory, RemoteSlots, SlotPointer
-from tests.ports import free_port
 
 KEY = bytes(range(32))
 

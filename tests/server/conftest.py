@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from engine.async_engine import AsyncEngine, EngineConfig
+from engine.distributed.groups import free_port
 from engine.sampling_params import SamplingParams
 from server.admission import AdmissionController
 from server.app import create_app
@@ -27,7 +28,6 @@ from server.disconnect import run_until_disconnect
 from server.errors import APIError, ErrorKind
 from server.metrics import ServerMetrics
 from server.sse import data_stream, event_stream
-from tests.ports import free_port  # noqa: F401  (re-exported: the server tests import it from here)
 
 API_KEY = "sk-test-key"
 TINY_ENGINE = EngineConfig(
