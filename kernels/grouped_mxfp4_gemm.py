@@ -100,10 +100,9 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> Expe
     # skipped pairs land on one extra position past the end, dropped below
     first_position = torch.cat((padded_end - padded, padded_end.new_full((1,), num_positions)))
     if num_pairs <= COUNTED_RANK_MAX_PAIRS:
-        pair, rank = _ranks_counted(key, num_experts)
+        pair, expert, rank = _ranks_counted(key, num_experts)
     else:
-        pair, rank = _ranks_sorted(key, counts)
-    expert = key[pair]
+        pair, expert, rank = _ranks_sorted(key, counts)
     positions = first_position[expert] + torch.where(expert < num_experts, rank, 0)
     pair_of_pos = torch.full((num_positions + 1,), -1, dtype=torch.int32, device=device)
     pair_of_pos[positions] = pair.to(torch.int32)
@@ -121,19 +120,20 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> Expe
 COUNTED_RANK_MAX_PAIRS = 4096
 
 
-def _ranks_counted(key: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
-    """(pair index, rank of the pair among the earlier pairs of its key) for every pair."""
+def _ranks_counted(key: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(pair index, its key, its rank among the earlier pairs of that key), pairs in order."""
     hot = key[:, None] == torch.arange(num_experts + 1, device=key.device)
     earlier = torch.cumsum(hot, 0, dtype=torch.int32) - hot.to(torch.int32)
     rank = earlier.gather(1, key[:, None]).squeeze(1).long()
-    return torch.arange(key.numel(), device=key.device), rank
+    return torch.arange(key.numel(), device=key.device), key, rank
 
 
-def _ranks_sorted(key: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
-    """`_ranks_counted` by a stable sort: pairs in key order, each with its rank in its key."""
+def _ranks_sorted(key: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`_ranks_counted` by a stable sort: the same triples, pairs in key order."""
     order = torch.argsort(key, stable=True)
+    sorted_keys = key[order]
     start = torch.cumsum(counts, 0) - counts
-    return order, torch.arange(key.numel(), device=key.device) - start[key[order]]
+    return order, sorted_keys, torch.arange(key.numel(), device=key.device) - start[sorted_keys]
 
 
 # In-register dequantisation. One 32-bit word of codes holds 8 values v0..v7 (byte i: v2i low

@@ -115,9 +115,11 @@ class GraphedSegment:
                     output.copy_(result)
         except RuntimeError as exc:
             self.failures[bucket] = f"{type(exc).__name__}: {exc}"
-            first = not self.failures.keys() - {bucket}
-            logger.warning(
-                "CUDA graph capture failed for %d tokens; eager: %s", bucket, exc, exc_info=first
+            logger.warning(  # the traceback with the segment's first failure only
+                "CUDA graph capture failed for %d tokens; eager: %s",
+                bucket,
+                exc,
+                exc_info=len(self.failures) == 1,
             )
             return None
         captured = _Captured(graph, static, outputs)
