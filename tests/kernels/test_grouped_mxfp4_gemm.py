@@ -63,6 +63,12 @@ def test_counted_and_sorted_alignment_lay_out_the_same_blocks(num_tokens, monkey
 def _quantized_moe(dim: int, inter: int, num_experts: int, top_k: int, seed: int) -> MoE:
     torch.manual_seed(seed)
     moe = MoE(dim, inter, num_experts, top_k, 2.5, 7.0, torch.bfloat16, quantized_experts=True)
+    return fill_random(moe)
+
+
+def fill_random(moe: MoE) -> MoE:
+    """Random MXFP4 codes, e8m0 scales 2^-7..2^-4 and N(0, 0.05) parameters, from torch's
+    global generator (seed it first)."""
     with torch.no_grad():
         for tensor in moe.buffers():
             if tensor.dtype == torch.int8:

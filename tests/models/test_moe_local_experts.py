@@ -16,6 +16,7 @@ from engine.distributed.dispatch import ExpertPlacement, RecvBatch, plan_send
 from engine.distributed.dispatch.all_to_all import AllToAllDispatcher
 from engine.models.deepseek_v41.moe import MoE
 from tests.kernels.interpreted import run_interpreted
+from tests.kernels.test_grouped_mxfp4_gemm import fill_random
 
 NUM_EXPERTS, EP_SIZE, RANK, TOP_K = 16, 2, 1, 3
 LOCAL = NUM_EXPERTS // EP_SIZE
@@ -38,16 +39,7 @@ def rank_moe(dim: int, inter: int, seed: int, device: str = "cpu") -> MoE:
         quantized_experts=True,
         dispatcher=AllToAllDispatcher(placement, None),  # never called: no group needed
     )
-    with torch.no_grad():
-        for tensor in moe.buffers():
-            if tensor.dtype == torch.int8:
-                tensor.copy_(torch.randint(-128, 128, tensor.shape, dtype=torch.int8))
-            else:
-                exponent = torch.randint(120, 124, tensor.shape, dtype=torch.uint8)
-                tensor.copy_(exponent.view(torch.float8_e8m0fnu))
-        for parameter in moe.parameters():
-            parameter.normal_(0.0, 0.05)
-    return moe.to(device)
+    return fill_random(moe).to(device)
 
 
 def received(num_rows: int, dim: int, seed: int, all_valid: bool = False, device: str = "cpu"):
