@@ -22,13 +22,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_rank import host_syncs, time_ms
+from benchmarks.gpu_rank import fill_random_experts, host_syncs, time_ms
 from engine import envs
 from engine.distributed.dispatch import ExpertPlacement, RecvBatch, plan_send
 from engine.distributed.dispatch.all_to_all import AllToAllDispatcher
 from engine.models.deepseek_v41.config import DeepseekV41Config
 from engine.models.deepseek_v41.moe import MoE
-from engine.models.deepseek_v41.random_init import MXFP4_RANDOM_SCALE_EXPONENT
 
 EP_SIZE = 8
 
@@ -48,14 +47,7 @@ def rank_moe(cfg: DeepseekV41Config, device: torch.device) -> MoE:
             dispatcher=AllToAllDispatcher(placement, None),  # only its placement is used
         )
     moe = moe.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for tensor in moe.buffers():
-            if tensor.dtype == torch.int8:
-                drawn = torch.randint(-128, 128, tensor.shape, generator=generator, device=device)
-                tensor.copy_(drawn.to(torch.int8))
-            else:
-                tensor.view(torch.uint8).fill_(127 + MXFP4_RANDOM_SCALE_EXPONENT)
+    fill_random_experts(moe, torch.Generator(device=device).manual_seed(0))
     return moe.eval()
 
 

@@ -49,7 +49,7 @@ import torch
 from engine import envs
 from engine.models import DeepseekV41Config, Numerics, StepBatch, preset_config
 from engine.models.deepseek_v41.config import config_with
-from engine.models.deepseek_v41.random_init import random_model
+from engine.models.deepseek_v41.random_init import MXFP4_RANDOM_SCALE_EXPONENT, random_model
 
 RANK_EXPERTS = 48
 RANK_DSPARK_EXPERTS = 16
@@ -73,6 +73,19 @@ def rank_config() -> DeepseekV41Config:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def fill_random_experts(moe, generator: torch.Generator) -> None:
+    """A quantized MoE's routed experts (made on the meta device, then `to_empty`): uniform
+    MXFP4 code bytes from `generator` and every e8m0 scale `random_init`'s 2^-8."""
+    with torch.no_grad():
+        for tensor in moe.buffers():
+            if tensor.dtype == torch.int8:
+                device = tensor.device
+                codes = torch.randint(-128, 128, tensor.shape, generator=generator, device=device)
+                tensor.copy_(codes)
+            else:
+                tensor.view(torch.uint8).fill_(127 + MXFP4_RANDOM_SCALE_EXPONENT)
 
 
 def time_ms(fn, device: torch.device, warmup: int = 2, repeats: int = 5) -> float:

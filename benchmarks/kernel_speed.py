@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.testing
 
-from benchmarks.gpu_rank import RANK_EXPERTS, time_ms
+from benchmarks.gpu_rank import RANK_EXPERTS, fill_random_experts, time_ms
 from engine import envs
 from engine.models.deepseek_v41.kv_formats import (
     global_fp4_quantize,
@@ -99,13 +99,8 @@ def quantized_moe(device: torch.device) -> MoE:
         )
     moe = moe.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(0)
+    fill_random_experts(moe, generator)
     with torch.no_grad():
-        for tensor in moe.buffers():
-            if tensor.dtype == torch.int8:
-                codes = torch.randint(-128, 128, tensor.shape, generator=generator, device=device)
-                tensor.copy_(codes)
-            else:
-                tensor.view(torch.uint8).fill_(119)
         for parameter in moe.parameters():
             parameter.normal_(0.0, HIDDEN**-0.5, generator=generator)
     return moe
