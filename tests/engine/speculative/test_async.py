@@ -11,7 +11,6 @@ with draft slots and a placeholder token).
 from __future__ import annotations
 
 import asyncio
-import re
 
 import pytest
 import torch
@@ -35,6 +34,8 @@ from tests.engine.speculative.test_interactions import (
     _prompt,
     _references,
     _run,
+    assert_in_language,
+    regex_constraint,
 )
 from tests.engine.speculative.test_lossless import (
     ReferenceDrafts,
@@ -232,15 +233,9 @@ def test_async_coupled_sampling_equals_non_speculative_bits(tiny_model_exact_kv)
 def test_async_grammar_constrained_outputs_stay_valid(tiny_model_exact_kv, tiny_checkpoint) -> None:
     """Regex-constrained requests (greedy, sampled, penalised) under async speculation: the
     same deltas as the synchronous speculative loop, every output in the language."""
-    from tokenizers import Tokenizer
-
-    from engine.structured import GrammarCompiler, GrammarSpec
-
     model = tiny_model_exact_kv
-    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
-    compiler = GrammarCompiler.for_tokenizer(tokenizer, model.config.vocab_size, 1)
     pattern = "(tok4|tok5|tok6)(tok7|Tok8|tok9|tok1[0-9]){6,12}"
-    regex = compiler.constraint(GrammarSpec("regex", pattern))
+    tokenizer, regex = regex_constraint(tiny_checkpoint, model.config.vocab_size, pattern)
     greedy = SamplingParams(temperature=0, max_tokens=30)
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=30)
     penalised = SamplingParams(temperature=1.0, seed=4, max_tokens=30, frequency_penalty=2.0)
@@ -256,9 +251,8 @@ def test_async_grammar_constrained_outputs_stay_valid(tiny_model_exact_kv, tiny_
     assert engine.core.runner.speculative.metrics.num_accepted > 0
     for deltas in got[:3]:
         tokens = _outputs(deltas)[0]
-        assert tokens[-1] == 1 and deltas[-1][3] == "stop"
-        words = "".join(tokenizer.id_to_token(t) for t in tokens[:-1])
-        assert re.fullmatch(pattern, words), words
+        assert deltas[-1][3] == "stop"
+        assert_in_language(tokenizer, pattern, tokens)
     assert_all_released(engine)
 
 
@@ -268,15 +262,9 @@ def test_async_grammar_requests_preempted_while_in_flight_stay_valid(
     """Constrained requests in a pool too small for all of them: a request preempted while
     its verify step is in flight loses that step's tokens, and its matcher resumes from the
     committed outputs; outputs equal the run without speculation and stay in the language."""
-    from tokenizers import Tokenizer
-
-    from engine.structured import GrammarCompiler, GrammarSpec
-
     model = tiny_model_exact_kv
-    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
-    compiler = GrammarCompiler.for_tokenizer(tokenizer, model.config.vocab_size, 1)
     pattern = "(tok4|tok5|tok6)(tok7|Tok8|tok9|tok1[0-9]){10,16}"
-    regex = compiler.constraint(GrammarSpec("regex", pattern))
+    tokenizer, regex = regex_constraint(tiny_checkpoint, model.config.vocab_size, pattern)
     params = SamplingParams(temperature=0, max_tokens=30)
     jobs = [(_prompt(n, salt=2), params, regex) for n in (122, 120, 118, 116)]
     tight = {"kv_cache_tokens": 5 * 128, "max_model_len": 5 * 128}
@@ -287,9 +275,7 @@ def test_async_grammar_requests_preempted_while_in_flight_stay_valid(
     assert engine.core.scheduler.num_preemptions > 0
     assert [_outputs(r) for r in got] == [_outputs(r) for r in plain]
     for deltas in got:
-        tokens = _outputs(deltas)[0]
-        words = "".join(tokenizer.id_to_token(t) for t in tokens[:-1])
-        assert tokens[-1] == 1 and re.fullmatch(pattern, words), words
+        assert_in_language(tokenizer, pattern, _outputs(deltas)[0])
     assert_all_released(engine)
 
 

@@ -102,6 +102,23 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
     return torch.randint(2, 1000, (n,), generator=g).tolist()
 
 
+def regex_constraint(checkpoint, vocab_size: int, pattern: str):
+    """(the checkpoint's tokenizer, a compiled regex constraint over `pattern`)."""
+    from tokenizers import Tokenizer
+
+    from engine.structured import GrammarCompiler, GrammarSpec
+
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, vocab_size, 1)
+    return tokenizer, compiler.constraint(GrammarSpec("regex", pattern))
+
+
+def assert_in_language(tokenizer, pattern: str, tokens: list[int]) -> None:
+    """`tokens` end with EOS (id 1) and spell a word of `pattern` before it."""
+    words = "".join(tokenizer.id_to_token(t) for t in tokens[:-1])
+    assert tokens[-1] == 1 and re.fullmatch(pattern, words), words
+
+
 def test_stops_lengths_and_logprobs_inside_accepted_runs(tiny_model_exact_kv) -> None:
     """A stop id, max_tokens and logprobs that fall inside a run of accepted drafts: the same
     deltas as without speculation (never a token past the stop or the limit)."""
@@ -283,15 +300,9 @@ def test_grammar_constrained_outputs_stay_valid(tiny_model_exact_kv, tiny_checkp
     """Regex-constrained requests (greedy, sampled by rejection, and coupled): every verify row
     is masked, wrong drafts are rejected without advancing the matcher, outputs match the
     grammar, and the greedy and coupled outputs equal the runs without speculation."""
-    from tokenizers import Tokenizer
-
-    from engine.structured import GrammarCompiler, GrammarSpec
-
     model = tiny_model_exact_kv
-    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
-    compiler = GrammarCompiler.for_tokenizer(tokenizer, model.config.vocab_size, 1)
     pattern = "(tok4|tok5|tok6)(tok7|Tok8|tok9|tok1[0-9]){6,12}"
-    regex = compiler.constraint(GrammarSpec("regex", pattern))
+    tokenizer, regex = regex_constraint(tiny_checkpoint, model.config.vocab_size, pattern)
     greedy = SamplingParams(temperature=0, max_tokens=30)
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=30)
     jobs = [([0, 20 + i, 40], p, regex) for i, p in enumerate((greedy, sampled, greedy))]
@@ -301,9 +312,8 @@ def test_grammar_constrained_outputs_stay_valid(tiny_model_exact_kv, tiny_checkp
         assert metrics.num_accepted > 0
         for i, deltas in enumerate(got):
             tokens = _outputs(deltas)[0]
-            assert tokens[-1] == 1 and deltas[-1][3] == "stop"
-            words = "".join(tokenizer.id_to_token(t) for t in tokens[:-1])
-            assert re.fullmatch(pattern, words), words
+            assert deltas[-1][3] == "stop"
+            assert_in_language(tokenizer, pattern, tokens)
             if i != 1 or acceptance == "coupled":
                 assert tokens == _outputs(want[i])[0]
 
