@@ -29,12 +29,15 @@ from engine.thinking_budget import ThinkingBudget
 from tests.engine.engine_checks import abort_mid_stream, assert_all_released
 from tests.engine.speculative.history_drafts import HistoryDrafts
 from tests.engine.speculative.test_interactions import (
+    PREEMPTION_CASES,
     _engine,
     _outputs,
     _prompt,
     _references,
     _run,
+    assert_greedy_unchanged,
     assert_in_language,
+    preemption_jobs,
     regex_constraint,
 )
 from tests.engine.speculative.test_lossless import (
@@ -283,19 +286,10 @@ def test_async_preemption_and_chunked_prefill_beside_verify_rows(tiny_model_exac
     """A pool too small for every request (preemption while a step is in flight) and a token
     budget that chunks prefills beside verify rows: the greedy tokens are unchanged."""
     model = tiny_model_exact_kv
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    jobs = [(_prompt(n, salt=1), params) for n in (100, 90, 80, 70)]
-    want = _run(_engine(model, max_model_len=5 * 128), jobs)
-    refs = _references([(p, d) for (p, _), d in zip(jobs, want, strict=True)])
-    tight = {"kv_cache_tokens": 5 * 128, "max_model_len": 5 * 128}
-    chunked = {"max_num_batched_tokens": 40, "max_num_seqs": 4, "max_model_len": 5 * 128}
-    for overrides, preempts in ((tight, True), (chunked, False)):
+    jobs, want, refs = preemption_jobs(model)
+    for overrides, preempts in PREEMPTION_CASES:
         engine = _async_spec(model, HistoryDrafts(model.config.vocab_size, refs), **overrides)
-        got = _run(engine, jobs)
-        assert [_outputs(r) for r in got] == [_outputs(r) for r in want]
-        assert (engine.core.scheduler.num_preemptions > 0) == preempts
-        assert engine.core.runner.speculative.metrics.num_accepted > 0
-        assert_all_released(engine)
+        assert_greedy_unchanged(engine, _run(engine, jobs), want, preempts)
 
 
 def test_async_aborts_mid_flight_free_everything(tiny_model_exact_kv) -> None:

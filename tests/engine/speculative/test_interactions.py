@@ -165,25 +165,42 @@ def test_n_choices_in_coupled_mode_equal_non_speculative_bits(tiny_model_exact_k
     assert metrics.num_accepted > 0
 
 
+# (engine overrides, whether they preempt): a KV pool too small for every request, and a token
+# budget that chunks prefills into steps with verify rows
+PREEMPTION_CASES = (
+    ({"kv_cache_tokens": 5 * 128, "max_model_len": 5 * 128}, True),
+    ({"max_num_batched_tokens": 40, "max_num_seqs": 4, "max_model_len": 5 * 128}, False),
+)
+
+
+def preemption_jobs(model) -> tuple[list, list, list[list[int]]]:
+    """(greedy jobs, their runs without speculation, the reference continuations) of the
+    `PREEMPTION_CASES` scenario."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    jobs = [(_prompt(n, salt=1), params) for n in (100, 90, 80, 70)]
+    want = _run(_engine(model, max_model_len=5 * 128), jobs)
+    return jobs, want, _references([(p, d) for (p, _), d in zip(jobs, want, strict=True)])
+
+
+def assert_greedy_unchanged(engine: AsyncEngine, got, want, preempts: bool) -> None:
+    """The run's tokens equal the run without speculation, drafts were accepted, it preempted
+    exactly when its case should, and it released everything."""
+    assert [_outputs(r) for r in got] == [_outputs(r) for r in want]
+    assert (engine.core.scheduler.num_preemptions > 0) == preempts
+    assert engine.core.runner.speculative.metrics.num_accepted > 0
+    assert_all_released(engine)
+
+
 def test_preemption_and_chunked_prefill_beside_verify_rows(tiny_model_exact_kv) -> None:
     """A KV pool too small for every request (preemption, recompute) and a token budget that
     chunks prefills into steps with verify rows: the greedy tokens are unchanged."""
     model = tiny_model_exact_kv
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    jobs = [(_prompt(n, salt=1), params) for n in (100, 90, 80, 70)]
-    want = _run(_engine(model, max_model_len=5 * 128), jobs)
-    references = _references([(p, d) for (p, _), d in zip(jobs, want, strict=True)])
-    tight = {"kv_cache_tokens": 5 * 128, "max_model_len": 5 * 128}
-    chunked = {"max_num_batched_tokens": 40, "max_num_seqs": 4, "max_model_len": 5 * 128}
-    for overrides, preempts in ((tight, True), (chunked, False)):
+    jobs, want, references = preemption_jobs(model)
+    for overrides, preempts in PREEMPTION_CASES:
         source = HistoryDrafts(model.config.vocab_size, references)
         engine = _engine(model, source, speculative="dspark", **overrides)
         schedules = _record_schedules(engine)
-        got = _run(engine, jobs)
-        assert [_outputs(r) for r in got] == [_outputs(r) for r in want]
-        assert (engine.core.scheduler.num_preemptions > 0) == preempts
-        assert engine.core.runner.speculative.metrics.num_accepted > 0
-        assert_all_released(engine)
+        assert_greedy_unchanged(engine, _run(engine, jobs), want, preempts)
         if not preempts:  # some step carried a prefill chunk beside a decode row with drafts
             assert any(
                 any(c.num_draft_slots for c in out.chunks)
