@@ -38,6 +38,7 @@ from tests.engine.speculative.test_interactions import (
     assert_greedy_unchanged,
     assert_in_language,
     preemption_jobs,
+    record_schedules,
     regex_constraint,
 )
 from tests.engine.speculative.test_lossless import (
@@ -48,18 +49,6 @@ from tests.engine.speculative.test_lossless import (
     _reference,
     _request,
 )
-
-
-def _record_schedules(scheduler) -> list:
-    outputs = []
-    schedule = scheduler.schedule
-
-    def recording():
-        outputs.append(schedule())
-        return outputs[-1]
-
-    scheduler.schedule = recording
-    return outputs
 
 
 def _ran_ahead(schedules) -> int:
@@ -95,7 +84,7 @@ def test_async_greedy_tokens_equal_one_token_decoding_at_every_verify_width(
         async_scheduling=True,
     )
     assert isinstance(core, OverlappedSpeculativeCore)
-    schedules = _record_schedules(core.scheduler)
+    schedules = record_schedules(core.scheduler)
     selections = _record_selections(monkeypatch)
     requests = [_request(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
     _admit_with_references(core, requests, want, source)
@@ -180,7 +169,7 @@ def test_async_speculation_deltas_equal_the_synchronous_speculative_loop(
     vocab = model.config.vocab_size
     sync = _run(_engine(model, HistoryDrafts(vocab, refs), speculative="dspark"), jobs)
     engine = _async_spec(model, HistoryDrafts(vocab, refs))
-    schedules = _record_schedules(engine.core.scheduler)
+    schedules = record_schedules(engine.core.scheduler)
     got = _run(engine, jobs)
     assert got == sync
     for i in (0, 1, 2):  # greedy: also the tokens without speculation

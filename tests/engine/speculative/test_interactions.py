@@ -199,7 +199,7 @@ def test_preemption_and_chunked_prefill_beside_verify_rows(tiny_model_exact_kv) 
     for overrides, preempts in PREEMPTION_CASES:
         source = HistoryDrafts(model.config.vocab_size, references)
         engine = _engine(model, source, speculative="dspark", **overrides)
-        schedules = _record_schedules(engine)
+        schedules = record_schedules(engine.core.scheduler)
         assert_greedy_unchanged(engine, _run(engine, jobs), want, preempts)
         if not preempts:  # some step carried a prefill chunk beside a decode row with drafts
             assert any(
@@ -209,8 +209,8 @@ def test_preemption_and_chunked_prefill_beside_verify_rows(tiny_model_exact_kv) 
             )
 
 
-def _record_schedules(engine: AsyncEngine) -> list:
-    scheduler = engine.core.scheduler
+def record_schedules(scheduler) -> list:
+    """Every `SchedulerOutput` the scheduler hands out from now on, in order."""
     outputs = []
     schedule = scheduler.schedule
 
