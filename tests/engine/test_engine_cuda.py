@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.async_engine import AsyncEngine, EngineConfig
 from engine.overlap import OverlappedCore
@@ -77,3 +78,22 @@ def test_async_scheduling_on_cuda_generates_what_the_synchronous_engine_does(
         results[overlapped] = asyncio.run(_run_all(engine, jobs))
         assert_all_released(engine)
     assert results[None] == results[False]
+
+
+@pytest.mark.gpu
+def test_cuda_defaults_to_bfloat16_with_graphs_and_float32_runs_eagerly_with_a_warning(
+    tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`dtype` auto is bfloat16 on CUDA: MXFP4 experts and every block graphed. float32
+    dequantises the experts (their per-expert path reads counts on the host): no capture is
+    tried, and the start says so."""
+    settings = {"model": str(tiny_checkpoint), "device": "cuda", "max_num_seqs": 4}
+    settings |= {"kv_cache_tokens": 4096, "max_model_len": 1024, "speculative": "off"}
+    default = AsyncEngine.from_config(EngineConfig(**settings)).core.runner.model
+    assert default.dtype == torch.bfloat16 and default.quantized_experts
+    assert all(block.graphs is not None for block in default.layers)
+    assert default.graph_failures() == {}
+    with caplog.at_level("WARNING"):
+        fp32 = AsyncEngine.from_config(EngineConfig(**settings, dtype="float32")).core.runner.model
+    assert all(block.graphs is None for block in fp32.layers)
+    assert "CUDA graphs off" in caplog.text
