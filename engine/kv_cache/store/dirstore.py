@@ -33,11 +33,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.kv_cache.store import format as fmt
 from engine.kv_cache.store.fileops import FileOps
 from engine.kv_cache.store.ttl import TTLPolicy
+
+if TYPE_CHECKING:
+    from engine.kv_cache.store.gc import FileEntry
 
 logger = logging.getLogger(__name__)
 
@@ -298,11 +301,16 @@ class DirBlockStore:
         folder = os.path.dirname(final)
         tmp = os.path.join(folder, f"{TMP_PREFIX}{self.writer_id:016x}-{secrets.token_hex(6)}")
         data = fmt.encode(block, payload, int(now * 1e9), self.writer_id)
+        deadline = now + self.policy.ttl(traffic_class)
         try:
             if folder not in self._made_dirs:
                 self.ops.makedirs(folder)
                 self._made_dirs.add(folder)
             self.ops.write_new(tmp, data)
+            # The deadline goes on before the link: a published file must never carry its
+            # creation time as mtime, which any GC (another process's too) reads as expired.
+            # atime keeps the write time, by which GC ages a crashed writer's temp file.
+            self.ops.utime(tmp, now, deadline)
         except OSError as exc:
             self._discard(tmp)
             return self._write_failed(exc)
@@ -315,12 +323,7 @@ class DirBlockStore:
             self._discard(tmp)
             return self._write_failed(exc)
         self._discard(tmp)
-        deadline = now + self.policy.ttl(traffic_class)
         if published:
-            try:
-                self.ops.utime(final, now, deadline)
-            except OSError as exc:
-                return self._write_failed(exc)
             self._remember(block.key, deadline, now)
             with self._lock:
                 self._counters.bytes_written += len(data)
@@ -357,7 +360,8 @@ class DirBlockStore:
             entries, temps = scan(self.ops, self.directory)
             removed_tmp = 0
             for path, info in temps:
-                if info.st_mtime < now - self.config.tmp_grace_s and self._unlink_if(path, info):
+                written = min(info.st_atime, info.st_mtime)  # atime: set by `write`
+                if written < now - self.config.tmp_grace_s and self._unlink_if(path, info):
                     removed_tmp += 1
             used = sum(e.size for e in entries)
             alive, depths = [], []
@@ -375,7 +379,7 @@ class DirBlockStore:
             cfg = self.config
             num_evicted = evicted_bytes = 0
             if used > cfg.high_watermark * cfg.max_bytes or free < cfg.min_free_bytes:
-                alive.sort(key=lambda e: (e.deadline, -e.depth))
+                alive.sort(key=self._eviction_order)
                 for entry in alive:
                     if used <= cfg.low_watermark * cfg.max_bytes and free >= cfg.min_free_bytes:
                         break
@@ -402,6 +406,16 @@ class DirBlockStore:
             )  # fmt: skip
         finally:
             lease.release()
+
+    def _eviction_order(self, entry: FileEntry) -> tuple[float, int, float]:
+        """Earliest deadline first, deeper first among deadlines within one touch granule.
+
+        A chain is written (and touched) parent first, microseconds apart, and touches move a
+        deadline only in steps of `touch_min_extend_s`: exact deadlines would evict a root
+        before its leaves and strand them. Within a granule they count as ties (`cache.md`
+        §2.4: "ties → deeper first")."""
+        granule = self.policy.touch_min_extend_s or 1.0
+        return (entry.deadline // granule, -entry.depth, entry.deadline)
 
     # ---------------------------------------------------------------- stats, integrity
 

@@ -20,6 +20,7 @@ class FaultyOps(FileOps):
     fail: method name -> errno raised by that method (once per call while set).
     before_read(path): runs after the lookup, before the open (delete the file, race a GC).
     crash_before_link: raise SimulatedCrash between the temp write and the link.
+    after_link(path): runs right after a block file is linked into place (race a GC).
     calls: method name -> count.
     """
 
@@ -28,6 +29,7 @@ class FaultyOps(FileOps):
         self.before_read: Callable[[str], None] | None = None
         self.fail: dict[str, int] = {}
         self.crash_before_link = False
+        self.after_link: Callable[[str], None] | None = None
         self.calls: dict[str, int] = {}
 
     def _enter(self, name: str, path: str) -> None:
@@ -54,6 +56,8 @@ class FaultyOps(FileOps):
             raise SimulatedCrash
         self._enter("link", dst)
         super().link(src, dst)
+        if self.after_link is not None and dst.endswith(".kvb"):
+            self.after_link(dst)
 
     def utime(self, path: str, atime: float, mtime: float) -> None:
         self._enter("utime", path)

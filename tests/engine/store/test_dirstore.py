@@ -256,10 +256,29 @@ def test_crash_between_temp_write_and_link(tmp_path) -> None:
     reader = make_store(tmp_path, clock)
     assert reader.read(block) is None  # nothing was published
     reader.check_integrity()
+    assert reader.gc_once().temp_removed == 0  # a writer may still be busy with it
     clock.now += 2 * 3600  # past the temp grace period: GC removes the crashed writer's file
     assert reader.gc_once().temp_removed == 1
     store.ops.crash_before_link = False
     assert store.write(block, payload_of(block.key), "chat")
+
+
+def test_a_gc_of_another_process_racing_the_link_never_sees_a_block_without_its_deadline(
+    tmp_path,
+) -> None:
+    """Another process's GC scanning right after the link must find the block's deadline
+    already in place, not its creation time (which reads as expired and was deleted)."""
+    clock = Clock()
+    store = make_store(tmp_path, clock)
+    other = make_store(tmp_path, clock)
+    reports = []
+    store.ops.after_link = lambda path: reports.append(other.gc_once())
+    blocks = chain(3)
+    assert all(store.write(b, payload_of(b.key), "chat") for b in blocks)
+    assert [r.expired for r in reports] == [0, 0, 0] and all(r.ran for r in reports)
+    assert store.stats().write_errors == {}
+    assert all(store.read(b) == payload_of(b.key) for b in blocks)
+    store.check_integrity()
 
 
 # ---------------------------------------------------------------- TTL
@@ -307,13 +326,18 @@ def test_touch_extends_never_shortens_and_is_rate_limited(tmp_path) -> None:
 # ---------------------------------------------------------------- GC
 
 
-def test_gc_reaches_the_low_watermark_leaves_first(tmp_path) -> None:
+@pytest.mark.parametrize("seconds_per_write", [0.0, 0.002])
+def test_gc_reaches_the_low_watermark_leaves_first(tmp_path, seconds_per_write) -> None:
+    """Also when the writes are milliseconds apart, as real ones are: a root's deadline is then
+    a little earlier than its leaves', and must not send the root first."""
     clock = Clock()
     file_bytes = fmt.file_size(PAYLOAD)
     store = make_store(tmp_path, clock, max_bytes=10 * file_bytes)
     chains = [chain(5, f"c{i}") for i in range(2)]
-    for blocks in chains:
-        write_chain(store, blocks)  # 10 blocks, all with one deadline: over 0.9 × budget
+    for blocks in chains:  # 10 blocks: over 0.9 × budget
+        for block in blocks:
+            assert store.write(block, payload_of(block.key), "chat")
+            clock.now += seconds_per_write
     report = store.gc_once()
     assert report.ran and report.used_bytes <= 0.8 * 10 * file_bytes
     assert report.evicted == 2 and report.deleted_depths == (4, 4)  # the two leaves
@@ -374,7 +398,9 @@ def test_background_gc_worker_runs_when_woken(tmp_path) -> None:
     from engine.kv_cache.store.tiers import BlockTiers, WriteItem
 
     file_bytes = fmt.file_size(PAYLOAD)
-    store = make_store(tmp_path, max_bytes=10 * file_bytes, gc_interval_s=3600)
+    # Real threads race real files here, so the store's clock is the files' clock: with the
+    # test clock years ahead, the worker's first run took an in-flight temp file for a crashed one.
+    store = make_store(tmp_path, time.time, max_bytes=10 * file_bytes, gc_interval_s=3600)
     tiers = BlockTiers([store], start_gc=True)
     try:
         blocks = chain(12)
