@@ -4,7 +4,8 @@ Replays the seeded traces of `loadtest.traces` as 128-token block keys (the engi
 hash, `engine.kv_cache.hashing`) over simulated time against a tier of a given capacity, with
 the engine's TTL policy (`engine.kv_cache.store.ttl.TTLPolicy`: deadline = last access +
 TTL(class), only ever extended, touches rate-limited) and the directory GC's rule (expired
-first, then earliest deadline, deeper first, from the high watermark down to the low one).
+first, then earliest deadline, deeper first within a touch granule, from the high watermark
+down to the low one).
 
 Per request: the longest chain of unexpired blocks is a hit (every hit block is touched with
 the request's class), the rest of the prompt's full blocks are written; agent sessions also
@@ -97,7 +98,8 @@ class MemoryTier:
         self.high, self.low = high_watermark, low_watermark
         self._deadline: dict[bytes, float] = {}
         self._depth: dict[bytes, int] = {}
-        self._heap: list[tuple[float, int, bytes]] = []  # (deadline, -depth, key), lazy
+        # (eviction rank, key), lazy: the rank is `TTLPolicy.eviction_rank`, the GC's order
+        self._heap: list[tuple[tuple[float, int, float], bytes]] = []
         self.expired = 0
         self.evicted = 0
 
@@ -125,9 +127,18 @@ class MemoryTier:
             self.collect(now)
 
     def collect(self, now: float) -> None:
-        while self._heap and self._heap[0][0] <= now:
-            if self._pop_current() is not None:
+        # Expired first: every entry of an earlier granule than `now`'s, and those of `now`'s
+        # own granule whose deadline passed (the unexpired ones there go back).
+        granule = self.policy.eviction_rank(now, 0)[0]
+        kept = []
+        while self._heap and self._heap[0][0][0] <= granule:
+            rank, key = self._heap[0]
+            if rank[2] > now:
+                kept.append(heapq.heappop(self._heap))
+            elif self._pop_current() is not None:
                 self.expired += 1
+        for entry in kept:
+            heapq.heappush(self._heap, entry)
         if not self.capacity or len(self._deadline) <= self.high * self.capacity:
             return
         while self._heap and len(self._deadline) > self.low * self.capacity:
@@ -145,15 +156,15 @@ class MemoryTier:
     def _set(self, key: bytes, depth: int, deadline: float) -> None:
         self._deadline[key] = deadline
         self._depth[key] = depth
-        heapq.heappush(self._heap, (deadline, -depth, key))
+        heapq.heappush(self._heap, (self.policy.eviction_rank(deadline, depth), key))
 
     def _drop(self, key: bytes) -> None:
         del self._deadline[key]
         del self._depth[key]
 
     def _pop_current(self) -> bytes | None:
-        deadline, _, key = heapq.heappop(self._heap)
-        if self._deadline.get(key) != deadline:
+        rank, key = heapq.heappop(self._heap)
+        if self._deadline.get(key) != rank[2]:
             return None  # superseded by a touch, or already deleted
         self._drop(key)
         return key

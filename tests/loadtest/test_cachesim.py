@@ -74,11 +74,12 @@ def test_ttl_is_per_class_and_a_revisit_within_it_hits() -> None:
 def test_above_the_high_watermark_gc_evicts_earliest_deadline_leaves_first() -> None:
     tier = MemoryTier(POLICY, capacity_blocks=10)
     # Session A (3 blocks) then B, C: 5 distinct system prompts × 3 blocks = 15 > 9: the GC
-    # deletes the earliest deadlines first, down to 8 blocks.
-    sessions = [_session(i, "chat", i, [_turn(100 + i)], start=i * 60.0) for i in range(5)]
+    # deletes the earliest deadlines first, down to 8 blocks. (The sessions are 15 minutes
+    # apart: deadlines within one touch granule, 10 minutes, are ties, and go deeper first.)
+    sessions = [_session(i, "chat", i, [_turn(100 + i)], start=i * 900.0) for i in range(5)]
     simulate(sessions, tier, SimConfig())
     assert tier.counts()["blocks"] <= 9 and tier.evicted >= 6
-    again = [_session(10 + i, "chat", i, [_turn(100 + i)], start=400 + i) for i in (0, 4)]
+    again = [_session(10 + i, "chat", i, [_turn(100 + i)], start=5000 + i) for i in (0, 4)]
     result = simulate(again, tier, SimConfig())
     assert result.requests[0][4] == 0  # the oldest session's blocks were evicted
     assert result.requests[1][4] == 384  # the newest survived

@@ -33,14 +33,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.kv_cache.store import format as fmt
 from engine.kv_cache.store.fileops import FileOps
 from engine.kv_cache.store.ttl import TTLPolicy
-
-if TYPE_CHECKING:
-    from engine.kv_cache.store.gc import FileEntry
 
 logger = logging.getLogger(__name__)
 
@@ -379,7 +376,7 @@ class DirBlockStore:
             cfg = self.config
             num_evicted = evicted_bytes = 0
             if used > cfg.high_watermark * cfg.max_bytes or free < cfg.min_free_bytes:
-                alive.sort(key=self._eviction_order)
+                alive.sort(key=lambda e: self.policy.eviction_rank(e.deadline, e.depth))
                 for entry in alive:
                     if used <= cfg.low_watermark * cfg.max_bytes and free >= cfg.min_free_bytes:
                         break
@@ -406,16 +403,6 @@ class DirBlockStore:
             )  # fmt: skip
         finally:
             lease.release()
-
-    def _eviction_order(self, entry: FileEntry) -> tuple[float, int, float]:
-        """Earliest deadline first, deeper first among deadlines within one touch granule.
-
-        A chain is written (and touched) parent first, microseconds apart, and touches move a
-        deadline only in steps of `touch_min_extend_s`: exact deadlines would evict a root
-        before its leaves and strand them. Within a granule they count as ties (`cache.md`
-        §2.4: "ties → deeper first")."""
-        granule = self.policy.touch_min_extend_s or 1.0
-        return (entry.deadline // granule, -entry.depth, entry.deadline)
 
     # ---------------------------------------------------------------- stats, integrity
 

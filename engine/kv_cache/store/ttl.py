@@ -77,6 +77,16 @@ class TTLPolicy:
     def min_extend(self, traffic_class: str) -> float:
         return max(self.touch_min_extend_s, 0.01 * self.ttl(traffic_class))
 
+    def eviction_rank(self, deadline: float, depth: int) -> tuple[float, int, float]:
+        """GC order (smallest first): earliest deadline, deeper first among deadlines within
+        one touch granule (`touch_min_extend_s`).
+
+        A chain is written (and touched) parent first, microseconds apart, and touches move a
+        deadline only in steps of the granule: ordering by exact deadlines would evict a root
+        before its leaves and strand them. Within a granule they are ties (`cache.md` §2.4:
+        "ties → deeper first")."""
+        return (deadline // (self.touch_min_extend_s or 1.0), -depth, deadline)
+
     def describe(self) -> str:
         return ",".join(f"{name}={_human(ttl)}" for name, ttl in sorted(self.ttl_s.items()))
 
