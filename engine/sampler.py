@@ -536,7 +536,7 @@ def _apply_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     sel = batch.filter_rows
     if sel.size == 0:
         return
-    device_path = x.is_cuda or kernels.interpreting()
+    device_path = kernels.runs_kernels(x)
     if not batch.uses_top_p:
         k = sel.take(batch.top_k)[:, None]
         # NOTE: `topk` sorts what it returns; past the candidates the search's count is cheaper

@@ -17,6 +17,12 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def runs_kernels(tensor: Tensor) -> bool:
+    """Whether the kernels take tensors like `tensor`: on CUDA, or anywhere while Triton runs
+    its CPU interpreter (where a whole model can take its kernel paths, slowly, on the CPU)."""
+    return tensor.is_cuda or interpreting()
+
+
 def check_runnable(tensor: Tensor, kernel: str) -> None:
     """Raise ValueError unless `tensor` is on CUDA or Triton's CPU interpreter is on."""
     if not tensor.is_cuda and not interpreting():

@@ -26,6 +26,7 @@ from engine.models.deepseek_v41.dense import (
 from engine.models.deepseek_v41.kv_formats import KVCodec
 from engine.models.deepseek_v41.primitives import apply_rope, pair_softmax, rms_norm
 from engine.models.deepseek_v41.state import BLOCK_TOKENS, PAIR_RING, ModelState, StepBatch
+from kernels import runs_kernels
 
 # Upper bound on elements of one indexer score buffer [chunk, heads, J].
 _INDEX_SCORE_ELEMS = 1 << 25
@@ -369,7 +370,7 @@ class Attention(nn.Module):
         (the kernel knows no floor; replay steps take the torch path)."""
         codecs = ctx.codecs
         return (
-            q.is_cuda
+            runs_kernels(q)
             and ctx.batch.window_floors is None
             and codecs.swa.storage_dtype == torch.uint8
             and (not self.ratio or codecs.global_kv.storage_dtype == torch.uint8)

@@ -60,6 +60,7 @@ from torch import Tensor, nn
 
 from engine.models.deepseek_v41.config import ceil_div
 from kernels import fp8_block_gemm as fp8_gemm
+from kernels import runs_kernels
 from kernels.invariant_matmul import invariant_matmul
 
 ROW_TILE = 16
@@ -75,7 +76,7 @@ def dense_matmul(x: Tensor, weight: Tensor, batch_invariant: bool = False) -> Te
         return F.linear(x, weight)
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
-    tiled = invariant_matmul if flat.is_cuda else _row_tiled
+    tiled = invariant_matmul if runs_kernels(flat) else _row_tiled
     out = tiled(flat, weight.contiguous())
     return out.view(*lead, weight.shape[0])
 
@@ -193,7 +194,7 @@ class FP8BlockLinear(nn.Module):
 
     def forward(self, x: Tensor, groups: int = 1) -> Tensor:
         """x [..., groups·in] → [..., out] in x's dtype; groups > 1: `grouped_linear`."""
-        if x.is_cuda:
+        if runs_kernels(x):
             return fp8_gemm.fp8_block_gemm(
                 x, self.weight, self.scale, block=self.block, groups=groups, out_dtype=x.dtype
             )

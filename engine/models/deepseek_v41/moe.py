@@ -39,6 +39,7 @@ from engine.distributed.dispatch.base import sum_by_expert_id
 from engine.models.deepseek_v41.dense import Linear, dense_matmul
 from engine.models.deepseek_v41.primitives import clamped_swiglu, sqrtsoftplus_route
 from engine.models.deepseek_v41.weight_formats import MXFP4_BLOCK, mxfp4_dequantize
+from kernels import interpreting, runs_kernels
 
 
 class MXFP4Linear(nn.Module):
@@ -216,10 +217,7 @@ class MoE(nn.Module):
     def _use_grouped_kernel(self, x: Tensor) -> bool:
         """bf16 activations, packed MXFP4 experts, on CUDA (or in Triton's CPU interpreter,
         where the tests run the kernel's logic)."""
-        from kernels import interpreting
-
-        on_device = x.is_cuda or interpreting()
-        return on_device and x.dtype == torch.bfloat16 and hasattr(self, "w13_codes")
+        return runs_kernels(x) and x.dtype == torch.bfloat16 and hasattr(self, "w13_codes")
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(expert ids [T, k], fp32 weights [T, k]); gate logits are computed in fp32."""
@@ -323,8 +321,6 @@ class MoE(nn.Module):
     def _decode_tiles(self) -> bool:
         """Whether the decode tiles may run: exact for these scales, and not in Triton's CPU
         interpreter (their inline PTX has no interpreter)."""
-        from kernels import interpreting
-
         return self.decode_tiles_exact and not interpreting()
 
     def _grouped_pairs(self, x: Tensor, blocks, pair_weight: Tensor) -> Tensor:

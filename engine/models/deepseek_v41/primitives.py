@@ -22,6 +22,7 @@ from kernels import mhc_mix as mhc_mix_kernel
 from kernels import mhc_post as mhc_post_kernel
 from kernels import rms_norm as rms_norm_kernel
 from kernels import rope as rope_kernel
+from kernels import runs_kernels
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -31,7 +32,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     NOTE: eps = 1e-20 underflows nothing in fp32 (rsqrt(1e-20) = 1e10), so an all-zero row maps
     to zeros, never NaN.
     """
-    if x.is_cuda:
+    if runs_kernels(x):
         return rms_norm_kernel.rms_norm(x, weight, eps)
     return rms_norm_kernel.rms_norm_reference(x, weight, eps)
 
@@ -68,7 +69,7 @@ def rope_frequencies(dim: int, theta: float, yarn: RopeScaling | None) -> Tensor
 def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
     """Rotate the trailing `2·len(freqs)` channels of `x[..., D]` by `exp(±j·pos·f_i)`
     (`kernels.rope`: one launch instead of ~8 on CUDA; its torch reference elsewhere)."""
-    if x.is_cuda:
+    if runs_kernels(x):
         return rope_kernel.apply_rope(x, positions, freqs, inverse)
     return rope_kernel.apply_rope_reference(x, positions, freqs, inverse)
 
@@ -103,7 +104,7 @@ def mhc_triplet(
     scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
     # One fused multiply-add, as the released kernel rounds it.
     logits = torch.addcmul(base.float(), mix, scales)
-    if logits.is_cuda:
+    if runs_kernels(logits):
         return mhc_mix_kernel.mhc_mix(logits, n, hc_eps, iters)
     return mhc_mix_kernel.mhc_mix_reference(logits, n, hc_eps, iters)
 
@@ -113,7 +114,7 @@ def mhc_combine(residual: Tensor, weights: Tensor | None) -> Tensor:
     (`kernels.mhc_combine` on CUDA: one launch)."""
     if weights is None:
         return residual[:, 0]
-    if residual.is_cuda:
+    if runs_kernels(residual):
         return mhc_combine_kernel.mhc_combine(residual, weights)
     return mhc_combine_kernel.mhc_combine_reference(residual, weights)
 
@@ -124,7 +125,7 @@ def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
 
     NOTE: the contraction runs over the FIRST index of comb (combᵀ·R); comb·R is a silent bug.
     """
-    if residual.is_cuda:
+    if runs_kernels(residual):
         return mhc_post_kernel.mhc_post(residual, post, comb, y)
     return mhc_post_kernel.mhc_post_reference(residual, post, comb, y)
 
