@@ -92,6 +92,24 @@ def _global_row_address(
     return block, j % rows_per_block
 
 
+def _compressed_row_addresses(batch: StepBatch, ratio: int, num_j: int) -> tuple[Tensor, Tensor]:
+    """Pool (block, row) [B, J] of compressed positions 0..J−1 of every sequence (block −1,
+    unallocated, read as block 0: those positions are invisible)."""
+    j = torch.arange(num_j, device=batch.block_tables.device)
+    seq = torch.arange(batch.num_seqs, device=j.device)[:, None].expand(-1, num_j)
+    block, row = _global_row_address(batch, seq, j[None, :].expand_as(seq), ratio)
+    return block.clamp(min=0), row
+
+
+def _index_visibility(batch: StepBatch, ratio: int, num_j: int) -> tuple[Tensor, Tensor]:
+    """(compressed positions visible to each query [B, T_max], the hidden mask [B, T_max, J]):
+    a query at position p sees j < (p + 1) // ratio; padding rows see none."""
+    pos = batch.pad(batch.positions, fill=-1)
+    num_visible = torch.div(pos + 1, ratio, rounding_mode="floor")
+    j = torch.arange(num_j, device=pos.device)
+    return num_visible, j[None, None, :] >= num_visible[..., None]
+
+
 class Compressor(nn.Module):
     """Global-KV producer of a KV source layer (`model.md` §3.5).
 
@@ -235,11 +253,9 @@ class Attention(nn.Module):
 
     def _write_window(self, rows: Tensor, ctx: StepContext) -> None:
         """Store each sequence's newest rows in its ring (only the last ring_len positions)."""
-        batch, ring = ctx.batch, ctx.state.swa[self.layer_id]
-        ring_len = ring.shape[1]
-        keep = batch.token_indices(tail=ring_len)
-        slots = batch.slots[batch.seq_of_token[keep]]
-        ring[slots, batch.positions[keep] % ring_len] = rows[keep]
+        ring = ctx.state.swa[self.layer_id]
+        keep, slots, ring_rows = ctx.batch.ring_writes(ring.shape[1])
+        ring[slots, ring_rows] = rows if keep is None else rows[keep]
 
     def _window_keys(self, window_rows: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor]:
         """Per-sequence key rows `[B, W−1+T_max, hd]` (fp32) and their positions.
@@ -459,11 +475,11 @@ class Attention(nn.Module):
             exact_in_bf16 = ctx.codecs.index.storage_dtype in (torch.uint8, torch.bfloat16)
             on_tensor_cores = keys.is_cuda and exact_in_bf16 and bf16_mm_to_fp32_runs(keys.device)
             scores = self._index_scores(batch.pad(iq), batch.pad(hw), keys, on_tensor_cores)
-        pos = batch.pad(batch.positions, fill=-1)
-        num_visible = torch.div(pos + 1, r, rounding_mode="floor")  # [B, T_max]
-        j = torch.arange(num_visible_max, device=x.device)
-        visible = j[None, None, :] < num_visible[..., None]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        num_visible, hidden = batch.shared(
+            ("index visibility", r, num_visible_max),
+            lambda: _index_visibility(batch, r, num_visible_max),
+        )
+        scores = scores.masked_fill(hidden, float("-inf"))
         if self.is_candidate_consumer and ctx.candidates is not None:
             scores = scores.masked_fill(~ctx.candidates[..., :num_visible_max], float("-inf"))
         k = min(cfg.index_topk, num_visible_max)
@@ -484,10 +500,10 @@ class Attention(nn.Module):
 
     def _gather_index_keys(self, num_j: int, ctx: StepContext) -> Tensor:
         batch, r = ctx.batch, self.ratio
-        j = torch.arange(num_j, device=batch.block_tables.device)
-        seq = torch.arange(batch.num_seqs, device=j.device)[:, None].expand(-1, num_j)
-        block, row = _global_row_address(batch, seq, j[None, :].expand_as(seq), r)
-        stored = ctx.state.index_keys[self.source_id][block.clamp(min=0), row]
+        block, row = batch.shared(
+            ("compressed rows", r, num_j), lambda: _compressed_row_addresses(batch, r, num_j)
+        )
+        stored = ctx.state.index_keys[self.source_id][block, row]
         return ctx.codecs.index.decode(stored)
 
     @staticmethod

@@ -525,9 +525,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         return ids.masked_fill(pos < 0, -1)
 
     def _record_tokens(self, batch: StepBatch, state: ModelState) -> None:
-        keep = batch.token_indices(tail=TOKEN_RING)
-        slots = batch.slots[batch.seq_of_token[keep]]
-        state.tokens[slots, batch.positions[keep] % TOKEN_RING] = batch.token_ids[keep]
+        keep, slots, ring_rows = batch.ring_writes(TOKEN_RING)
+        state.tokens[slots, ring_rows] = batch.token_ids if keep is None else batch.token_ids[keep]
 
     def _engram_ids(self, lookback: Tensor) -> dict[int, Tensor]:
         """Every Engram layer's hash ids of the step, computed at its start; the rows of host

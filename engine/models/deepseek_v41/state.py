@@ -20,8 +20,9 @@ block holds 64 rows of a ratio-2 source and 128 rows of a ratio-1 source.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -123,6 +124,12 @@ class StepBatch:
             [b * t_max + i for b, n in enumerate(self.lengths) for i in range(n)], device
         )
         self._token_indices: dict[tuple[int | None, int | None], Tensor] = {}
+        # Every sequence has T_max tokens (decode steps): pad / unpad are reshapes.
+        self._uniform = all(n == t_max for n in self.lengths)
+        self._pad_source = self.pad_index.clamp(min=0)
+        self._pad_rows = self.pad_index >= 0
+        self._ring_writes: dict[int, tuple[Tensor | None, Tensor, Tensor]] = {}
+        self._shared: dict[Hashable, Any] = {}
         self.window_floor_tensor = (
             None if self.window_floors is None else ints_to_device(self.window_floors, device)
         )
@@ -215,14 +222,42 @@ class StepBatch:
         return found
 
     def pad(self, flat: Tensor, fill: float = 0.0) -> Tensor:
-        """[T, ...] → [B, T_max, ...] with `fill` in padding rows."""
-        out = flat[self.pad_index.clamp(min=0)]
-        mask = (self.pad_index >= 0).view(*self.pad_index.shape, *([1] * (flat.dim() - 1)))
+        """[T, ...] → [B, T_max, ...] with `fill` in padding rows (a view when there are none)."""
+        if self._uniform:
+            return flat.unflatten(0, (self.num_seqs, self.max_len))
+        out = flat[self._pad_source]
+        mask = self._pad_rows.view(*self.pad_index.shape, *([1] * (flat.dim() - 1)))
         return out.masked_fill(~mask, fill)
 
     def unpad(self, padded: Tensor) -> Tensor:
-        """[B, T_max, ...] → [T, ...] (inverse of `pad`)."""
+        """[B, T_max, ...] → [T, ...] (inverse of `pad`; a view when there is no padding)."""
+        if self._uniform:
+            return padded.flatten(0, 1)
         return padded.flatten(0, 1)[self._unpad_index]
+
+    def shared(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """`build()`, computed once per batch for `key`: the index tensors every layer of a
+        step would otherwise rebuild (each rebuild is a few kernel launches)."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
+
+    def ring_writes(self, ring_len: int) -> tuple[Tensor | None, Tensor, Tensor]:
+        """Where a ring of `ring_len` rows per slot stores this step's rows: (the flat tokens
+        kept, None for all of them in order; their slots; their ring rows). Only each
+        sequence's last `ring_len` positions are kept (`token_indices`). Computed once per
+        batch: every layer's window ring writes the same places."""
+        if ring_len not in self._ring_writes:
+            keep = self.token_indices(tail=ring_len)
+            every = all(n <= ring_len for n in self.lengths)
+            seq = self.seq_of_token if every else self.seq_of_token[keep]
+            positions = self.positions if every else self.positions[keep]
+            self._ring_writes[ring_len] = (
+                None if every else keep,
+                self.slots[seq],
+                positions % ring_len,
+            )
+        return self._ring_writes[ring_len]
 
 
 def write_token_history(
