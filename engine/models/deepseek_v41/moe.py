@@ -102,8 +102,27 @@ class Expert(nn.Module):
             return torch.cat(rows)
         return self._forward(x, weight)
 
+    def pack_gate_up(self) -> None:
+        """Stack the dense w1 and w3 into one [2I, D] buffer (`w13_weight`, non-persistent);
+        both weights become views of it, so memory does not grow. Then the kernel path runs
+        gate and up as one GEMM and the SwiGLU as one launch (`kernels.clamped_swiglu`).
+
+        NOTE: call it once the model is on its device (as `MoE.pack_experts`)."""
+        if not (type(self.w1) is Linear and type(self.w3) is Linear):
+            return  # MXFP4 (routed: the grouped kernel's layout) or FP8 dense linears
+        packed = torch.cat((self.w1.weight.detach(), self.w3.weight.detach()))
+        self.register_buffer("w13_weight", packed, persistent=False)
+        inter = self.w1.weight.shape[0]
+        self.w1.weight = nn.Parameter(packed[:inter], requires_grad=False)
+        self.w3.weight = nn.Parameter(packed[inter:], requires_grad=False)
+
     def _forward(self, x: Tensor, weight: Tensor | None) -> Tensor:
-        act = clamped_swiglu(self.w1(x), self.w3(x), self.limit, self.batch_invariant)
+        if hasattr(self, "w13_weight") and runs_kernels(x) and not self.batch_invariant:
+            from kernels.clamped_swiglu import clamped_swiglu as swiglu_kernel
+
+            act = swiglu_kernel(dense_matmul(x, self.w13_weight), self.limit)
+        else:
+            act = clamped_swiglu(self.w1(x), self.w3(x), self.limit, self.batch_invariant)
         if weight is not None:
             act = (act.float() * weight).to(act.dtype)
         return self.w2(act)
@@ -184,7 +203,8 @@ class MoE(nn.Module):
     def pack_experts(self) -> None:
         """Stack the MXFP4 routed experts into the grouped kernel's layout (non-persistent
         buffers `w13_codes` [E, 2I, D/2], `w13_scales`, `w2_codes` [E, D, I/2], `w2_scales`);
-        each expert's buffers become views of them, so memory does not grow.
+        each expert's buffers become views of them, so memory does not grow. The shared
+        expert's dense gate and up are stacked likewise (`Expert.pack_gate_up`).
 
         NOTE: call it once the model is on its device: `.to()` copies every buffer separately,
         after which the stacks and the experts hold equal values in twice the memory.
@@ -213,6 +233,7 @@ class MoE(nn.Module):
         self.decode_tiles_exact = all(
             decode_tiles_exact(scales) for scales in (self.w13_scales, self.w2_scales)
         )
+        self.shared_experts.pack_gate_up()
 
     def _use_grouped_kernel(self, x: Tensor) -> bool:
         """bf16 activations, packed MXFP4 experts, on CUDA (or in Triton's CPU interpreter,
