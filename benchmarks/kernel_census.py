@@ -19,7 +19,8 @@ Counted, per source line of `engine/` or `kernels/` that issued them:
   total is an estimate of the GPU's count, good for finding where launches come from and for
   seeing a change move them; `gpu_rank --profile` on the GPU gives the exact count.
 
-Prints the total, the count per model file and function, and the `--top` source lines; writes
+Prints the total, the count per model file and function, and the `--top` source lines (with
+`--callers N`, each with its N nearest callers in the model); writes
 `kernel_census.json` under `--out` (default `$OUT`).
 """
 
@@ -90,23 +91,25 @@ def _launches_kernel(func) -> bool:
     return not aliasing or any(info.is_write for info in aliasing)
 
 
-def _issuer() -> str:
-    """`file:line (function)` of the innermost frame in engine/ or kernels/."""
-    frame = sys._getframe(2)
-    while frame is not None:
+def _issuer(depth: int = 1) -> str:
+    """`file:line (function)` of the innermost frame in engine/ or kernels/, and of its
+    `depth − 1` nearest callers there (joined by " < ")."""
+    frame, found = sys._getframe(2), []
+    while frame is not None and len(found) < depth:
         code = frame.f_code
         if code.co_filename.startswith(_OWN_DIRS):
             where = Path(code.co_filename).relative_to(REPO)
-            return f"{where}:{frame.f_lineno} ({code.co_name})"
+            found.append(f"{where}:{frame.f_lineno} ({code.co_name})")
         frame = frame.f_back
-    return "(outside the model)"
+    return " < ".join(found) or "(outside the model)"
 
 
 class LaunchCensus(TorchDispatchMode):
     """Counts kernel launches by issuing source line: aten ops and Triton launches."""
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = 1) -> None:
         super().__init__()
+        self.depth = depth
         self.by_line: Counter[str] = Counter()
         self.by_op: Counter[str] = Counter()
         self.host_reads: Counter[str] = Counter()
@@ -117,13 +120,13 @@ class LaunchCensus(TorchDispatchMode):
             if func._schema.name == "aten::_local_scalar_dense":
                 self.host_reads[_issuer()] += 1
             elif _launches_kernel(func):
-                self.by_line[_issuer()] += 1
+                self.by_line[_issuer(self.depth)] += 1
                 self.by_op[func._schema.name] += 1
         return func(*args, **(kwargs or {}))
 
     def triton_launch(self, name: str) -> None:
         if not self._inside_triton:
-            self.by_line[_issuer()] += 1
+            self.by_line[_issuer(self.depth)] += 1
             self.by_op[f"triton::{name}"] += 1
 
     def enter_triton(self) -> None:
@@ -156,7 +159,7 @@ def _count_triton_launches(census: LaunchCensus):
 def _by_function(by_line: Counter[str]) -> Counter[str]:
     out: Counter[str] = Counter()
     for line, count in by_line.items():
-        path, _, rest = line.partition(":")
+        path, _, rest = line.partition(" < ")[0].partition(":")
         function = rest.partition(" ")[2]
         out[f"{path} {function}"] += count
     return out
@@ -170,6 +173,9 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument(
+        "--callers", type=int, default=0, help="also name this many callers of each line"
+    )
     parser.add_argument("--out", type=Path, default=envs.benchmark_out_dir())
     args = parser.parse_args()
     cfg = census_config()
@@ -183,7 +189,7 @@ def main() -> None:
         state = model.allocate_state(args.seqs, args.seqs * blocks)
         batch = _batch(device, 1, args.seqs, args.context, blocks, cfg.vocab_size)
         model.forward_step(batch, state).logits.argmax(-1)  # warm: lazy buffers, caches
-        census = LaunchCensus()
+        census = LaunchCensus(1 + args.callers)
         restore = _count_triton_launches(census)
         try:
             with census:
