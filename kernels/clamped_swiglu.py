@@ -3,7 +3,8 @@
     y = silu(min(gate, L)) ⊙ clamp(up, −L, L)        rows [..., 2I] = [gate | up] → [..., I]
 
 as the torch form rounds it in a 16-bit dtype: SiLU evaluated in fp32 and rounded to the
-output dtype, then the product of the two rounded factors in fp32, rounded again (torch's
+output dtype, then the product of the two rounded factors in fp32, rounded again (both from the
+bits, `kernels.rounding`) (torch's
 bf16 `silu` and `mul` each compute in fp32 and round). The torch version
 (`clamped_swiglu_reference`) is four launches on two separate inputs; the shared expert's
 gate and up projections are one GEMM whose output this kernel reads in place.
@@ -20,22 +21,11 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
+from kernels.rounding import round_to
 
 __all__ = ["clamped_swiglu", "clamped_swiglu_reference"]
 
 _BLOCK = 1024
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """fp32 → the nearest value of `dtype` (ties to even), still as fp32. bf16 from the bits:
-    Triton's interpreter truncates an fp32 → bf16 cast, so a cast would test another rounding
-    than the GPU's."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -49,8 +39,8 @@ def _clamped_swiglu_kernel(gate_up_ptr, out_ptr, inter, limit, BLOCK: tl.constex
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     dtype = out_ptr.dtype.element_ty
-    silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * inter + cols, _round(silu * up, dtype).to(dtype), mask=keep)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * inter + cols, round_to(silu * up, dtype).to(dtype), mask=keep)
 
 
 def clamped_swiglu(gate_up: Tensor, limit: float) -> Tensor:

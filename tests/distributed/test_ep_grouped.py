@@ -7,8 +7,8 @@ its own tokens (uneven; a rank may have none) through:
 * fast mode, `all_to_all` and `fixed_capacity` one-pass: the single-process layer's output
   within the kernel's rounding;
 * batch-invariant mode (ordered combine, fixed tiles): bitwise the EP-1 layer's (`local`
-  dispatcher: the same combine order) and the single-process layer's (`_routed_grouped`, which
-  adds in the same expert-id order);
+  dispatcher: the same combine order) and the single-process layer's (`_routed_slots`, then
+  `sum_by_expert_id`: the same expert-id order);
 * `fixed_capacity` one-pass: no host sync in the whole layer (CUDA sync debug mode "error").
 
 One GPU runs the EP-1 group (world size 1, the same code paths); two GPUs the EP2 group; the CPU

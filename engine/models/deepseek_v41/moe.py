@@ -25,7 +25,7 @@ Batch-invariant mode (`Numerics.moe_batch_invariant`): routed experts compute ev
 (`Expert.row_invariant`: a row's result cannot depend on which rows share the call) and the EP
 combine adds a token's expert outputs in ascending expert id — the reference loop's order — so
 the output does not depend on where experts live (bitwise equal to one process). The grouped
-kernel's fixed tiles are row-invariant too, and `_routed_grouped` adds in the same order, so
+kernel's fixed tiles are row-invariant too, and `sum_by_expert_id` adds its slots in that order, so
 on CUDA one process and any EP size agree bitwise as well.
 """
 
@@ -249,11 +249,16 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         ids, weights = self.route(x)
+        if self.dispatcher is None and self._use_grouped_kernel(x) and not self.batch_invariant:
+            from kernels.moe_combine import moe_combine
+
+            # the slots added in slot order and the shared output, in one launch
+            return moe_combine(self.shared_experts(x), self._routed_slots(x, ids, weights))
         out = self.shared_experts(x).float()
         if self.dispatcher is not None:
             routed = self._routed_expert_parallel(x, ids, weights)
         elif self._use_grouped_kernel(x):
-            routed = self._routed_grouped(x, ids, weights)
+            routed = sum_by_expert_id(self._routed_slots(x, ids, weights), ids)
         else:
             routed = self._routed_reference(x, ids, weights)
         return (out + routed).to(x.dtype)
@@ -321,18 +326,18 @@ class MoE(nn.Module):
         valid = (recv.local_ids >= 0).flatten()[:, None]
         return torch.where(valid, per_slot, 0.0).view(num_rows, k, dim)  # skipped: unwritten
 
-    def _routed_grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    def _routed_slots(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """The grouped kernels' weighted outputs per (token, slot): fp32 [T, k, D]. (Batch-
+        invariant mode adds them by expert id, `sum_by_expert_id`: the EP ordered combine's
+        order.)"""
         from kernels.grouped_mxfp4_gemm import align_to_experts
 
         num_tokens = x.shape[0]
         if num_tokens == 0:
-            return torch.zeros_like(x, dtype=torch.float32)
+            return torch.zeros(0, self.top_k, x.shape[1], dtype=torch.float32, device=x.device)
         blocks = align_to_experts(ids, len(self.experts), self._block_m(num_tokens * self.top_k))
         per_slot = self._grouped_pairs(x.contiguous(), blocks, weights.flatten())
-        per_slot = per_slot.view(num_tokens, self.top_k, -1)
-        if not self.batch_invariant:
-            return per_slot.sum(1)
-        return sum_by_expert_id(per_slot, ids)  # the EP ordered combine's order
+        return per_slot.view(num_tokens, self.top_k, -1)
 
     def _block_m(self, num_pairs: int) -> int:
         if self.batch_invariant:  # one tile shape for every step: a row never sees M
