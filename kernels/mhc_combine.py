@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
+from kernels.rounding import round_to
 
 __all__ = ["mhc_combine", "mhc_combine_reference"]
 
@@ -32,7 +33,11 @@ def _mhc_combine_kernel(
     residual = tl.load(residual_ptr + rows, mask=in_row[None, :], other=0.0).to(tl.float32)
     weights = tl.load(weights_ptr + token * N + streams)
     out = tl.sum(weights[:, None] * residual, axis=0)
-    tl.store(out_ptr + token * dim + d, out.to(out_ptr.dtype.element_ty), mask=in_row)
+    tl.store(
+        out_ptr + token * dim + d,
+        round_to(out, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+        mask=in_row,
+    )
 
 
 def mhc_combine(residual: Tensor, weights: Tensor) -> Tensor:

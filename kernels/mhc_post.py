@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
+from kernels.rounding import round_to
 
 __all__ = ["mhc_post", "mhc_post_reference"]
 
@@ -44,7 +45,11 @@ def _mhc_post_kernel(
     comb = tl.load(comb_ptr + token * N * N + streams[:, None] * N + streams[None, :])
     mixed = tl.sum(comb[:, :, None] * residual[:, None, :], axis=0)  # [N (i), BLOCK_D]
     out = post[:, None] * y[None, :] + mixed
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
+    tl.store(
+        out_ptr + rows,
+        round_to(out, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+        mask=in_row[None, :],
+    )
 
 
 def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:

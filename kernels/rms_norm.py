@@ -19,6 +19,7 @@ from torch import Tensor
 
 from kernels import check_runnable
 from kernels.fp8_block_gemm import quantize_slab
+from kernels.rounding import round_to
 
 __all__ = ["rms_norm", "rms_norm_fp8", "rms_norm_reference"]
 
@@ -46,7 +47,7 @@ def _rms_norm_kernel(
     y = x * tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)
     if HAS_WEIGHT:
         y = y * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-    y = y.to(out_ptr.dtype.element_ty)
+    y = round_to(y, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * width + cols, y, mask=in_row)
     if EMIT_FP8:
         # the codes of the rounded output, as a consumer reading `out` would quantize it

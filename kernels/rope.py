@@ -19,6 +19,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from kernels import check_runnable, interpreting
+from kernels.rounding import round_to
 
 __all__ = ["apply_rope", "apply_rope_reference"]
 
@@ -63,8 +64,8 @@ def _rope_kernel(
     a = tl.load(x_ptr + even, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(x_ptr + even + 1, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + even, (a * c - b * s).to(dtype), mask=mask)
-    tl.store(out_ptr + even + 1, (a * s + b * c).to(dtype), mask=mask)
+    tl.store(out_ptr + even, round_to(a * c - b * s, dtype).to(dtype), mask=mask)
+    tl.store(out_ptr + even + 1, round_to(a * s + b * c, dtype).to(dtype), mask=mask)
     if BLOCK_PASS > 0:
         cols = tl.arange(0, BLOCK_PASS)
         kept = is_row[:, None] & (cols < pass_width)[None, :]
