@@ -21,9 +21,43 @@ from torch import Tensor
 
 from kernels import check_runnable
 
-__all__ = ["mhc_mix", "mhc_mix_reference"]
+__all__ = ["mhc_mix", "mhc_mix_reference", "mix_and_store"]
 
 _BLOCK_T = 16
+
+
+@triton.jit
+def mix_and_store(
+    pre_logits,
+    post_logits,
+    comb_logits,
+    t,
+    is_token,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    hc_eps,
+    ITERS: tl.constexpr,
+    N: tl.constexpr,
+):
+    """Gates and Sinkhorn of a tile of tokens `t` ([BLOCK_T]) from their logits (pre, post
+    [BLOCK_T, N]; comb [BLOCK_T, N, N] as [t, j, i]), stored to [T, N], [T, N], [T, N, N]
+    (`kernels.mhc_triplet` calls this too)."""
+    i = tl.arange(0, N)
+    j = tl.arange(0, N)
+    gate_mask = is_token[:, None]
+    out = t[:, None].to(tl.int64) * N + i[None, :]
+    tl.store(pre_ptr + out, tl.sigmoid(pre_logits) + hc_eps, mask=gate_mask)
+    tl.store(post_ptr + out, 2.0 * tl.sigmoid(post_logits), mask=gate_mask)
+    # comb[t, j, i]: row j (source stream), column i (target stream).
+    comb = tl.exp(comb_logits - tl.max(comb_logits, axis=2)[:, :, None])
+    comb = comb / tl.sum(comb, axis=2)[:, :, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    for _ in tl.static_range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    cell_out = t[:, None, None].to(tl.int64) * (N * N) + j[None, :, None] * N + i[None, None, :]
+    tl.store(comb_ptr + cell_out, comb, mask=is_token[:, None, None])
 
 
 @triton.jit
@@ -42,26 +76,13 @@ def _mhc_mix_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     is_token = t < num_tokens
     i = tl.arange(0, N)
-    gate_mask = is_token[:, None]
-    row = logits_ptr + t[:, None].to(tl.int64) * width
-    pre = tl.sigmoid(tl.load(row + i[None, :], mask=gate_mask, other=0.0)) + hc_eps
-    post = 2.0 * tl.sigmoid(tl.load(row + N + i[None, :], mask=gate_mask, other=0.0))
-    out = t[:, None].to(tl.int64) * N + i[None, :]
-    tl.store(pre_ptr + out, pre, mask=gate_mask)
-    tl.store(post_ptr + out, post, mask=gate_mask)
-    # comb[t, j, i]: row j (source stream), column i (target stream).
     j = tl.arange(0, N)
+    row = logits_ptr + t[:, None].to(tl.int64) * width
+    pre = tl.load(row + i[None, :], mask=is_token[:, None], other=0.0)
+    post = tl.load(row + N + i[None, :], mask=is_token[:, None], other=0.0)
     cell = t[:, None, None].to(tl.int64) * width + 2 * N + j[None, :, None] * N + i[None, None, :]
-    cell_mask = is_token[:, None, None]
-    comb = tl.load(logits_ptr + cell, mask=cell_mask, other=0.0)
-    comb = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
-    comb = comb / tl.sum(comb, axis=2)[:, :, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    for _ in tl.static_range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    cell_out = t[:, None, None].to(tl.int64) * (N * N) + j[None, :, None] * N + i[None, None, :]
-    tl.store(comb_ptr + cell_out, comb, mask=cell_mask)
+    comb = tl.load(logits_ptr + cell, mask=is_token[:, None, None], other=0.0)
+    mix_and_store(pre, post, comb, t, is_token, pre_ptr, post_ptr, comb_ptr, hc_eps, ITERS, N)
 
 
 def mhc_mix(logits: Tensor, n: int, hc_eps: float, iters: int) -> tuple[Tensor, Tensor, Tensor]:

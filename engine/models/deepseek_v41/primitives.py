@@ -20,6 +20,7 @@ from engine.models.deepseek_v41.dense import dense_matmul, row_sum
 from kernels import mhc_combine as mhc_combine_kernel
 from kernels import mhc_mix as mhc_mix_kernel
 from kernels import mhc_post as mhc_post_kernel
+from kernels import mhc_triplet as mhc_triplet_kernel
 from kernels import rms_norm as rms_norm_kernel
 from kernels import rope as rope_kernel
 from kernels import runs_kernels
@@ -90,20 +91,24 @@ def mhc_triplet(
     """Mixing coefficients of one hyper-connection site (`model.md` §3.2).
 
     residual: [T, N, D]; batch_invariant: the mix matmul's fixed-order path (`dense_matmul`).
+    Outside that mode `kernels.mhc_triplet` runs the whole site in two launches (CUDA or
+    Triton's interpreter), or its torch reference.
     Returns fp32 `pre [T, N]`, `post [T, N]` and the doubly-stochastic
     `comb [T, N, N]` indexed `comb[t, j, i]` (row j = source stream, column i = target stream).
     """
+    if not batch_invariant:
+        if runs_kernels(residual):
+            return mhc_triplet_kernel.mhc_triplet(
+                residual, fn, base, scale, norm_eps, hc_eps, iters
+            )
+        return mhc_triplet_kernel.mhc_triplet_reference(
+            residual, fn, base, scale, norm_eps, hc_eps, iters
+        )
     n = residual.shape[1]
     z = residual.flatten(1).float()
-    if batch_invariant:
-        mean_square = row_sum(z.square(), True)[:, None] / z.shape[-1]
-    else:
-        mean_square = z.square().mean(-1, keepdim=True)
-    mix = dense_matmul(z, fn.float(), batch_invariant) * torch.rsqrt(mean_square + norm_eps)
-    scale = scale.float()
-    scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
-    # One fused multiply-add, as the released kernel rounds it.
-    logits = torch.addcmul(base.float(), mix, scales)
+    mean_square = row_sum(z.square(), True)[:, None] / z.shape[-1]
+    mix = dense_matmul(z, fn.float(), True) * torch.rsqrt(mean_square + norm_eps)
+    logits = mhc_triplet_kernel.mhc_logits_reference(mix, base, scale, n)
     if runs_kernels(logits):
         return mhc_mix_kernel.mhc_mix(logits, n, hc_eps, iters)
     return mhc_mix_kernel.mhc_mix_reference(logits, n, hc_eps, iters)

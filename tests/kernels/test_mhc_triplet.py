@@ -1,0 +1,137 @@
+"""The two-launch mHC triplet against its torch reference (BLAS matmul, torch mean).
+
+The kernel sums the [T, N·D] × [N·D, 2N + N²] product in another order than BLAS, so its
+outputs are compared by relative norm and by ulps (fp32, of the reference's pre, post and
+comb). Measured in the interpreter: ≤ 1e-6 relative, ≤ 55 ulps, and closer to a float64
+evaluation than the fp32 reference itself at every shape below.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels.mhc_mix import mhc_mix_reference
+from kernels.mhc_triplet import mhc_triplet, mhc_triplet_reference
+from tests.kernels.interpreted import run_interpreted, ulps
+
+NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20
+REL_NORM, MAX_ULPS = 5e-6, 256
+# (tokens, D) with N = 4: the tiny (64), default (256) and released (5120) widths
+INTERPRETED_CASES = [(0, 64), (1, 5120), (3, 5120), (64, 256), (300, 64), (3, 64), (1, 256)]
+GPU_CASES = list(itertools.product((1, 3, 64, 300), (64, 256, 5120)))
+# the fused-rounding case: fused and unfused logits give outputs this many ulps apart or more
+SENSITIVE_ULPS = 200
+
+
+def triplet_inputs(num_tokens: int, d: int, seed: int, device: str = "cpu"):
+    """residual (bf16 for even seeds, fp32 for odd), fn, base, scale at the model's scales."""
+    g = torch.Generator().manual_seed(seed)
+    n = 4
+    dtype = torch.bfloat16 if seed % 2 == 0 else torch.float32
+    residual = torch.randn(num_tokens, n, d, generator=g).to(dtype)
+    fn = torch.randn(2 * n + n * n, n * d, generator=g) * (2 / (n * d) ** 0.5)
+    base = torch.randn(2 * n + n * n, generator=g)
+    scale = torch.rand(3, generator=g) + 0.5
+    return [t.to(device) for t in (residual, fn, base, scale)]
+
+
+def triplet_errors(cases: list[tuple[int, int]], device: str = "cpu") -> list[list[list[float]]]:
+    """Per case, per output (pre, post, comb): [relative norm, ulps] against the reference."""
+    errors = []
+    for seed, (num_tokens, d) in enumerate(cases):
+        inputs = triplet_inputs(num_tokens, d, seed, device)
+        ours = mhc_triplet(*inputs, NORM_EPS, HC_EPS, ITERS)
+        reference = mhc_triplet_reference(*inputs, NORM_EPS, HC_EPS, ITERS)
+        row = []
+        for got, expected in zip(ours, reference, strict=True):
+            assert got.shape == expected.shape and got.dtype == torch.float32
+            norm = float(expected.norm())
+            rel = float((got - expected).norm()) / norm if expected.numel() else 0.0
+            row.append([rel, ulps(got.cpu(), expected.cpu())])
+        errors.append(row)
+    return errors
+
+
+def fused_rounding_errors(device: str = "cpu") -> dict[str, float]:
+    """The kernel against the outputs of fused and of unfused `mix · scale + base` logits.
+
+    z = ±1 rows make every sum exact (mean(z²) = 1, rsqrt 1, dots of multiples of 2⁻⁸), and
+    base ≈ −mix · scale cancels: the logits are O(1) while the product is ~10⁴, so the product's
+    own rounding (unfused) moves them by ~5e-4, thousands of ulps of the outputs.
+    """
+    g = torch.Generator().manual_seed(7)
+    n, d, num_tokens = 4, 64, 3
+    mix_width = 2 * n + n * n
+    row = torch.randint(0, 2, (n * d,), generator=g).float() * 2 - 1
+    residual = row.expand(num_tokens, -1).reshape(num_tokens, n, d).contiguous()
+    fn = torch.randint(-32, 33, (mix_width, n * d), generator=g).float() / 256
+    dots = (fn.double() @ row.double()).float()  # exact
+    scale = torch.rand(3, generator=g) * 2000 + 2000
+    scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
+    product = dots.double() * scales.double()  # exact in float64
+    offsets = torch.rand(mix_width, generator=g).double() * 4 - 2
+    base = (offsets - product).float()
+    fused = (product + base.double()).float()  # fp32 fma: exact sum (Sterbenz), one rounding
+    unfused = (dots * scales) + base
+    expected = mhc_mix_reference(fused.expand(num_tokens, -1), n, HC_EPS, ITERS)
+    wrong = mhc_mix_reference(unfused.expand(num_tokens, -1), n, HC_EPS, ITERS)
+    inputs = [t.to(device) for t in (residual, fn, base, scale)]
+    ours = [t.cpu() for t in mhc_triplet(*inputs, NORM_EPS, HC_EPS, ITERS)]
+    return {
+        "fused": max(ulps(a, b) for a, b in zip(ours, expected, strict=True)),
+        "unfused": max(ulps(a, b) for a, b in zip(ours, wrong, strict=True)),
+        "sensitivity": max(ulps(a, b) for a, b in zip(wrong, expected, strict=True)),
+    }
+
+
+def _check(errors: list[list[list[float]]], cases: list[tuple[int, int]]) -> None:
+    assert len(errors) == len(cases)
+    for case, row in zip(cases, errors, strict=True):
+        for name, (rel, ulp) in zip(("pre", "post", "comb"), row, strict=True):
+            assert rel < REL_NORM and ulp < MAX_ULPS, (case, name, rel, ulp)
+
+
+def _check_fused(result: dict[str, float]) -> None:
+    assert result["sensitivity"] > SENSITIVE_ULPS, result  # the case tells the two apart
+    assert result["fused"] < 16, result
+    assert result["unfused"] > SENSITIVE_ULPS / 2, result
+
+
+_INTERPRETED = """
+import json
+from tests.kernels.test_mhc_triplet import INTERPRETED_CASES, fused_rounding_errors, triplet_errors
+print(json.dumps([triplet_errors(INTERPRETED_CASES), fused_rounding_errors()]))
+"""
+
+
+def test_kernel_matches_reference_in_the_triton_interpreter() -> None:
+    errors, fused = run_interpreted(_INTERPRETED)
+    _check(errors, INTERPRETED_CASES)
+    _check_fused(fused)
+
+
+def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
+    residual, fn, base, scale = triplet_inputs(3, 8, 1)
+    with pytest.raises(ValueError, match="fn, base, scale"):
+        mhc_triplet(residual, fn[:, :-1], base, scale, NORM_EPS, HC_EPS, ITERS)
+    with pytest.raises(ValueError, match="power of two"):
+        mhc_triplet(
+            torch.zeros(3, 3, 8), torch.zeros(15, 24), torch.zeros(15), scale, 1e-20, 1e-6, 20
+        )
+    with pytest.raises(ValueError, match="residual"):
+        mhc_triplet(residual[0], fn, base, scale, NORM_EPS, HC_EPS, ITERS)
+    with pytest.raises(ValueError, match="CUDA"):
+        mhc_triplet(residual, fn, base, scale, NORM_EPS, HC_EPS, ITERS)
+
+
+@pytest.mark.gpu
+def test_kernel_matches_reference_on_cuda() -> None:
+    _check(triplet_errors(GPU_CASES, "cuda"), GPU_CASES)
+
+
+@pytest.mark.gpu
+def test_kernel_rounds_logits_with_one_fused_multiply_add_on_cuda() -> None:
+    _check_fused(fused_rounding_errors("cuda"))
