@@ -97,7 +97,7 @@ def _mhc_finish_kernel(
     cell_mask = is_token[:, None, None]
     cell = 2 * N + j[None, :, None] * N + i[None, None, :]
     row = part_ptr + t.to(tl.int64) * MIX_PAD
-    split_stride = num_tokens.to(tl.int64) * MIX_PAD
+    split_stride = tl.full((), MIX_PAD, tl.int64) * num_tokens  # num_tokens may be a constexpr 1
     pre = tl.zeros((BLOCK_T, N), dtype=tl.float32)
     post = tl.zeros((BLOCK_T, N), dtype=tl.float32)
     comb = tl.zeros((BLOCK_T, N, N), dtype=tl.float32)

@@ -15,7 +15,7 @@ import torch
 
 from kernels.mhc_mix import mhc_mix_reference
 from kernels.mhc_triplet import mhc_triplet, mhc_triplet_reference
-from tests.kernels.interpreted import run_interpreted, ulps
+from tests.kernels.interpreted import compile_for_hopper, run_interpreted, ulps
 
 NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20
 REL_NORM, MAX_ULPS = 5e-6, 256
@@ -125,6 +125,30 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
         mhc_triplet(residual[0], fn, base, scale, NORM_EPS, HC_EPS, ITERS)
     with pytest.raises(ValueError, match="CUDA"):
         mhc_triplet(residual, fn, base, scale, NORM_EPS, HC_EPS, ITERS)
+
+
+@pytest.mark.parametrize("one_token", [False, True])
+def test_kernels_compile_for_hopper(one_token: bool) -> None:
+    # A launch with T = 1 (or one split) passes them as constexprs, which the interpreter
+    # never does.
+    from kernels.mhc_triplet import _mhc_finish_kernel, _mhc_partials_kernel
+
+    count = {"num_tokens": 1} if one_token else {}
+    count_type = {} if one_token else {"num_tokens": "i32"}
+    types = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "width": "i32"}
+    constexprs = {"MIX": 24, "MIX_PAD": 32, "BLOCK_T": 16, "BLOCK_K": 64, "SPLIT": 512}
+    ptx = compile_for_hopper(
+        _mhc_partials_kernel, {**types, **count_type}, {**constexprs, **count}, set(types)
+    )
+    assert "fma.rn.f32" in ptx and "mma" not in ptx  # IEEE fp32 dots, no TF32
+    pointers = ("part_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr")
+    types = {name: "*fp32" for name in pointers}
+    types |= {"inv_width": "fp32", "norm_eps": "fp32", "hc_eps": "fp32", **count_type}
+    splits = {"num_splits": 1} if one_token else {}
+    types |= {} if one_token else {"num_splits": "i32"}
+    constexprs = {"ITERS": 20, "N": 4, "MIX_PAD": 32, "BLOCK_T": 16, **count, **splits}
+    ptx = compile_for_hopper(_mhc_finish_kernel, types, constexprs, {"part_ptr"})
+    assert "fma.rn.f32" in ptx
 
 
 @pytest.mark.gpu
