@@ -481,3 +481,62 @@ def test_cuda_e4m3_round_saturates():
     above = torch.tensor([449.0, 464.0, 480.0, 500.0, 1e30, float("inf")], device="cuda")
     assert (kv.e4m3_round(above).view(torch.uint8) == 0x7E).all()
     assert (kv.e4m3_round(-above).view(torch.uint8) == 0xFE).all()
+
+
+# ----------------------------------------------------------------------------- kernel path
+
+_CODEC_KERNEL_PATH = """
+import json
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from engine.models.deepseek_v41.kv_formats import make_codec
+from tests.models.test_kv_formats import wide_rows
+
+class TorchOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+CODEC_MATHS = {"aten::abs", "aten::amax", "aten::frexp", "aten::div", "aten::cat"}
+out = {}
+for kind, dim in (("swa_mxfp8", 512), ("index_fp4", 128), ("global_fp4", 512)):
+    for nemo in (False, True):
+        codec = make_codec(kind, dim, nemo_variant=nemo)
+        x = wide_rows(12, dim, seed=dim).to(torch.bfloat16).view(3, 4, dim)
+        if codec.name == "global_fp4/nemo":
+            x = x * 2.0**-14  # below amax 2784, where NeMo's unclamped scales have a byte
+        with TorchOps() as ops:
+            stored = codec.encode(x)
+            trip = codec.round_trip(x) if kind == "index_fp4" else None
+            decoded = codec.decode(stored) if kind == "index_fp4" else None
+        # The torch codec itself (its maths does not depend on the interpreter).
+        ref = codec.encode_fn(x)
+        checks = [torch.equal(stored, ref)]
+        if kind == "index_fp4":
+            ref_decoded = codec.decode_fn(ref)
+            checks += [torch.equal(trip.view(torch.int32), ref_decoded.view(torch.int32))]
+            checks += [torch.equal(decoded.view(torch.int32), ref_decoded.view(torch.int32))]
+        out[codec.name] = [all(checks), sorted(ops.names & CODEC_MATHS)]
+print(json.dumps(out))
+"""
+
+
+def test_codecs_take_the_one_launch_kernels_on_the_kernel_path() -> None:
+    """In Triton's interpreter (the CUDA code path on the CPU), encode / decode / round_trip
+    run the kernels (none of the torch codec's maths is dispatched) and store the same bytes."""
+    from tests.kernels.interpreted import run_interpreted
+
+    result = run_interpreted(_CODEC_KERNEL_PATH)
+    assert result == {name: [True, []] for name in result}
+    assert len(result) == 6
+
+
+def test_round_trip_is_decode_of_encode_on_the_cpu() -> None:
+    for kind, dim in (("swa_mxfp8", 64), ("index_fp4", 64), ("global_fp4", 64)):
+        for quantize in (True, False):
+            codec = kv.make_codec(kind, dim, quantize=quantize)
+            x = wide_rows(5, dim, seed=1).to(torch.bfloat16)
+            assert torch.equal(bits(codec.round_trip(x)), bits(codec.decode(codec.encode(x))))

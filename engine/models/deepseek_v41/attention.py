@@ -464,7 +464,7 @@ class Attention(nn.Module):
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
         iq = self.indexer.wq_b(qa).view(-1, heads, dim)
         iq = apply_rope(iq, batch.positions, self.freqs)
-        iq = ctx.codecs.index.decode(ctx.codecs.index.encode(iq))
+        iq = ctx.codecs.index.round_trip(iq)
         hw = self.indexer.weights_proj.forward_fp32(x) * (dim**-0.5 * heads**-0.5)
         ends = batch.end_positions()
         num_visible_max = max((e + 1) // r for e in ends)

@@ -13,7 +13,10 @@ format         used for                   element           scale         D -> b
 Every format offers ``<fmt>_quantize(x) -> uint8[..., B]``, ``<fmt>_dequantize(packed, dtype)``,
 ``<fmt>_row_bytes(D)`` and ``<fmt>_round_trip(x)`` (bit-identical to dequantize(quantize(x)) in
 x's dtype, without building the bytes). ``make_codec`` wraps one format (or exact float32
-storage) in a ``KVCodec`` for the model and the cache.
+storage) in a ``KVCodec`` for the model and the cache. These functions are the references: on
+the kernel path (``kernels.runs_kernels``) a codec encodes, decodes and round-trips with the
+one-launch kernels of ``kernels.mxfp8_rows`` / ``kernels.fp4_rows``, bit-identical to them
+(``tests/kernels/test_mxfp8_rows.py``, ``test_fp4_rows.py``).
 
 All maths runs in float32 whatever the input dtype (float64 inputs are first rounded to float32).
 Scales are exact powers of two or exact e4m3 values, so ``x / s`` and ``code * s`` are exact except
@@ -39,6 +42,15 @@ from functools import cache, partial
 
 import torch
 from torch import Tensor
+
+from kernels import runs_kernels
+from kernels.fp4_rows import (
+    global_fp4_rows_quantize,
+    index_fp4_rows_dequantize,
+    index_fp4_rows_quantize,
+    index_fp4_rows_round_trip,
+)
+from kernels.mxfp8_rows import mxfp8_rows_quantize
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -412,6 +424,10 @@ class KVCodec:
     ``row_sections``: the byte widths of a stored row's parts in order (data, then scales; one
     part for exact storage); the prefix cache's block layout stores each part as its own
     section (`cache.md` §1.3).
+    ``round_trip(x)``: ``decode(encode(x))`` without building the stored rows where a kernel
+    does it in one launch.
+    The ``kernel_*`` functions, where set, replace the torch ones for tensors on the kernel path
+    (``kernels.runs_kernels``): the same results, bit for bit, in one launch.
     """
 
     name: str
@@ -421,10 +437,21 @@ class KVCodec:
     encode_fn: Callable[[Tensor], Tensor] = field(repr=False, compare=False)
     decode_fn: Callable[[Tensor], Tensor] = field(repr=False, compare=False)
     row_sections: tuple[int, ...] = ()
+    kernel_encode_fn: Callable[[Tensor], Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
+    kernel_decode_fn: Callable[[Tensor], Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
+    kernel_round_trip_fn: Callable[[Tensor], Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def encode(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"{self.name}: expected rows of width {self.dim}, got {x.shape[-1]}")
+        if self.kernel_encode_fn is not None and runs_kernels(x):
+            return self.kernel_encode_fn(x)
         return self.encode_fn(x)
 
     def decode(self, stored: Tensor) -> Tensor:
@@ -434,7 +461,18 @@ class KVCodec:
             raise ValueError(
                 f"{self.name}: expected stored width {self.row_width}, got {stored.shape[-1]}"
             )
+        if self.kernel_decode_fn is not None and runs_kernels(stored):
+            return self.kernel_decode_fn(stored)
         return self.decode_fn(stored)
+
+    def round_trip(self, x: Tensor) -> Tensor:
+        if self.kernel_round_trip_fn is not None and runs_kernels(x):
+            if x.shape[-1] != self.dim:
+                raise ValueError(
+                    f"{self.name}: expected rows of width {self.dim}, got {x.shape[-1]}"
+                )
+            return self.kernel_round_trip_fn(x)
+        return self.decode(self.encode(x))
 
 
 @dataclass(frozen=True)
@@ -444,6 +482,9 @@ class _KVFormat:
     row_bytes: Callable[[int], int]
     nemo_kwargs: Mapping[str, bool]  # keyword arguments of quantize selecting the NeMo variant
     scale_block: int  # elements per scale byte: a row is dim / 2 or dim data bytes, then scales
+    kernel_quantize: Callable[..., Tensor]  # the same keyword arguments as quantize
+    kernel_dequantize: Callable[[Tensor], Tensor] | None = None  # -> float32
+    kernel_round_trip: Callable[[Tensor], Tensor] | None = None  # -> float32
 
 
 _KV_FORMATS: Mapping[str, _KVFormat] = {
@@ -453,6 +494,7 @@ _KV_FORMATS: Mapping[str, _KVFormat] = {
         swa_mxfp8_row_bytes,
         {"nemo_floor": True},
         SWA_BLOCK,
+        mxfp8_rows_quantize,
     ),
     "global_fp4": _KVFormat(
         global_fp4_quantize,
@@ -460,9 +502,17 @@ _KV_FORMATS: Mapping[str, _KVFormat] = {
         global_fp4_row_bytes,
         {"clamp_scale": False},
         GLOBAL_BLOCK,
+        global_fp4_rows_quantize,
     ),
     "index_fp4": _KVFormat(
-        index_fp4_quantize, index_fp4_dequantize, index_fp4_row_bytes, {}, INDEX_BLOCK
+        index_fp4_quantize,
+        index_fp4_dequantize,
+        index_fp4_row_bytes,
+        {},
+        INDEX_BLOCK,
+        index_fp4_rows_quantize,
+        index_fp4_rows_dequantize,
+        partial(index_fp4_rows_round_trip, dtype=torch.float32),
     ),
 }
 
@@ -507,4 +557,7 @@ def make_codec(kind: str, dim: int, quantize: bool = True, nemo_variant: bool = 
         encode_fn=partial(fmt.quantize, **kwargs),
         decode_fn=fmt.dequantize,
         row_sections=(width - num_scales, num_scales),
+        kernel_encode_fn=partial(fmt.kernel_quantize, **kwargs),
+        kernel_decode_fn=fmt.kernel_dequantize,
+        kernel_round_trip_fn=fmt.kernel_round_trip,
     )
