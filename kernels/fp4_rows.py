@@ -18,6 +18,13 @@ indexer's queries take); each of these is one. Divisions are IEEE (`div_rn`), a 
 power of two is a product with its exact inverse, codes and values come from bits
 (`kernels.row_codes`).
 
+NOTE: the divisions may flush float32 subnormals to zero (libdevice's `div_rn` does under
+Triton's FTZ setting) without changing a code: a subnormal ratio lies below the scale floor, a
+subnormal quotient below the first e2m1 step, and signs come from x's bits. Index rows whose
+elements are subnormal (scales near 2^-126) need the product x * 2^-e to keep them, as the
+plain fp32 multiply does (`test_fp4_rows.py` has such rows, on CUDA too). Rows holding NaN are
+not pinned to the reference.
+
     grid (rows / BLOCK_R): rows viewed as [N, D] (or [N, row bytes]), a tile of BLOCK_R rows
     per program; even and odd elements are loaded as two [BLOCK_R, D/2] halves of the pairs
 """
@@ -89,10 +96,11 @@ def _fp4_quantize_kernel(
     if E4M3_SCALE:
         ratio = tl.maximum(tl.math.div_rn(amax, 6.0), 0.001953125)  # 2^-9
         if CLAMP_SCALE:
-            scale = e4m3_value(e4m3_code(tl.minimum(ratio, 448.0)))
-        else:
-            scale = tl.where(ratio > 448.0, e4m3_round_wide(ratio), e4m3_value(e4m3_code(ratio)))
-        scale_byte = tl.where(scale > 448.0, 0x7F, e4m3_code(scale))
+            ratio = tl.minimum(ratio, 448.0)
+        # NeMo's unclamped scale: above 464 it rounds above 448 and has no byte (0x7F, which
+        # the launcher raises for); up to 464 it rounds to 448 as e4m3 saturates.
+        scale_byte = tl.where(e4m3_round_wide(ratio) > 448.0, 0x7F, e4m3_code(ratio))
+        scale = e4m3_value(scale_byte)
         y_even = tl.math.div_rn(x_even, scale[:, :, None])
         y_odd = tl.math.div_rn(x_odd, scale[:, :, None])
     else:
@@ -105,12 +113,9 @@ def _fp4_quantize_kernel(
     code_even = e2m1_code(y_even, x_even)
     code_odd = e2m1_code(y_odd, x_odd)
     if ROUND_TRIP:
-        if E4M3_SCALE:
-            value_even = e2m1_scaled(code_even, 0) * scale[:, :, None]  # exact: <= 6 bits
-            value_odd = e2m1_scaled(code_odd, 0) * scale[:, :, None]
-        else:
-            value_even = e2m1_scaled(code_even, exponent[:, :, None])
-            value_odd = e2m1_scaled(code_odd, exponent[:, :, None])
+        tl.static_assert(not E4M3_SCALE)  # index rows only
+        value_even = e2m1_scaled(code_even, exponent[:, :, None])
+        value_odd = e2m1_scaled(code_odd, exponent[:, :, None])
         out_even = rows[:, None] * DIM + 2 * pairs[None, :]
         value_even = tl.reshape(value_even, [BLOCK_R, BLOCK_HALF])
         store_float32(out_ptr, out_even, value_even, mask, OUT_BF16_BITS)
