@@ -448,8 +448,7 @@ class KVCodec:
     )
 
     def encode(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"{self.name}: expected rows of width {self.dim}, got {x.shape[-1]}")
+        self._check_width(x)
         if self.kernel_encode_fn is not None and runs_kernels(x):
             return self.kernel_encode_fn(x)
         return self.encode_fn(x)
@@ -466,13 +465,15 @@ class KVCodec:
         return self.decode_fn(stored)
 
     def round_trip(self, x: Tensor) -> Tensor:
+        """``decode(encode(x))`` (float32[..., dim])."""
         if self.kernel_round_trip_fn is not None and runs_kernels(x):
-            if x.shape[-1] != self.dim:
-                raise ValueError(
-                    f"{self.name}: expected rows of width {self.dim}, got {x.shape[-1]}"
-                )
+            self._check_width(x)
             return self.kernel_round_trip_fn(x)
         return self.decode(self.encode(x))
+
+    def _check_width(self, x: Tensor) -> None:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"{self.name}: expected rows of width {self.dim}, got {x.shape[-1]}")
 
 
 @dataclass(frozen=True)
