@@ -18,12 +18,12 @@ indexer's queries take); each of these is one. Divisions are IEEE (`div_rn`), a 
 power of two is a product with its exact inverse, codes and values come from bits
 (`kernels.row_codes`).
 
-NOTE: the divisions may flush float32 subnormals to zero (libdevice's `div_rn` does under
-Triton's FTZ setting) without changing a code: a subnormal ratio lies below the scale floor, a
-subnormal quotient below the first e2m1 step, and signs come from x's bits. Index rows whose
-elements are subnormal (scales near 2^-126) need the product x * 2^-e to keep them, as the
-plain fp32 multiply does (`test_fp4_rows.py` has such rows, on CUDA too). Rows holding NaN are
-not pinned to the reference.
+NOTE: compiled for sm90 the divisions are `div.rn.f32` and the products `mul.f32`, neither
+flushing subnormals (`test_fp4_rows.py` reads the PTX). Index rows whose elements are
+subnormal (scales near 2^-126) depend on that; elsewhere a flush would change no code (a
+subnormal ratio lies below the scale floor, a subnormal quotient below the first e2m1 step, and
+signs come from x's bits). Rows holding NaN are not pinned to the
+reference.
 
     grid (rows / BLOCK_R): rows viewed as [N, D] (or [N, row bytes]), a tile of BLOCK_R rows
     per program; even and odd elements are loaded as two [BLOCK_R, D/2] halves of the pairs

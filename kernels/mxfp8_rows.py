@@ -14,9 +14,9 @@ The torch codec is ~25 launches per call; this is one. The divisions by 448 are 
 (`div_rn`); x / s is x * 2^-s, exact like the reference's division by a power of two; codes
 and scales come from bits (`kernels.row_codes`).
 
-NOTE: no result depends on float32 subnormals surviving (a flush to zero keeps every code: a
-subnormal amax ratio lies below the scale floor, a subnormal quotient below the first e2m1 /
-e4m3 step, and signs come from x's bits). Rows holding NaN are not pinned to the reference.
+NOTE: no code depends on float32 subnormals surviving (compiled for sm90 they do: `div.rn.f32`,
+`mul.f32`): a subnormal amax ratio lies below the scale floor, a subnormal quotient below the
+first e4m3 step, and signs come from x's bits. Rows holding NaN are not pinned to the reference.
 
     grid (rows / BLOCK_R): x viewed as [N, D], a tile of BLOCK_R rows per program
 """

@@ -156,3 +156,22 @@ def test_index_kernels_match_the_codec_bit_for_bit_on_cuda() -> None:
 @pytest.mark.gpu
 def test_global_kernel_matches_the_codec_bit_for_bit_on_cuda() -> None:
     assert global_mismatches("cuda") == []
+
+
+@pytest.mark.parametrize("group", [32, 16])
+def test_quantize_kernel_compiles_for_hopper_with_ieee_arithmetic(group: int) -> None:
+    # what the interpreter cannot show: the sm90 build keeps IEEE division (div_rn) and does
+    # not flush subnormals (index rows with subnormal elements need x * 2^-e exact)
+    from kernels.fp4_rows import _fp4_quantize_kernel
+    from tests.kernels.interpreted import compile_for_hopper
+
+    index = group == 32
+    pointers = {"x_ptr": "*i16", "out_ptr": "*fp32" if index else "*u8"}
+    ptx = compile_for_hopper(
+        _fp4_quantize_kernel,
+        {**pointers, "num_rows": "i32", "x_row_stride": "i32"},
+        {"DIM": 512, "BLOCK_HALF": 256, "BLOCK_R": 8, "GROUP": group, "E4M3_SCALE": not index}
+        | {"CLAMP_SCALE": True, "ROUND_TRIP": index, "IN_BF16_BITS": True, "OUT_BF16_BITS": False},
+        {*pointers, "x_row_stride"},
+    )
+    assert "div.rn.f32" in ptx and ".ftz" not in ptx and ".local" not in ptx

@@ -71,3 +71,21 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
 @pytest.mark.gpu
 def test_kernel_matches_the_codec_bit_for_bit_on_cuda() -> None:
     assert mismatches("cuda") == []
+
+
+def test_kernel_compiles_for_hopper_with_ieee_arithmetic() -> None:
+    # what the interpreter cannot show: the sm90 build keeps IEEE division (div_rn) and does
+    # not flush subnormals, and the [8, 512] tile stays in registers
+    from kernels.mxfp8_rows import _mxfp8_quantize_kernel
+    from tests.kernels.interpreted import compile_for_hopper
+
+    pointers = {"x_ptr": "*i16", "out_ptr": "*u8"}
+    for nemo in (False, True):
+        ptx = compile_for_hopper(
+            _mxfp8_quantize_kernel,
+            {**pointers, "num_rows": "i32", "x_row_stride": "i32"},
+            {"DIM": 512, "BLOCK_D": 512, "BLOCK_R": 8, "NEMO_FLOOR": nemo, "FLOOR": 1e-4}
+            | {"BF16_BITS": True},
+            {*pointers, "x_row_stride"},
+        )
+        assert "div.rn.f32" in ptx and ".ftz" not in ptx and ".local" not in ptx
