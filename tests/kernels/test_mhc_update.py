@@ -86,3 +86,61 @@ def test_kernels_match_reference_on_cuda(case) -> None:
     combined = mhc_combine(residual, weights)
     reference = mhc_combine_reference(residual, weights)
     assert ulps(combined, reference, _combine_terms(residual, weights)) <= 2
+
+
+# (tokens, streams, width, dtype name) of the fused combination + RMSNorm: the real hidden size.
+NORM_CASES = [(3, 4, 5120, "bfloat16"), (5, 4, 640, "float32"), (2, 2, 1000, "bfloat16")]
+NORM_CASES += [(0, 4, 64, "bfloat16")]
+EPS = 1e-20
+
+
+def _norm_inputs(case, device: str = "cpu"):
+    residual, _, _, _, weights = _inputs(case, device)
+    generator = torch.Generator().manual_seed(case[2])
+    norm_weight = torch.randn(case[2], generator=generator).to(residual.dtype).to(device)
+    return residual, weights, norm_weight
+
+
+_INTERPRETED_NORM = """
+import json, torch
+from kernels.mhc_combine import mhc_combine, mhc_combine_norm, mhc_combine_norm_reference
+from kernels.rms_norm import rms_norm
+from tests.kernels.interpreted import ulps
+from tests.kernels.test_mhc_update import EPS, NORM_CASES, _norm_inputs
+result = []
+for case in NORM_CASES:
+    residual, weights, norm_weight = _norm_inputs(case)
+    fused = mhc_combine_norm(residual, weights, norm_weight, EPS)
+    two = rms_norm(mhc_combine(residual, weights), norm_weight, EPS)
+    reference = mhc_combine_norm_reference(residual, weights, norm_weight, EPS)
+    result.append([bool(torch.equal(fused, two)), ulps(fused, reference)])
+print(json.dumps(result))
+"""
+
+
+def test_combination_and_norm_in_one_launch_equal_the_two_kernels_in_the_interpreter() -> None:
+    result = run_interpreted(_INTERPRETED_NORM)
+    assert all(equal for equal, _ in result)
+    # and the torch references within rms_norm's own bound (its sum in another order)
+    assert max(gap for _, gap in result) <= 16
+
+
+def test_combination_and_norm_launcher_rejects_a_wrong_norm_weight() -> None:
+    from kernels.mhc_combine import mhc_combine_norm
+
+    residual, weights, norm_weight = _norm_inputs(NORM_CASES[1])
+    with pytest.raises(ValueError, match="norm weight"):
+        mhc_combine_norm(residual, weights, norm_weight[:10], EPS)
+    with pytest.raises(ValueError, match="CUDA"):
+        mhc_combine_norm(residual, weights, norm_weight, EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", NORM_CASES)
+def test_combination_and_norm_in_one_launch_equal_the_two_kernels_on_cuda(case) -> None:
+    from kernels.mhc_combine import mhc_combine_norm
+    from kernels.rms_norm import rms_norm
+
+    residual, weights, norm_weight = _norm_inputs(case, "cuda")
+    fused = mhc_combine_norm(residual, weights, norm_weight, EPS)
+    assert torch.equal(fused, rms_norm(mhc_combine(residual, weights), norm_weight, EPS))

@@ -24,7 +24,12 @@ from engine.models.deepseek_v41.dense import (
     grouped_linear,
 )
 from engine.models.deepseek_v41.kv_formats import KVCodec
-from engine.models.deepseek_v41.primitives import apply_rope, pair_softmax, rms_norm
+from engine.models.deepseek_v41.primitives import (
+    apply_rope,
+    mhc_combine_norm,
+    pair_softmax,
+    rms_norm,
+)
 from engine.models.deepseek_v41.state import BLOCK_TOKENS, PAIR_RING, ModelState, StepBatch
 from kernels import runs_kernels
 
@@ -77,6 +82,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def of_combination(self, residual: Tensor, weights: Tensor | None) -> Tensor:
+        """`self(mhc_combine(residual, weights))`, a sublayer's input, in one launch on the
+        kernel path (`primitives.mhc_combine_norm`)."""
+        return mhc_combine_norm(residual, weights, self.weight, self.eps)
 
 
 def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> Linear:

@@ -208,7 +208,7 @@ class Block(nn.Module):
         graphs = self.graphs if mixer is None and ctx.record is None else None
         if graphs is None:
             pre_a, post_a, comb_a = self.triplet("attn", residual)
-            x_attn = self.attn_norm(mhc_combine(residual, pre_prev))
+            x_attn = self.attn_norm.of_combination(residual, pre_prev)
             residual = mhc_post(residual, post_a, comb_a, (mixer or self.attn)(x_attn, ctx))
             return self.ffn_half(residual, pre_a)
         positions = ctx.batch.positions
@@ -226,7 +226,7 @@ class Block(nn.Module):
         """mHC site and norm before attention, then its projections: (x_attn, qa, q, encoded
         window rows, pre, post, comb). Pure and token-parallel."""
         pre_a, post_a, comb_a = self.triplet("attn", residual)
-        x_attn = self.attn_norm(mhc_combine(residual, pre_prev))
+        x_attn = self.attn_norm.of_combination(residual, pre_prev)
         qa, q, window_rows = self.attn.project(x_attn, positions, window_codec)
         return x_attn, qa, q, window_rows, pre_a, post_a, comb_a
 
@@ -248,7 +248,7 @@ class Block(nn.Module):
         """The FFN sublayer with its mHC site: (residual, attention `pre`) → (residual, FFN
         `pre`)."""
         pre_f, post_f, comb_f = self.triplet("ffn", residual)
-        x_ffn = self.ffn_norm(mhc_combine(residual, pre_a))
+        x_ffn = self.ffn_norm.of_combination(residual, pre_a)
         residual = mhc_post(residual, post_f, comb_f, self.ffn(x_ffn))
         return residual, pre_f
 
@@ -584,7 +584,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         shared KV is a function of the encoder output only, so it stays exact), then the
         decoder layers continue on `StepBatch.decoder_part` alone. Returns the residual, the
         previous `pre`, the context of that part and the flat indices of its rows."""
-        x_attn = boundary.attn_norm(mhc_combine(residual, pre_prev))
+        x_attn = boundary.attn_norm.of_combination(residual, pre_prev)
         boundary.attn.write_source(x_attn, ctx)
         part, kept = ctx.batch.decoder_part()
         part_ctx = StepContext(

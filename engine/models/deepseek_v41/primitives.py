@@ -124,6 +124,17 @@ def mhc_combine(residual: Tensor, weights: Tensor | None) -> Tensor:
     return mhc_combine_kernel.mhc_combine_reference(residual, weights)
 
 
+def mhc_combine_norm(
+    residual: Tensor, weights: Tensor | None, norm_weight: Tensor, eps: float
+) -> Tensor:
+    """`rms_norm(mhc_combine(residual, weights), norm_weight, eps)`: a sublayer's input
+    (`kernels.mhc_combine.mhc_combine_norm` on the kernel path: one launch, bit for bit the
+    two)."""
+    if weights is not None and runs_kernels(residual):
+        return mhc_combine_kernel.mhc_combine_norm(residual, weights, norm_weight, eps)
+    return rms_norm(mhc_combine(residual, weights), norm_weight, eps)
+
+
 def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
     """`R'[i] = post[i]·y + Σ_j comb[j][i]·R[j]` in fp32, cast to R's dtype (`kernels.mhc_post`
     on CUDA: one launch, no [T, N, N, D] intermediate).
