@@ -10,13 +10,14 @@ For the (token, slot) pairs p of `expert_ids` [T, top_k] flattened (key(p) = the
 
 with num_blocks = T·top_k // block_m + min(E, T·top_k), so nothing is read back to the host.
 
-How: one program. Pass 1 counts the pairs per expert chunk by chunk (a one-hot [CHUNK, E_PAD]
-tile summed over the pairs); the padded run starts are a cumsum in registers. Pass 2 writes
-block_expert and the -1s, block by block: the expert of a block is the number of runs that end
-at or before its first position; its positions past the run's count are padding. Pass 3 ranks
-the pairs chunk by chunk: a pair's position is its expert's running cursor (one-hot gather) plus
-the number of earlier pairs of that expert within the chunk ([CHUNK, CHUNK] comparison). The
-three passes write disjoint addresses, so no barrier orders them.
+How: one program. Pass 1 counts the pairs per expert chunk by chunk (`tl.histogram`); the
+padded run starts are a cumsum in registers. Pass 2 writes block_expert and the -1s, block by
+block: the expert of a block is the number of runs that end at or before its first position
+(a [BLOCK_CHUNK, E_PAD] comparison); its positions past the run's count are padding. Pass 3
+ranks the pairs chunk by chunk: a pair's position is its expert's running cursor (`tl.gather`
+from registers) plus the number of earlier pairs of that expert within the chunk ([CHUNK, CHUNK]
+comparison); the chunk's histogram then moves the cursors. The three passes write disjoint
+addresses, so no barrier orders them.
 
     positions:  | run of e0 (c_0 pairs, padding) | run of e1 | ... | unused blocks (-1) |
                 ^ first_0 = 0                   ^ first_1
@@ -39,7 +40,9 @@ __all__ = ["MAX_PAIRS", "align_to_experts", "align_to_experts_reference", "num_b
 # Routings up to this many (token, slot) pairs take the kernel: one program walks them all
 # (decode steps and short prefill chunks); the torch reference sorts larger ones.
 MAX_PAIRS = 4096
-# Elements of the kernel's one-hot [CHUNK, E_PAD] tile (registers of 4 warps).
+# Pairs per chunk (a [CHUNK, CHUNK] comparison); elements of the [BLOCK_CHUNK, E_PAD] and
+# [BLOCK_CHUNK, block_m] tiles of pass 2 (registers of 4 warps).
+_CHUNK = 64
 _TILE = 8192
 
 
@@ -65,8 +68,7 @@ def _align_kernel(
     lanes = tl.arange(0, CHUNK)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
-        key = _keys(ids_ptr, start + lanes, num_pairs, num_experts)
-        counts += tl.sum((key[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        counts += tl.histogram(_keys(ids_ptr, start + lanes, num_pairs, num_experts), E_PAD)
     padded = tl.where(experts < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     end = tl.cumsum(padded, axis=0)
     first = end - padded
@@ -95,11 +97,10 @@ def _align_kernel(
     for start in range(0, num_pairs, CHUNK):
         pairs = start + lanes
         key = _keys(ids_ptr, pairs, num_pairs, num_experts)
-        hot = key[:, None] == experts[None, :]
-        base = tl.sum(tl.where(hot, cursor[None, :], 0), axis=1)
         within = tl.sum(((key[:, None] == key[None, :]) & earlier).to(tl.int32), axis=1)
-        tl.store(pair_of_pos_ptr + base + within, pairs, mask=key < num_experts)
-        cursor += tl.sum(hot.to(tl.int32), axis=0)
+        position = tl.gather(cursor, key, 0) + within
+        tl.store(pair_of_pos_ptr + position, pairs, mask=key < num_experts)
+        cursor += tl.histogram(key, E_PAD)
 
 
 @triton.jit
@@ -135,7 +136,6 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> tupl
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     if num_blocks:
         e_pad = triton.next_power_of_2(num_experts + 1)
-        chunk = max(16, min(128, _TILE // e_pad))
         _align_kernel[(1,)](
             expert_ids.contiguous(),
             pair_of_pos,
@@ -145,7 +145,7 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> tupl
             num_blocks,
             BLOCK_M=block_m,
             E_PAD=e_pad,
-            CHUNK=chunk,
+            CHUNK=_CHUNK,
             BLOCK_CHUNK=max(1, min(64, _TILE // e_pad, _TILE // block_m)),
             num_warps=4,
         )
