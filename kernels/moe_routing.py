@@ -29,9 +29,11 @@ from triton.language.extra import libdevice
 
 from kernels import check_runnable, interpreting
 
-__all__ = ["sqrtsoftplus_route", "sqrtsoftplus_route_reference"]
+__all__ = ["CUDA_OPTIONS", "sqrtsoftplus_route", "sqrtsoftplus_route_reference"]
 
 _LIBDEVICE = not interpreting()
+# NOTE: libdevice's expf / log1pf without flush-to-zero, as torch's (nvcc's default).
+CUDA_OPTIONS = {"enable_reflect_ftz": False}
 _SOFTPLUS_THRESHOLD = 20.0  # torch's default
 
 
@@ -108,8 +110,7 @@ def sqrtsoftplus_route(
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     if num_tokens:
-        # NOTE: libdevice's expf / log1pf without flush-to-zero, as torch's (nvcc's default)
-        options = {} if interpreting() else {"enable_reflect_ftz": False}
+        options = {} if interpreting() else CUDA_OPTIONS
         _route_kernel[(num_tokens,)](
             logits,
             bias.contiguous(),

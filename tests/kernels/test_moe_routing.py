@@ -113,6 +113,28 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
         sqrtsoftplus_route(logits, bias, 6, 1.0)
 
 
+def test_compiled_kernel_rounds_as_torch_on_cuda() -> None:
+    """What the interpreter cannot show: on sm90 the square root and the division round to
+    nearest and libdevice's exp / log1p take their non-flush-to-zero code (nvcc's default, so
+    torch's), which the launch options select (Triton's default flushes)."""
+    from kernels.moe_routing import CUDA_OPTIONS, _route_kernel
+    from tests.kernels.interpreted import compile_for_hopper
+
+    types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64"}
+    types |= {"weights_ptr": "*fp32", "num_experts": "i32", "stride_t": "i32"}
+    types |= {"route_scale": "fp32"}
+    constexprs = {"TOP_K": 6, "E_PAD": 512, "SLOTS": 8, "THRESHOLD": 20.0, "LIBDEVICE": True}
+    ptx = {
+        flushing: compile_for_hopper(
+            _route_kernel, types, constexprs, set(), {} if flushing else CUDA_OPTIONS
+        )
+        for flushing in (True, False)
+    }
+    assert "sqrt.rn.f32" in ptx[False] and "div.rn.f32" in ptx[False]
+    assert "sqrt.approx" not in ptx[False] and "div.full" not in ptx[False]
+    assert "fma.rn.ftz.f32" in ptx[True] and "fma.rn.ftz.f32" not in ptx[False]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_reference_on_cuda(case) -> None:
