@@ -42,8 +42,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import check_runnable, interpreting
+from kernels import check_runnable, expert_alignment, interpreting, runs_kernels
 from kernels.element_codes import mxfp4_to_float
+from kernels.expert_alignment import MAX_PAIRS
 
 MXFP4_BLOCK = 32
 DECODE_MAX_BLOCK_M = 32  # blocks of up to this many rows take the decode kernel
@@ -82,58 +83,22 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> Expe
     by other ranks, padding rows): it gets no position, and its output row is never written.
     The block count is the bound T·top_k // block_m + min(E, T·top_k), so no count is read back
     to the host; blocks past the used ones get expert -1 and cost one load each.
+    Where the kernels run, up to `expert_alignment.MAX_PAIRS` pairs are one launch
+    (`kernels.expert_alignment`); larger routings and the CPU take its torch reference.
     """
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids must be [T, top_k], got {tuple(expert_ids.shape)}")
-    device = expert_ids.device
-    flat = expert_ids.flatten().long()
-    num_pairs = flat.numel()
-    num_blocks = num_pairs // block_m + min(num_experts, num_pairs)
-    num_positions = num_blocks * block_m
-    key = torch.where(flat >= 0, flat, num_experts)  # skipped pairs sort last, as "expert E"
-    # (not bincount: on CUDA it reads the largest id back to size its output)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
-        0, key, torch.ones_like(key)
-    )
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    # skipped pairs land on one extra position past the end, dropped below
-    first_position = torch.cat((padded_end - padded, padded_end.new_full((1,), num_positions)))
-    if num_pairs <= COUNTED_RANK_MAX_PAIRS:
-        pair, expert, rank = _ranks_counted(key, num_experts)
+    is_power_of_two = block_m > 0 and not block_m & (block_m - 1)
+    if runs_kernels(expert_ids) and expert_ids.numel() <= MAX_PAIRS and is_power_of_two:
+        pair_of_pos, block_expert = expert_alignment.align_to_experts(
+            expert_ids, num_experts, block_m
+        )
     else:
-        pair, expert, rank = _ranks_sorted(key, counts)
-    positions = first_position[expert] + torch.where(expert < num_experts, rank, 0)
-    pair_of_pos = torch.full((num_positions + 1,), -1, dtype=torch.int32, device=device)
-    pair_of_pos[positions] = pair.to(torch.int32)
-    pair_of_pos = pair_of_pos[:num_positions]
-    block_start = torch.arange(num_blocks, device=device) * block_m
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+        pair_of_pos, block_expert = expert_alignment.align_to_experts_reference(
+            expert_ids, num_experts, block_m
+        )
     num_tokens, top_k = expert_ids.shape
     return ExpertBlocks(pair_of_pos, block_expert, block_m, top_k, num_tokens)
-
-
-# Routings of up to this many (token, slot) pairs rank pairs within their expert by a prefix
-# count over a one-hot [pairs, E + 1] table (decode steps: a few small kernels); larger ones sort
-# (the radix sort was 1.1 ms of a 64-sequence decode step on the H200, 40 launches).
-COUNTED_RANK_MAX_PAIRS = 4096
-
-
-def _ranks_counted(key: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(pair index, its key, its rank among the earlier pairs of that key), pairs in order."""
-    hot = key[:, None] == torch.arange(num_experts + 1, device=key.device)
-    earlier = torch.cumsum(hot, 0, dtype=torch.int32) - hot.to(torch.int32)
-    rank = earlier.gather(1, key[:, None]).squeeze(1).long()
-    return torch.arange(key.numel(), device=key.device), key, rank
-
-
-def _ranks_sorted(key: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`_ranks_counted` by a stable sort: the same triples, pairs in key order."""
-    order = torch.argsort(key, stable=True)
-    sorted_keys = key[order]
-    start = torch.cumsum(counts, 0) - counts
-    return order, sorted_keys, torch.arange(key.numel(), device=key.device) - start[sorted_keys]
 
 
 # In-register dequantisation. One 32-bit word of codes holds 8 values v0..v7 (byte i: v2i low

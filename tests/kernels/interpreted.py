@@ -52,10 +52,12 @@ def ulps(ours: torch.Tensor, reference: torch.Tensor, terms: torch.Tensor | None
     return float(((ours.float() - reference.float()).abs() / spacing).max())
 
 
-def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, aligned: set[str]) -> str:
+def compile_for_hopper(
+    kernel, types: dict[str, str], constexprs: dict, aligned: set[str], options: dict | None = None
+) -> str:
     """PTX of `kernel` compiled for sm90 (Triton's bundled ptxas), with the 16-divisibility
     that a launch on aligned tensors and widths gets; every argument is typed in `types` or
-    given in `constexprs`."""
+    given in `constexprs`; `options`: further compile options, as a launch passes them."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -64,6 +66,8 @@ def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, aligned:
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}
+        source,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 4, "num_stages": 4, **(options or {})},
     )
     return compiled.asm["ptx"]

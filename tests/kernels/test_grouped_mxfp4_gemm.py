@@ -48,7 +48,7 @@ def test_alignment_places_every_pair_once_in_expert_pure_blocks(
 def test_counted_and_sorted_alignment_lay_out_the_same_blocks(num_tokens, monkeypatch) -> None:
     """Up to COUNTED_RANK_MAX_PAIRS pairs rank within their expert by a prefix count, above by
     a stable sort: the same blocks either way, skipped (-1) pairs included."""
-    import kernels.grouped_mxfp4_gemm as module
+    import kernels.expert_alignment as module
 
     ids = _routing(num_tokens, 48, 6, seed=7)
     ids[::5, 1] = -1

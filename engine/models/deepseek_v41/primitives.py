@@ -21,6 +21,7 @@ from kernels import mhc_combine as mhc_combine_kernel
 from kernels import mhc_mix as mhc_mix_kernel
 from kernels import mhc_post as mhc_post_kernel
 from kernels import mhc_triplet as mhc_triplet_kernel
+from kernels import moe_routing as moe_routing_kernel
 from kernels import rms_norm as rms_norm_kernel
 from kernels import rope as rope_kernel
 from kernels import runs_kernels
@@ -193,18 +194,15 @@ def sqrtsoftplus_route(
 
     `s = sqrt(softplus(logits))`; choice = s + bias; weights = s_top / (Σ s_top + 1e-20) · scale.
     The correction bias steers the choice only and never scales the weights.
+    `kernels.moe_routing` on CUDA: one launch, a program per token, so batch-invariant by
+    construction (both modes take it); elsewhere its torch reference (softplus and the sum
+    spelled out in batch-invariant mode, see above).
     """
-    scores = torch.sqrt(softplus(logits.float(), batch_invariant))
-    ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
-    chosen = scores.gather(-1, ids)
-    if batch_invariant:  # slot order, as elementwise adds
-        total = chosen[:, :1]
-        for slot in range(1, top_k):
-            total = total + chosen[:, slot : slot + 1]
-    else:
-        total = chosen.sum(-1, keepdim=True)
-    weights = chosen / (total + 1e-20) * route_scale
-    return ids, weights
+    if runs_kernels(logits):
+        return moe_routing_kernel.sqrtsoftplus_route(logits, bias, top_k, route_scale)
+    return moe_routing_kernel.sqrtsoftplus_route_reference(
+        logits, bias, top_k, route_scale, batch_invariant
+    )
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float, batch_invariant: bool = False) -> Tensor:

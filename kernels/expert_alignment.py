@@ -1,0 +1,205 @@
+"""A routing laid out in expert-pure blocks (`grouped_mxfp4_gemm.ExpertBlocks`) in one launch.
+
+For the (token, slot) pairs p of `expert_ids` [T, top_k] flattened (key(p) = the expert, or
+"skipped" for an id < 0), with counts c_e and each expert's run padded to a multiple of block_m:
+
+    first_e        = Σ_{e' < e} ceil(c_e' / block_m) · block_m       (the run's first position)
+    pair_of_pos[q] = p   at q = first_e + #{p' < p : key(p') = e}   (e = key(p), p not skipped)
+                     -1  at every other position (run padding, unused blocks)
+    block_expert[b] = the e whose run holds position b · block_m, -1 past the last run
+
+with num_blocks = T·top_k // block_m + min(E, T·top_k), so nothing is read back to the host.
+
+How: one program. Pass 1 counts the pairs per expert chunk by chunk (`tl.histogram`); the
+padded run starts are a cumsum in registers. Pass 2 writes block_expert and the -1s, block by
+block: the expert of a block is the number of runs that end at or before its first position
+(a [BLOCK_CHUNK, E_PAD] comparison); its positions past the run's count are padding. Pass 3
+ranks the pairs chunk by chunk: a pair's position is its expert's running cursor (`tl.gather`
+from registers) plus the number of earlier pairs of that expert within the chunk ([CHUNK, CHUNK]
+comparison); the chunk's histogram then moves the cursors. The three passes write disjoint
+addresses, so no barrier orders them.
+
+    positions:  | run of e0 (c_0 pairs, padding) | run of e1 | ... | unused blocks (-1) |
+                ^ first_0 = 0                   ^ first_1
+
+`align_to_experts_reference` is the torch code (a scatter-add count, a cumsum, ranks by a prefix
+count over a one-hot table or by a stable sort), the path for larger routings and the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import check_runnable
+
+__all__ = ["MAX_PAIRS", "align_to_experts", "align_to_experts_reference", "num_blocks_for"]
+
+# Routings up to this many (token, slot) pairs take the kernel: one program walks them all
+# (decode steps and short prefill chunks); the torch reference sorts larger ones.
+MAX_PAIRS = 4096
+# Pairs per chunk (a [CHUNK, CHUNK] comparison); elements of the [BLOCK_CHUNK, E_PAD] and
+# [BLOCK_CHUNK, block_m] tiles of pass 2 (registers of 4 warps).
+_CHUNK = 64
+_TILE = 8192
+
+
+def num_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The block bound T·top_k // block_m + min(E, T·top_k): every run's padding fits."""
+    return num_pairs // block_m + min(num_experts, num_pairs)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    pair_of_pos_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_CHUNK: tl.constexpr,
+):
+    experts = tl.arange(0, E_PAD)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        counts += tl.histogram(_keys(ids_ptr, start + lanes, num_pairs, num_experts), E_PAD)
+    padded = tl.where(experts < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    end = tl.cumsum(padded, axis=0)
+    first = end - padded
+    # NOTE: entries e >= E have padded 0, so end there is the last run's end; a block past it
+    # counts them too and gets an expert >= E (-1), one inside counts only real runs.
+    rows = tl.arange(0, BLOCK_M)
+    for b0 in range(0, num_blocks, BLOCK_CHUNK):
+        blocks = b0 + tl.arange(0, BLOCK_CHUNK)
+        is_block = blocks < num_blocks
+        block_start = blocks * BLOCK_M
+        expert = tl.sum((end[None, :] <= block_start[:, None]).to(tl.int32), axis=1)
+        is_run = expert < num_experts
+        tl.store(block_expert_ptr + blocks, tl.where(is_run, expert, -1), mask=is_block)
+        hot = expert[:, None] == experts[None, :]
+        run_first = tl.sum(tl.where(hot, first[None, :], 0), axis=1)
+        run_count = tl.sum(tl.where(hot, counts[None, :], 0), axis=1)
+        rank = (block_start - run_first)[:, None] + rows[None, :]
+        padding = ~is_run[:, None] | (rank >= run_count[:, None])
+        tl.store(
+            pair_of_pos_ptr + block_start[:, None] + rows[None, :],
+            tl.full([BLOCK_CHUNK, BLOCK_M], -1, tl.int32),
+            mask=padding & is_block[:, None],
+        )
+    cursor = first
+    earlier = lanes[None, :] < lanes[:, None]  # [i, j]: pair j comes before pair i
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + lanes
+        key = _keys(ids_ptr, pairs, num_pairs, num_experts)
+        within = tl.sum(((key[:, None] == key[None, :]) & earlier).to(tl.int32), axis=1)
+        position = tl.gather(cursor, key, 0) + within
+        tl.store(pair_of_pos_ptr + position, pairs, mask=key < num_experts)
+        cursor += tl.histogram(key, E_PAD)
+
+
+@triton.jit
+def _keys(ids_ptr, pairs, num_pairs, num_experts):
+    """Each pair's expert, or num_experts for a skipped pair (id < 0) and lanes past the end."""
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    return tl.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
+
+
+def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """(pair_of_pos int32 [num_blocks · block_m], block_expert int32 [num_blocks]) of the
+    routing `expert_ids` [T, top_k] (integer ids, < 0 skipped) in one launch; the same tensors
+    as `align_to_experts_reference`. No count comes back to the host.
+
+    NOTE: an id >= num_experts is not a routing; here it is skipped like a negative one (the
+    reference raises or misplaces it), since checking would read the ids back.
+
+    Raises:
+        ValueError: not [T, top_k] integers, more than MAX_PAIRS pairs, a block_m that is not
+            a power of two, or not on CUDA (or Triton's interpreter).
+    """
+    if expert_ids.dim() != 2 or expert_ids.dtype.is_floating_point:
+        raise ValueError(f"expert_ids must be integer [T, top_k], got {expert_ids.dtype}")
+    num_pairs = expert_ids.numel()
+    if num_pairs > MAX_PAIRS:
+        raise ValueError(f"at most {MAX_PAIRS} pairs in one program, got {num_pairs}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    check_runnable(expert_ids, "align_to_experts")
+    num_blocks = num_blocks_for(num_pairs, num_experts, block_m)
+    device = expert_ids.device
+    pair_of_pos = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    if num_blocks:
+        e_pad = triton.next_power_of_2(num_experts + 1)
+        _align_kernel[(1,)](
+            expert_ids.contiguous(),
+            pair_of_pos,
+            block_expert,
+            num_pairs,
+            num_experts,
+            num_blocks,
+            BLOCK_M=block_m,
+            E_PAD=e_pad,
+            CHUNK=_CHUNK,
+            BLOCK_CHUNK=max(1, min(64, _TILE // e_pad, _TILE // block_m)),
+            num_warps=4,
+        )
+    return pair_of_pos, block_expert
+
+
+# Routings of up to this many (token, slot) pairs rank pairs within their expert by a prefix
+# count over a one-hot [pairs, E + 1] table (a few small kernels); larger ones sort (the radix
+# sort was 1.1 ms of a 64-sequence decode step on the H200, 40 launches).
+COUNTED_RANK_MAX_PAIRS = 4096
+
+
+def align_to_experts_reference(
+    expert_ids: Tensor, num_experts: int, block_m: int
+) -> tuple[Tensor, Tensor]:
+    """`align_to_experts` in torch (any device, any size and block_m); no host read either."""
+    device = expert_ids.device
+    flat = expert_ids.flatten().long()
+    num_pairs = flat.numel()
+    num_blocks = num_blocks_for(num_pairs, num_experts, block_m)
+    num_positions = num_blocks * block_m
+    key = torch.where(flat >= 0, flat, num_experts)  # skipped pairs sort last, as "expert E"
+    # (not bincount: on CUDA it reads the largest id back to size its output)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
+        0, key, torch.ones_like(key)
+    )
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    # skipped pairs land on one extra position past the end, dropped below
+    first_position = torch.cat((padded_end - padded, padded_end.new_full((1,), num_positions)))
+    if num_pairs <= COUNTED_RANK_MAX_PAIRS:
+        pair, expert, rank = _ranks_counted(key, num_experts)
+    else:
+        pair, expert, rank = _ranks_sorted(key, counts)
+    positions = first_position[expert] + torch.where(expert < num_experts, rank, 0)
+    pair_of_pos = torch.full((num_positions + 1,), -1, dtype=torch.int32, device=device)
+    pair_of_pos[positions] = pair.to(torch.int32)
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return pair_of_pos[:num_positions], block_expert
+
+
+def _ranks_counted(key: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(pair index, its key, its rank among the earlier pairs of that key), pairs in order."""
+    hot = key[:, None] == torch.arange(num_experts + 1, device=key.device)
+    earlier = torch.cumsum(hot, 0, dtype=torch.int32) - hot.to(torch.int32)
+    rank = earlier.gather(1, key[:, None]).squeeze(1).long()
+    return torch.arange(key.numel(), device=key.device), key, rank
+
+
+def _ranks_sorted(key: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`_ranks_counted` by a stable sort: the same triples, pairs in key order."""
+    order = torch.argsort(key, stable=True)
+    sorted_keys = key[order]
+    start = torch.cumsum(counts, 0) - counts
+    return order, sorted_keys, torch.arange(key.numel(), device=key.device) - start[sorted_keys]
