@@ -120,6 +120,41 @@ def _index_visibility(batch: StepBatch, ratio: int, num_j: int) -> tuple[Tensor,
     return num_visible, j[None, None, :] >= num_visible[..., None]
 
 
+@dataclass(frozen=True)
+class _TokenPairs:
+    """Where a ratio-2 compressor finds and keeps token pairs (2i, 2i+1) in a step: the same
+    for every such source layer, so built once per step (`StepBatch.shared`)."""
+
+    odd: Tensor  # flat indices of the odd-position tokens (each closes a pair)
+    partner: Tensor  # flat index of each one's even partner when that is in the step (else 0)
+    in_call: Tensor  # [G, 1] bool: the partner is in this step (else in the pending ring)
+    odd_slot: Tensor  # state slot of each odd token
+    odd_ring_row: Tensor  # pending-ring row of each one's even partner
+    group_position: Tensor  # RoPE position 2i of each pair
+    kept_even: Tensor  # flat indices of the even tokens whose (k, gate) the ring keeps
+    kept_slot: Tensor
+    kept_ring_row: Tensor
+
+    @classmethod
+    def of(cls, batch: StepBatch) -> _TokenPairs:
+        pos, seq = batch.positions, batch.seq_of_token
+        slot = batch.slots[seq]
+        local = torch.arange(pos.numel(), device=pos.device) - batch.pad_index[:, 0][seq]
+        odd = batch.token_indices(parity=1)
+        keep = batch.token_indices(tail=2 * PAIR_RING, parity=0)
+        return cls(
+            odd=odd,
+            partner=(odd - 1).clamp(min=0),
+            in_call=(local[odd] > 0)[:, None],
+            odd_slot=slot[odd],
+            odd_ring_row=((pos[odd] - 1) // 2) % PAIR_RING,
+            group_position=pos[odd] - 1,
+            kept_even=keep,
+            kept_slot=slot[keep],
+            kept_ring_row=(pos[keep] // 2) % PAIR_RING,
+        )
+
+
 class Compressor(nn.Module):
     """Global-KV producer of a KV source layer (`model.md` §3.5).
 
@@ -148,23 +183,19 @@ class Compressor(nn.Module):
         k = self.wkv.forward_fp32(x)
         g = self.wgate.forward_fp32(x)
         pending = ctx.state.pending[source_id]
-        seq = batch.seq_of_token
-        slot = batch.slots[seq]
-        local = torch.arange(pos.numel(), device=pos.device) - batch.pad_index[:, 0][seq]
-        odd = batch.token_indices(parity=1)
-        in_call = (local[odd] > 0)[:, None]
-        ring_idx = ((pos[odd] - 1) // 2) % PAIR_RING
-        carried = pending[slot[odd], ring_idx]  # [G, 2, D]
-        k_even = torch.where(in_call, k[(odd - 1).clamp(min=0)], carried[:, 0])
-        g_even = torch.where(in_call, g[(odd - 1).clamp(min=0)], carried[:, 1])
+        pairs = batch.shared("compressor pairs", lambda: _TokenPairs.of(batch))
+        odd = pairs.odd
+        carried = pending[pairs.odd_slot, pairs.odd_ring_row]  # [G, 2, D]
+        k_even = torch.where(pairs.in_call, k[pairs.partner], carried[:, 0])
+        g_even = torch.where(pairs.in_call, g[pairs.partner], carried[:, 1])
         weights = pair_softmax(g_even, g[odd], self.batch_invariant)
         pooled = weights[0] * k_even + weights[1] * k[odd]
         lat = self.norm(pooled.to(x.dtype))
         # Keep (k, gate) of recent even tokens: a later step may need any of them as a partner
         # (drafts past an accepted even position are recomputed from here).
-        keep = batch.token_indices(tail=2 * PAIR_RING, parity=0)
-        pending[slot[keep], (pos[keep] // 2) % PAIR_RING] = torch.stack((k[keep], g[keep]), 1)
-        return lat, pos[odd] - 1, odd
+        keep = pairs.kept_even
+        pending[pairs.kept_slot, pairs.kept_ring_row] = torch.stack((k[keep], g[keep]), 1)
+        return lat, pairs.group_position, odd
 
 
 class Indexer(nn.Module):
