@@ -569,7 +569,7 @@ class Attention(nn.Module):
             else:
                 dots = torch.einsum("bthd,bjd->bthj", q, keys.float())
             out.append(torch.einsum("bthj,bth->btj", dots.relu(), hw[:, lo : lo + step].float()))
-        return torch.cat(out, 1)
+        return out[0] if len(out) == 1 else torch.cat(out, 1)
 
     def _index_scores_fixed_order(
         self, iq: Tensor, hw: Tensor, keys: Tensor, batch: StepBatch
