@@ -126,9 +126,6 @@ class StepBatch:
         self._token_indices: dict[tuple[int | None, int | None], Tensor] = {}
         # Every sequence has T_max tokens (decode steps): pad / unpad are reshapes.
         self._uniform = all(n == t_max for n in self.lengths)
-        self._pad_source = self.pad_index.clamp(min=0)
-        self._pad_rows = self.pad_index >= 0
-        self._ring_writes: dict[int, tuple[Tensor | None, Tensor, Tensor]] = {}
         self._shared: dict[Hashable, Any] = {}
         self.window_floor_tensor = (
             None if self.window_floors is None else ints_to_device(self.window_floors, device)
@@ -225,8 +222,11 @@ class StepBatch:
         """[T, ...] → [B, T_max, ...] with `fill` in padding rows (a view when there are none)."""
         if self._uniform:
             return flat.unflatten(0, (self.num_seqs, self.max_len))
-        out = flat[self._pad_source]
-        mask = self._pad_rows.view(*self.pad_index.shape, *([1] * (flat.dim() - 1)))
+        source, rows = self.shared(
+            "pad", lambda: (self.pad_index.clamp(min=0), self.pad_index >= 0)
+        )
+        out = flat[source]
+        mask = rows.view(*self.pad_index.shape, *([1] * (flat.dim() - 1)))
         return out.masked_fill(~mask, fill)
 
     def unpad(self, padded: Tensor) -> Tensor:
@@ -247,17 +247,13 @@ class StepBatch:
         kept, None for all of them in order; their slots; their ring rows). Only each
         sequence's last `ring_len` positions are kept (`token_indices`). Computed once per
         batch: every layer's window ring writes the same places."""
-        if ring_len not in self._ring_writes:
-            keep = self.token_indices(tail=ring_len)
-            every = all(n <= ring_len for n in self.lengths)
-            seq = self.seq_of_token if every else self.seq_of_token[keep]
-            positions = self.positions if every else self.positions[keep]
-            self._ring_writes[ring_len] = (
-                None if every else keep,
-                self.slots[seq],
-                positions % ring_len,
-            )
-        return self._ring_writes[ring_len]
+        return self.shared(("ring writes", ring_len), lambda: self._ring_writes(ring_len))
+
+    def _ring_writes(self, ring_len: int) -> tuple[Tensor | None, Tensor, Tensor]:
+        if all(n <= ring_len for n in self.lengths):
+            return None, self.slots[self.seq_of_token], self.positions % ring_len
+        keep = self.token_indices(tail=ring_len)
+        return keep, self.slots[self.seq_of_token[keep]], self.positions[keep] % ring_len
 
 
 def write_token_history(
