@@ -396,8 +396,8 @@ class PrefixReuse:
         )
 
     def commit(self, request: Request) -> None:
-        """Index the request's blocks whose positions are now all computed, and queue its new
-        full prompt blocks for the directory tiers.
+        """Index the request's blocks whose positions are now all computed and whose tokens are
+        known, and queue its new full prompt blocks for the directory tiers.
 
         Mutates: new full blocks enter the cache (a block whose prefix another block already
         holds stays unindexed); `request.num_indexed_blocks` advances; a resume slot whose
@@ -405,7 +405,9 @@ class PrefixReuse:
         self.poll()
         if self.resume is not None:
             self.resume.applied(request)
-        num_full = request.num_computed_tokens // self.config.block_tokens
+        # Accepted drafts are computed before `update` appends them: index known tokens only.
+        known = min(request.num_computed_tokens, request.num_tokens)
+        num_full = known // self.config.block_tokens
         if num_full <= request.num_indexed_blocks:
             return
         keys = self._keys(request)

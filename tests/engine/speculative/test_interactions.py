@@ -352,3 +352,23 @@ def test_the_dspark_drafter_samples_position_keyed_drafts(tiny_model_exact_kv) -
         assert all(len(tokens) == 24 for run in got for tokens in _outputs(run).values())
         assert engine.core.runner.speculative.metrics.num_verified > 0
         assert_all_released(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_accepted_drafts_that_complete_a_kv_block_keep_the_request_alive(
+    tiny_model_exact_kv, async_scheduling: bool
+) -> None:
+    """Accepted drafts that carry a request across a KV block boundary: the prefix cache
+    indexes the block once its tokens are known (it used to index it by computed positions
+    before the accepted tokens were appended: IndexError, every request of the step aborted),
+    and the outputs are those of decoding without speculation."""
+    model = tiny_model_exact_kv
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    jobs = [(_prompt(118 + i), params) for i in range(10)]
+    settings = {"async_scheduling": async_scheduling}
+    want = _run(_engine(model, **settings), jobs)
+    got, metrics = _speculative_run(model, jobs, want, **settings)
+    for mine, theirs in zip(got, want, strict=True):
+        assert _outputs(mine) == _outputs(theirs)
+        assert mine[-1][3] == "length"
+    assert metrics.num_accepted > 0
