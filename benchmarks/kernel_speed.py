@@ -84,7 +84,14 @@ from kernels.mhc_mix import mhc_mix, mhc_mix_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
 from kernels.rms_norm import rms_norm, rms_norm_reference
 from kernels.rope import apply_rope, apply_rope_reference
-from kernels.sparse_mqa import _sparse_mqa_kernel, sparse_mqa, sparse_mqa_reference
+from kernels.sparse_mqa import (
+    CANDIDATES,
+    TILES,
+    MqaTiles,
+    choose_tiles,
+    sparse_mqa,
+    sparse_mqa_reference,
+)
 
 HIDDEN = 5120
 EXPERT_WIDTH = 2304
@@ -279,49 +286,172 @@ def rms_norm_rows(tokens: list[int], device: torch.device) -> list[dict]:
     return rows
 
 
-def attention_rows(sequences: list[int], device: torch.device) -> list[dict]:
+ATTENTION_HEADS, ATTENTION_DIM, ATTENTION_WINDOW, ATTENTION_RATIO = 64, 512, 128, 2
+ATTENTION_SELECTED, ATTENTION_CONTEXT = 512, 8192
+# (sequences, new tokens each) timed by the attention group: decode steps, one prefill chunk.
+ATTENTION_SHAPES = [(16, 1), (64, 1), (256, 1), (1, 4096)]
+
+
+def attention_inputs(num_seqs: int, new: int, device: torch.device) -> tuple[tuple, dict]:
+    """(args, sources) of `sparse_mqa` for one ratio-2 CSA2 layer at 8K context: S decode
+    tokens (window in the MXFP8 ring) or one chunk of `new` tokens (window from bf16 rows)."""
+    heads, dim, window, ring_len = ATTENTION_HEADS, ATTENTION_DIM, ATTENTION_WINDOW, 134
+    ratio, selected, context = ATTENTION_RATIO, ATTENTION_SELECTED, ATTENTION_CONTEXT
+    per_block, blocks_per_seq = 128 // ratio, context // 128
+    generator = torch.Generator(device=device).manual_seed(num_seqs)
+    num_tokens = num_seqs * new
+    q = torch.randn(num_tokens, heads, dim, device=device, generator=generator).bfloat16()
+    seq_of_token = torch.arange(num_seqs, device=device).repeat_interleave(new)
+    positions = context - new + torch.arange(new, device=device).repeat(num_seqs)
+    if new == 1:
+        ring = swa_mxfp8_quantize(torch.randn(num_seqs, ring_len, dim, device=device))
+        sources = {"ring": (ring, torch.arange(num_seqs, device=device))}
+    else:
+        window_rows = torch.randn(num_seqs, window - 1 + new, dim, device=device)
+        window_rows = swa_mxfp8_dequantize(swa_mxfp8_quantize(window_rows)).bfloat16()
+        first = torch.arange(new, device=device).repeat(num_seqs)
+        sources = {"window_rows": (window_rows, first)}
+    pool = global_fp4_quantize(
+        torch.randn(num_seqs * blocks_per_seq, per_block, dim, device=device)
+    )
+    tables = torch.arange(num_seqs * blocks_per_seq, device=device).view(num_seqs, -1)
+    selection = torch.randint(0, context // ratio, (num_tokens, selected), device=device)
+    sources["global_rows"] = (pool, selection, tables, ratio)
+    args = (q, seq_of_token, positions, torch.randn(heads, device=device), window, dim**-0.5)
+    return args, sources
+
+
+def _attention_traffic(num_seqs: int, new: int) -> tuple[float, float]:
+    """(bytes read and written, FLOPs of the dots as the kernel runs them) of one launch:
+    QK one bf16 dot, PV two (the probabilities' head and remainder)."""
+    heads, dim, window = ATTENTION_HEADS, ATTENTION_DIM, ATTENTION_WINDOW
+    num_tokens = num_seqs * new
+    if new == 1:
+        moved = num_seqs * window * (dim + dim // 32)
+    else:
+        moved = num_seqs * (window - 1 + new) * dim * 2
+    moved += num_tokens * ATTENTION_SELECTED * (dim // 2 + dim // 16)
+    moved += num_tokens * heads * dim * (2 + 4)  # q in, fp32 out
+    flops = 2 * 3 * num_tokens * heads * dim * (window + ATTENTION_SELECTED)
+    return moved, flops
+
+
+def _slice_tokens(args: tuple, sources: dict, count: int) -> tuple[tuple, dict]:
+    """The first `count` query tokens of a launch (the reference of a 4,096-token chunk would
+    materialise 5 GB of rows; tokens are independent)."""
+    q, seq_of_token, positions, *rest = args
+    sliced = {}
+    for key, value in sources.items():
+        if key == "window_rows":
+            sliced[key] = (value[0], value[1][:count])
+        elif key == "global_rows":
+            sliced[key] = (value[0], value[1][:count], *value[2:])
+        else:
+            sliced[key] = value
+    return (q[:count], seq_of_token[:count], positions[:count], *rest), sliced
+
+
+def attention_rows(device: torch.device) -> list[dict]:
     """One ratio-2 CSA2 layer (64 heads x 512, window 128, 512 selected rows of a paged FP4 pool
-    at 8K context): torch reference vs `sparse_mqa`, for decode steps of S sequences (window in
-    the MXFP8 ring) and for a 1,024-token prefill chunk (window from bf16 rows)."""
-    heads, dim, window, ring_len, ratio, selected = 64, 512, 128, 134, 2, 512
-    per_block, context = 128 // ratio, 8192
-    blocks_per_seq = context // 128
+    at 8K context): torch reference vs `sparse_mqa` with its chosen tiles (`TILES`), for decode
+    steps of S sequences (window in the MXFP8 ring) and a 4,096-token prefill chunk (window
+    from bf16 rows; the reference on its first 256 tokens)."""
     rows = []
-    for num_seqs, new in [(s, 1) for s in sequences] + [(1, 1024)]:
-        generator = torch.Generator(device=device).manual_seed(num_seqs)
-        num_tokens = num_seqs * new
-        q = torch.randn(num_tokens, heads, dim, device=device, generator=generator).bfloat16()
-        seq_of_token = torch.arange(num_seqs, device=device).repeat_interleave(new)
-        positions = context - new + torch.arange(new, device=device).repeat(num_seqs)
-        if new == 1:
-            ring = swa_mxfp8_quantize(torch.randn(num_seqs, ring_len, dim, device=device))
-            sources = {"ring": (ring, torch.arange(num_seqs, device=device))}
-        else:
-            window_rows = torch.randn(num_seqs, window - 1 + new, dim, device=device)
-            window_rows = swa_mxfp8_dequantize(swa_mxfp8_quantize(window_rows)).bfloat16()
-            first = torch.arange(new, device=device).repeat(num_seqs)
-            sources = {"window_rows": (window_rows, first)}
-        pool = global_fp4_quantize(
-            torch.randn(num_seqs * blocks_per_seq, per_block, dim, device=device)
-        )
-        tables = torch.arange(num_seqs * blocks_per_seq, device=device).view(num_seqs, -1)
-        selection = torch.randint(0, context // ratio, (num_tokens, selected), device=device)
-        sources["global_rows"] = (pool, selection, tables, ratio)
-        args = (q, seq_of_token, positions, torch.randn(heads, device=device), window, dim**-0.5)
-        before = time_ms(lambda a=args, s=sources: sparse_mqa_reference(*a, **s), device, 2, 10)
+    for num_seqs, new in ATTENTION_SHAPES:
+        args, sources = attention_inputs(num_seqs, new, device)
+        checked = _slice_tokens(args, sources, 256)
+        before = time_ms(lambda a=checked, s=sources: sparse_mqa_reference(*a[0], **a[1]),
+                         device, 2, 10)  # fmt: skip
         after = time_ms(lambda a=args, s=sources: sparse_mqa(*a, **s), device, 3, 20)
-        error = _relative(sparse_mqa(*args, **sources), sparse_mqa_reference(*args, **sources))
-        if new == 1:
-            moved = num_seqs * window * (dim + dim // 32)
-        else:
-            moved = num_seqs * (window - 1 + new) * dim * 2
-        moved += num_tokens * selected * (dim // 2 + dim // 16)
-        moved += num_tokens * heads * dim * (2 + 4)  # q in, fp32 out
-        flops = 4 * num_tokens * heads * dim * (window + selected)
+        ours = sparse_mqa(*checked[0], **checked[1])
+        error = _relative(ours, sparse_mqa_reference(*checked[0], **checked[1]))
+        moved, flops = _attention_traffic(num_seqs, new)
+        if new > 256:  # "before" ran 256 of the tokens
+            before *= new / 256
         phase = "decode" if new == 1 else "prefill"
         name = f"sparse_mqa ({phase}, one layer)"
-        rows.append(_row(name, num_tokens, before, after, moved, flops, error))
-        print(f"{name} tiles at {num_tokens} tokens: {_sparse_mqa_kernel.best_config}", flush=True)
+        rows.append(_row(name, num_seqs * new, before, after, moved, flops, error))
+        print(
+            f"{name} tiles at {num_seqs * new} tokens: {choose_tiles(num_seqs * new)}", flush=True
+        )
+    return rows
+
+
+def attention_candidates(new: int) -> list[MqaTiles]:
+    """The launch shapes timed for a shape: every candidate for decode; for prefill chunks
+    (tokens enough to fill the GPU) those without row splits."""
+    shapes = {*CANDIDATES, *(tiles for _, tiles in TILES)}
+    if new > 1:
+        shapes = {tiles for tiles in shapes if tiles.splits == 1}
+    return sorted(shapes, key=str)
+
+
+def _warm_attention(job: tuple[int, int, MqaTiles, str]) -> str:
+    """Compile one (shape, tiles) in a worker process (the Triton cache is on disk)."""
+    num_seqs, new, tiles, device = job
+    args, sources = attention_inputs(min(num_seqs, 16), min(new, 256), device)
+    try:
+        sparse_mqa(*args, **sources, tiles=tiles)
+    except Exception as error:  # noqa: BLE001 - reported by the timing pass in the parent
+        return f"{tiles}: {type(error).__name__}"
+    return ""
+
+
+def _parallel_map(fn, jobs: list) -> list:
+    """fn over jobs in spawned processes, at most 16 (compiling is most of the group's time)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(min(len(jobs), 16)) as pool:
+        return pool.map(fn, jobs)
+
+
+def attention_tile_rows(device: torch.device) -> list[dict]:
+    """Every `sparse_mqa` launch shape (`attention_candidates`) at the decode and prefill shapes:
+    µs, GB/s, TFLOP/s and the error against the reference (on up to 256 tokens); prints the
+    fastest per shape and the `TILES` table they make (`kernels/sparse_mqa.py`)."""
+    sources = {n > 1: (s, n) for s, n in ATTENTION_SHAPES}.values()  # one ring, one rows
+    jobs = [(s, n, t, str(device)) for s, n in sources for t in attention_candidates(n)]
+    for failure in filter(None, _parallel_map(_warm_attention, jobs)):
+        print(f"sparse_mqa tiles compile: {failure}", flush=True)
+    rows, best = [], {}
+    for num_seqs, new in ATTENTION_SHAPES:
+        num_tokens = num_seqs * new
+        args, sources = attention_inputs(num_seqs, new, device)
+        checked = _slice_tokens(args, sources, 256)
+        reference = sparse_mqa_reference(*checked[0], **checked[1])
+        moved, flops = _attention_traffic(num_seqs, new)
+        chosen = choose_tiles(num_tokens)
+        timed = {}
+        for tiles in attention_candidates(new):
+            try:
+                us = _bench_us(lambda a=args, s=sources, t=tiles: sparse_mqa(*a, **s, tiles=t))
+                error = _relative(sparse_mqa(*checked[0], **checked[1], tiles=tiles), reference)
+            except Exception as failure:  # noqa: BLE001 - a shape that does not launch here
+                print(f"sparse_mqa T={num_tokens:>5} {tiles}: {type(failure).__name__}")
+                continue
+            timed[tiles] = us
+            mark = " <- TILES" if tiles == chosen else ""
+            print(
+                f"sparse_mqa T={num_tokens:>5} {str(tiles):<22} {us:9.1f} µs "
+                f"{moved / us / 1e3:7.0f} GB/s {flops / us / 1e6:6.1f} TFLOP/s "
+                f"rel {error:.1e}{mark}",
+                flush=True,
+            )
+            rows.append({
+                "kernel": f"sparse_mqa {tiles}", "tokens": num_tokens, "before_ms": float("nan"),
+                "after_ms": us / 1e3, "after_gbs": moved / us / 1e3,
+                "after_tflops": flops / us / 1e6, "rel_diff": error, "tiles": str(tiles),
+            })  # fmt: skip
+        best[num_tokens] = min(timed, key=timed.get)
+        print(
+            f"sparse_mqa T={num_tokens:>5}: TILES {chosen} {timed.get(chosen, float('nan')):.1f} µs"
+            f" | fastest {best[num_tokens]} {timed[best[num_tokens]]:.1f} µs",
+            flush=True,
+        )
+    print("sparse_mqa: the fastest as a TILES table (kernels/sparse_mqa.py):")
+    bounds = [*best][:-1] + ["1 << 62"]
+    for bound, tiles in zip(bounds, best.values(), strict=True):
+        print(f"    ({bound}, {tiles!r}),")
     return rows
 
 
@@ -449,7 +579,7 @@ def main() -> None:
         "mhc_update": mhc_update_rows,
         "rms_norm": rms_norm_rows,
         "rope": rope_rows,
-        "attention": lambda _tokens, device: attention_rows([16, 64, 256], device),
+        "attention": lambda _tokens, device: attention_tile_rows(device) + attention_rows(device),
         "fp8_gemm": fp8_gemm_rows,
         "fp8_tiles": fp8_tile_rows,
     }

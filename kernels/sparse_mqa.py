@@ -30,6 +30,8 @@ dequantisation, a direct softmax).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -42,17 +44,69 @@ _INTERPRETING = interpreting()
 # The interpreter's bf16 dot is not trustworthy: there the operands stay fp32 (the hi/lo split
 # still rounds through bf16, so its logic is exercised).
 _DOT_DTYPE = tl.float32 if _INTERPRETING else tl.bfloat16
-# Measured on the H200 (kernel_speed): 8 warps and 64-row tiles won at every shape tried, with
-# 16 heads per program for decode and 32 for prefill.
-_CONFIGS = [
-    triton.Config({"BLOCK_H": block_h, "BLOCK_N": 64}, num_warps=8, num_stages=1)
-    for block_h in (16, 32)
-]
+
+
+@dataclass(frozen=True)
+class MqaTiles:
+    """One launch shape of `_sparse_mqa_kernel`.
+
+    block_h: query heads per program (64 = every head of the released model: the rows are
+    decoded once per token, and M = 64 reaches the wgmma). block_n: rows per tile. splits: the
+    token's tiles are dealt round-robin to this many programs (flash-decoding: partial max, sum
+    and accumulator each, then `_combine_kernel`); the deal depends only on the tile's index,
+    so a token's partials never depend on the other tokens or on trailing −1 selections.
+    block_d: output columns per program (D / block_d programs per head block, each computing
+    the full-D scores, accumulating its columns only: a smaller accumulator); None (or more
+    than D) = all D.
+    """
+
+    block_h: int
+    block_n: int
+    splits: int = 1
+    block_d: int | None = None
+    num_warps: int = 8
+    num_stages: int = 1
+
+    def __str__(self) -> str:
+        d = self.block_d or "D"
+        return f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}"
+
+
+# THE CHOICE (edit here after `benchmarks/kernel_speed.py --only attention`): per launch, the
+# first entry whose bound is at least the launch's token count. Measured on the H200 before
+# this table existed (autotuned): 8 warps and 64-row tiles won at every shape tried, with 16
+# heads per program for decode and 32 for prefill.
+TILES: tuple[tuple[int, MqaTiles], ...] = (
+    (256, MqaTiles(16, 64)),
+    (1 << 62, MqaTiles(32, 64)),
+)
+# `fixed_tiles` (batch-invariant mode): one shape whatever the launch, so a token's reduction
+# never changes with the step's other tokens. Any `MqaTiles` keeps that property.
+FIXED_TILES = MqaTiles(16, 64)
+# What `kernel_speed --only attention` times (with the entries above): the legacy tiles, all
+# heads per program (narrower tiles or halved D to fit the registers), and row splits.
+CANDIDATES: tuple[MqaTiles, ...] = (
+    MqaTiles(16, 64),
+    MqaTiles(32, 64),
+    MqaTiles(64, 32),
+    MqaTiles(64, 64),
+    MqaTiles(64, 32, block_d=256),
+    MqaTiles(64, 64, block_d=256),
+    MqaTiles(64, 32, block_d=128, num_warps=4),
+    MqaTiles(16, 64, splits=4),
+    MqaTiles(64, 32, splits=4),
+    MqaTiles(64, 32, splits=8),
+    MqaTiles(64, 32, splits=4, block_d=256),
+    MqaTiles(64, 64, splits=4, block_d=256),
+)
 if _INTERPRETING:
-    _CONFIGS = [triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4)]
-# `fixed_tiles`: one config for every shape (no tuner), so a token's reduction never changes
-# with the step's other tokens (the tuner's key holds the batch's selection width).
-_FIXED = _CONFIGS[0]
+    TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4)),)
+    FIXED_TILES = MqaTiles(16, 16, num_warps=4)
+
+
+def choose_tiles(num_tokens: int) -> MqaTiles:
+    """The `TILES` entry for a launch of `num_tokens` query tokens."""
+    return next(tiles for bound, tiles in TILES if num_tokens <= bound)
 
 
 @triton.jit
@@ -64,19 +118,18 @@ def _split_dot(a, b, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, rows, softmax_scale, Q_SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """q [BH, D] (fp32 holding bf16 values unless Q_SPLIT) against rows [BN, D]: [BH, BN]."""
-    keys = tl.trans(rows)
+def _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """q [BH, D] (its bf16 head, and remainder if Q_SPLIT) against rows [BN, D]: [BH, BN]."""
+    keys = tl.trans(rows).to(DOT_DTYPE)
+    scores = tl.dot(q_head, keys, out_dtype=tl.float32)
     if Q_SPLIT:
-        scores = _split_dot(q, keys, DOT_DTYPE)
-    else:
-        scores = tl.dot(q.to(DOT_DTYPE), keys.to(DOT_DTYPE), out_dtype=tl.float32)
+        scores = tl.dot(q_rest, keys, acc=scores)
     return scores * softmax_scale
 
 
 @triton.jit
 def _online_update(m, total, acc, scores, rows, DOT_DTYPE: tl.constexpr):
-    """Fold one tile of scores [BH, BN] over rows [BN, D] into the running softmax."""
+    """Fold one tile of scores [BH, BN] over rows [BN, BD] into the running softmax."""
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(scores - m_new[:, None])
@@ -86,44 +139,85 @@ def _online_update(m, total, acc, scores, rows, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _swa_rows(ring_ptr, row_index, valid, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """MXFP8 rows as exact bf16 [BLOCK_N, D] (row bytes: D e4m3 codes, D/32 ue8m0 scales)."""
-    d = tl.arange(0, D)
+def _swa_rows(
+    ring_ptr, row_index, valid, d0, D: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Columns d0 .. d0 + BD of MXFP8 rows as exact bf16 [BLOCK_N, BD] (row bytes: D e4m3
+    codes, D/32 ue8m0 scales)."""
+    d = d0 + tl.arange(0, BD)
     code_ptrs = ring_ptr + row_index[:, None] + d[None, :]
     codes = tl.load(code_ptrs, mask=valid[:, None], other=0).to(tl.uint16)
     # e4m3 (s, e, m) placed at fp16 bits: 2^(e-15)·(1 + m/8) or m/8·2^-14, i.e. e4m3 · 2^-8.
     bits = ((codes & 0x80) << 8) | ((codes & 0x7F) << 7)
     values = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    b = tl.arange(0, D // 32)
+    b = d0 // 32 + tl.arange(0, BD // 32)
     exponent = tl.load(ring_ptr + row_index[:, None] + D + b[None, :], mask=valid[:, None], other=0)
     multiplier = tl.exp2(exponent.to(tl.float32) - (127.0 - 8.0))
-    values = tl.reshape(values, (BLOCK_N, D // 32, 32)) * multiplier[:, :, None]
-    return tl.reshape(values, (BLOCK_N, D)).to(tl.bfloat16)
+    values = tl.reshape(values, (BLOCK_N, BD // 32, 32)) * multiplier[:, :, None]
+    return tl.reshape(values, (BLOCK_N, BD)).to(tl.bfloat16)
 
 
 @triton.jit
-def _global_rows(pool_ptr, row_index, valid, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """FP4 rows as exact bf16 [BLOCK_N, D] (row bytes: D/2 e2m1 pairs, D/16 e4m3 scales)."""
-    c = tl.arange(0, D // 2)
+def _global_rows(
+    pool_ptr, row_index, valid, d0, D: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Columns d0 .. d0 + BD of FP4 rows as exact bf16 [BLOCK_N, BD] (row bytes: D/2 e2m1
+    pairs, D/16 e4m3 scales)."""
+    c = d0 // 2 + tl.arange(0, BD // 2)
     packed = tl.load(pool_ptr + row_index[:, None] + c[None, :], mask=valid[:, None], other=0)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, D)).to(tl.uint16)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BD)).to(tl.uint16)
     # e2m1 (s, e, m) at fp16 bits: e2m1 · 2^-14.
     bits = ((codes & 8) << 12) | ((codes & 7) << 9)
     values = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    b = tl.arange(0, D // 16)
+    b = d0 // 16 + tl.arange(0, BD // 16)
     scale_bytes = tl.load(
         pool_ptr + row_index[:, None] + D // 2 + b[None, :], mask=valid[:, None], other=0
     ).to(tl.uint16)
     scale_bits = ((scale_bytes & 0x80) << 8) | ((scale_bytes & 0x7F) << 7)
     # e4m3 · 2^-8 from the fp16 reading, times 2^-14 from the codes': undo both (2^22).
     scales = scale_bits.to(tl.float16, bitcast=True).to(tl.float32) * 4194304.0
-    values = tl.reshape(values, (BLOCK_N, D // 16, 16)) * scales[:, :, None]
-    return tl.reshape(values, (BLOCK_N, D)).to(tl.bfloat16)
+    values = tl.reshape(values, (BLOCK_N, BD // 16, 16)) * scales[:, :, None]
+    return tl.reshape(values, (BLOCK_N, BD)).to(tl.bfloat16)
 
 
-@triton.autotune(
-    configs=_CONFIGS, key=["num_heads", "num_selected", "RATIO", "WINDOW", "WINDOW_IN_RING", "D"]
-)
+@triton.jit
+def _window_tile(
+    window_ptr,
+    window_index,
+    seq,
+    position,
+    ring_len,
+    stride_window_seq,
+    stride_window_row,
+    w0,
+    d0,
+    WINDOW: tl.constexpr,
+    WINDOW_IN_RING: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Window rows w0 .. w0 + BLOCK_N (columns d0 .. d0 + BD) as bf16, and which are real."""
+    offset = w0 + tl.arange(0, BLOCK_N)
+    key_position = position - (WINDOW - 1) + offset
+    valid = (key_position >= 0) & (offset < WINDOW)
+    if WINDOW_IN_RING:
+        row_index = (tl.where(valid, key_position, 0) % ring_len) * stride_window_row
+        rows = _swa_rows(
+            window_ptr + window_index * stride_window_seq, row_index, valid, d0, D, BD, BLOCK_N
+        )
+    else:
+        d = d0 + tl.arange(0, BD)
+        row_ptrs = (
+            window_ptr
+            + seq * stride_window_seq
+            + (window_index + offset)[:, None] * stride_window_row
+            + d[None, :]
+        )
+        rows = tl.load(row_ptrs, mask=valid[:, None], other=0.0).to(tl.bfloat16)
+    return rows, valid
+
+
 @triton.jit
 def _sparse_mqa_kernel(
     q_ptr,
@@ -136,6 +230,10 @@ def _sparse_mqa_kernel(
     block_table_ptr,
     sink_ptr,
     out_ptr,
+    m_part_ptr,
+    total_part_ptr,
+    acc_part_ptr,
+    num_tokens,
     num_heads,
     num_selected,
     ring_len,
@@ -158,17 +256,28 @@ def _sparse_mqa_kernel(
     DOT_DTYPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
+    """grid (tokens, heads / BLOCK_H, SPLITS · D / BLOCK_D). With SPLITS = 1 the program
+    writes its output columns; otherwise its split's running max and sum [SPLITS, T, H] and
+    accumulator [SPLITS, T, H, D] for `_combine_kernel`."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2) // (D // BLOCK_D)
+    d0 = (tl.program_id(2) % (D // BLOCK_D)) * BLOCK_D
     is_head = heads < num_heads
     d = tl.arange(0, D)
     q_ptrs = q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=is_head[:, None], other=0.0).to(tl.float32)
+    # The query's bf16 head and remainder, rounded once (bf16 queries: the head alone, exact).
+    q_head = q.to(tl.bfloat16)
+    q_rest = (q - q_head.to(tl.float32)).to(tl.bfloat16).to(DOT_DTYPE)
+    q_head = q_head.to(DOT_DTYPE)
     # The running max starts finite, so an all-masked tile gives exp(...) = 0, not NaN.
     m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     seq = tl.load(seq_ptr + token)
     position = tl.load(position_ptr + token)
     # Ring: the sequence's slot. Window rows: the token's first row in its sequence's rows.
@@ -176,46 +285,84 @@ def _sparse_mqa_kernel(
         window_index = tl.load(window_index_ptr + seq)
     else:
         window_index = tl.load(window_index_ptr + token)
-    for w0 in range(0, WINDOW, BLOCK_N):
-        offset = w0 + tl.arange(0, BLOCK_N)
-        key_position = position - (WINDOW - 1) + offset
-        valid = (key_position >= 0) & (offset < WINDOW)
-        if WINDOW_IN_RING:
-            row_index = (tl.where(valid, key_position, 0) % ring_len) * stride_window_row
-            rows = _swa_rows(
-                window_ptr + window_index * stride_window_seq, row_index, valid, D, BLOCK_N
-            )
-        else:
-            row_ptrs = (
-                window_ptr
-                + seq * stride_window_seq
-                + (window_index + offset)[:, None] * stride_window_row
-                + d[None, :]
-            )
-            rows = tl.load(row_ptrs, mask=valid[:, None], other=0.0).to(tl.bfloat16)
-        scores = _scores(q, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
+    # Tile i of the token's rows (window tiles, then selected tiles) belongs to split i % SPLITS.
+    window_tiles: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
+    for tile in range(split, window_tiles, SPLITS):
+        rows, valid = _window_tile(
+            window_ptr, window_index, seq, position, ring_len, stride_window_seq,
+            stride_window_row, tile * BLOCK_N, 0, WINDOW, WINDOW_IN_RING, D, D, BLOCK_N,
+        )  # fmt: skip
+        scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
         scores = tl.where(valid[None, :], scores, float("-inf"))
+        if BLOCK_D != D:
+            rows, valid = _window_tile(
+                window_ptr, window_index, seq, position, ring_len, stride_window_seq,
+                stride_window_row, tile * BLOCK_N, d0, WINDOW, WINDOW_IN_RING, D, BLOCK_D,
+                BLOCK_N,
+            )  # fmt: skip
         m, total, acc = _online_update(m, total, acc, scores, rows, DOT_DTYPE)
     if RATIO > 0:
         rows_per_block: tl.constexpr = 128 // RATIO
-        for k0 in range(0, num_selected, BLOCK_N):
-            k = k0 + tl.arange(0, BLOCK_N)
+        first_tile = (split + (SPLITS - window_tiles % SPLITS)) % SPLITS
+        for tile in range(first_tile, tl.cdiv(num_selected, BLOCK_N), SPLITS):
+            k = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             j = tl.load(selection_ptr + token * stride_sel + k, mask=k < num_selected, other=-1)
             valid = j >= 0
             j = tl.where(valid, j, 0)
             block = tl.load(block_table_ptr + seq * stride_table + (j * RATIO) // 128)
             row_index = block * stride_pool_block + (j % rows_per_block) * stride_pool_row
-            rows = _global_rows(pool_ptr, row_index, valid, D, BLOCK_N)
-            scores = _scores(q, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
+            rows = _global_rows(pool_ptr, row_index, valid, 0, D, D, BLOCK_N)
+            scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
             scores = tl.where(valid[None, :], scores, float("-inf"))
+            if BLOCK_D != D:
+                rows = _global_rows(pool_ptr, row_index, valid, d0, D, BLOCK_D, BLOCK_N)
             m, total, acc = _online_update(m, total, acc, scores, rows, DOT_DTYPE)
-    sink = tl.load(sink_ptr + heads, mask=is_head, other=0.0)
-    m_new = tl.maximum(m, sink)
-    alpha = tl.exp(m - m_new)
-    total = total * alpha + tl.exp(sink - m_new)
-    out = acc * alpha[:, None] / total[:, None]
-    out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptrs, out, mask=is_head[:, None])
+    out_d = d0 + tl.arange(0, BLOCK_D)
+    if SPLITS == 1:
+        sink = tl.load(sink_ptr + heads, mask=is_head, other=0.0)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.exp(sink - m_new)
+        out = acc * alpha[:, None] / total[:, None]
+        out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + out_d[None, :]
+        tl.store(out_ptrs, out, mask=is_head[:, None])
+    else:
+        part = (split * num_tokens + token) * num_heads + heads
+        first_columns = is_head & (heads * 0 + d0 == 0)
+        tl.store(m_part_ptr + part, m, mask=first_columns)
+        tl.store(total_part_ptr + part, total, mask=first_columns)
+        tl.store(acc_part_ptr + part[:, None] * D + out_d[None, :], acc, mask=is_head[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    m_part_ptr,
+    total_part_ptr,
+    acc_part_ptr,
+    sink_ptr,
+    out_ptr,
+    num_tokens,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    D: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """grid (tokens, heads): one softmax from the splits' partials and the sink. A split that
+    saw no real row (max −1e30, sum and accumulator 0) adds exact zeros."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (tl.arange(0, SPLITS) * num_tokens + token) * num_heads + head
+    m = tl.load(m_part_ptr + part)
+    total = tl.load(total_part_ptr + part)
+    sink = tl.load(sink_ptr + head)
+    m_all = tl.maximum(tl.max(m, axis=0), sink)
+    weight = tl.exp(m - m_all)
+    denominator = tl.sum(total * weight, axis=0) + tl.exp(sink - m_all)
+    d = tl.arange(0, D)
+    acc = tl.load(acc_part_ptr + part[:, None] * D + d[None, :])
+    out = tl.sum(acc * weight[:, None], axis=0) / denominator
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out)
 
 
 GlobalRows = tuple[Tensor, Tensor, Tensor, int]
@@ -233,6 +380,7 @@ def sparse_mqa(
     window_rows: tuple[Tensor, Tensor] | None = None,
     global_rows: GlobalRows | None = None,
     fixed_tiles: bool = False,
+    tiles: MqaTiles | None = None,
 ) -> Tensor:
     """fp32 [T, H, D] attention output of T query tokens.
 
@@ -244,13 +392,15 @@ def sparse_mqa(
         window − 1 of its sequence, the last one being its own position.
     global_rows: (pool uint8 [blocks, 128/ratio, D/2 + D/16], selection int64 [T, K] with −1
     for none, block_tables int64 [B, max_blocks], ratio) for layers with a KV source.
-    fixed_tiles: one tile config whatever the shapes (batch-invariant mode): a token's result
+    fixed_tiles: `FIXED_TILES` whatever the shapes (batch-invariant mode): a token's result
     is then the same whichever tokens share the launch, given the same rows in the same order
     (extra −1 selections past its own add nothing: their tiles fold in as exact no-ops).
+    tiles: a launch shape of its own (benchmarks, tests); default `choose_tiles(T)`.
 
     Raises:
         ValueError: a shape, dtype or layout the kernel does not take (D not a power of two
-            ≥ 32, an empty window, non-unit row strides, not exactly one window source).
+            ≥ 32, an empty window, non-unit row strides, not exactly one window source, tiles
+            that do not divide D).
     """
     num_tokens, num_heads, dim = q.shape
     if dim < 32 or dim & (dim - 1) or window < 1:
@@ -276,6 +426,11 @@ def sparse_mqa(
             raise ValueError(f"window rows must be bf16 [B, L, {dim}] with a first row per token")
     if rows.stride(-1) != 1:
         raise ValueError("window rows need unit column stride")
+    if tiles is None:
+        tiles = FIXED_TILES if fixed_tiles else choose_tiles(num_tokens)
+    block_d = min(tiles.block_d or dim, dim)
+    if block_d < 32 or dim % block_d or tiles.splits & (tiles.splits - 1):
+        raise ValueError(f"tiles {tiles} need 32 <= block_d | {dim} and power-of-two splits")
     check_runnable(q, "sparse_mqa")
     out = torch.empty(num_tokens, num_heads, dim, dtype=torch.float32, device=q.device)
     if global_rows is None:
@@ -288,15 +443,15 @@ def sparse_mqa(
             raise ValueError("the selection needs one row per token")
     if not num_tokens:
         return out
-
-    def grid(meta):
-        return (num_tokens, triton.cdiv(num_heads, meta["BLOCK_H"]))
-
-    kernel, tiles = _sparse_mqa_kernel, {}
-    if fixed_tiles:
-        kernel, tiles = _sparse_mqa_kernel.fn, {**_FIXED.kwargs, "num_warps": _FIXED.num_warps}
-        tiles["num_stages"] = _FIXED.num_stages
-    kernel[grid](
+    splits = tiles.splits
+    if splits > 1:
+        m_part = torch.empty(splits, num_tokens, num_heads, device=q.device)
+        total_part = torch.empty_like(m_part)
+        acc_part = torch.empty(splits, num_tokens, num_heads, dim, device=q.device)
+    else:
+        m_part = total_part = acc_part = out
+    grid = (num_tokens, triton.cdiv(num_heads, tiles.block_h), splits * (dim // block_d))
+    _sparse_mqa_kernel[grid](
         q,
         seq_of_token,
         positions,
@@ -307,6 +462,10 @@ def sparse_mqa(
         tables,
         sink,
         out,
+        m_part,
+        total_part,
+        acc_part,
+        num_tokens,
         num_heads,
         selection.shape[1] if ratio else 0,
         rows.shape[1],
@@ -327,8 +486,28 @@ def sparse_mqa(
         D=dim,
         Q_SPLIT=q.dtype != torch.bfloat16,
         DOT_DTYPE=_DOT_DTYPE,
-        **tiles,
+        BLOCK_H=tiles.block_h,
+        BLOCK_N=tiles.block_n,
+        BLOCK_D=block_d,
+        SPLITS=splits,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
+    if splits > 1:
+        _combine_kernel[(num_tokens, num_heads)](
+            m_part,
+            total_part,
+            acc_part,
+            sink,
+            out,
+            num_tokens,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            D=dim,
+            SPLITS=splits,
+            num_warps=4,
+        )
     return out
 
 

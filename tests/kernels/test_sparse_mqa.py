@@ -12,7 +12,14 @@ from engine.models.deepseek_v41.kv_formats import (
     swa_mxfp8_dequantize,
     swa_mxfp8_quantize,
 )
-from kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
+from kernels.sparse_mqa import (
+    CANDIDATES,
+    FIXED_TILES,
+    TILES,
+    MqaTiles,
+    sparse_mqa,
+    sparse_mqa_reference,
+)
 from tests.kernels.interpreted import run_interpreted
 
 # (sequences, new tokens per sequence, heads, head dim, window, ring length, ratio, selected):
@@ -89,6 +96,36 @@ def test_kernel_logic_matches_reference_in_the_triton_interpreter() -> None:
     assert len(errors) == 5 and max(errors) < TOLERANCE
 
 
+# Interpreter-sized versions of the launch shapes the tables choose from: every head of a
+# small layer in one program, row splits (one more than there are window tiles, so selected
+# tiles start mid-deal), output columns split, and both at once.
+INTERPRETED_TILES = [
+    MqaTiles(32, 16, num_warps=4),
+    MqaTiles(16, 16, splits=4, num_warps=4),
+    MqaTiles(16, 16, block_d=32, num_warps=4),
+    MqaTiles(32, 16, splits=2, block_d=32, num_warps=4),
+]
+
+_INTERPRETED_TILES = """
+import json
+from tests.kernels.test_sparse_mqa import CASES, INTERPRETED_TILES, _inputs
+from kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
+errors = []
+for tiles in INTERPRETED_TILES:
+    for case in (CASES[0], CASES[1], CASES[4]):
+        args, sources = _inputs(case)
+        ours = sparse_mqa(*args, **sources, tiles=tiles)
+        reference = sparse_mqa_reference(*args, **sources)
+        errors.append(float((ours - reference).norm() / reference.norm()))
+print(json.dumps(errors))
+"""
+
+
+def test_every_tile_shape_matches_reference_in_the_triton_interpreter() -> None:
+    errors = run_interpreted(_INTERPRETED_TILES)
+    assert len(errors) == 3 * len(INTERPRETED_TILES) and max(errors) < TOLERANCE
+
+
 def test_reference_windows_agree_between_ring_and_rows() -> None:
     """The two window sources describe the same rows: reading a ring and reading its decoded
     rows give the same attention."""
@@ -118,34 +155,56 @@ def test_launcher_rejects_layouts_it_cannot_take() -> None:
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=(ring[0].float(), ring[1]))
     with pytest.raises(ValueError, match="exactly one"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale)
+    with pytest.raises(ValueError, match="block_d"):
+        sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
+                   tiles=MqaTiles(16, 16, block_d=48))  # fmt: skip
+    with pytest.raises(ValueError, match="splits"):
+        sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
+                   tiles=MqaTiles(16, 16, splits=3))  # fmt: skip
     with pytest.raises(ValueError, match="CUDA"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring)
 
 
+# Every launch shape the model can take or the benchmark times, on CUDA.
+CUDA_TILES = sorted({*CANDIDATES, FIXED_TILES, *(tiles for _, tiles in TILES)}, key=str)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_reference_on_cuda(case) -> None:
+@pytest.mark.parametrize(
+    ("case", "tiles"),
+    [(case, None) for case in CASES]
+    + [(case, tiles) for case in (CASES[0], CASES[3], CASES[6]) for tiles in CUDA_TILES],
+    ids=str,
+)
+def test_kernel_matches_reference_on_cuda(case, tiles) -> None:
     args, sources = _inputs(case, "cuda")
-    ours, reference = sparse_mqa(*args, **sources), sparse_mqa_reference(*args, **sources)
+    ours = sparse_mqa(*args, **sources, tiles=tiles)
+    reference = sparse_mqa_reference(*args, **sources)
     assert float((ours - reference).norm() / reference.norm()) < TOLERANCE
     bf16 = (args[0].bfloat16(), *args[1:])  # the model's bf16 queries
-    ours, reference = sparse_mqa(*bf16, **sources), sparse_mqa_reference(*bf16, **sources)
+    ours = sparse_mqa(*bf16, **sources, tiles=tiles)
+    reference = sparse_mqa_reference(*bf16, **sources)
     assert float((ours - reference).norm() / reference.norm()) < TOLERANCE
 
 
 # ---- fixed tiles (batch-invariant mode): a token's output ignores the rest of the launch ------
 
 
-def fixed_tile_changes(device: str = "cpu", q_dtype: str = "float32") -> dict[str, list[int]]:
-    """Elements that change, with `fixed_tiles`, when a token runs (a) `alone` instead of with
-    the launch's other tokens, (b) `padded`: with 40 more −1 selections (other tiles: what a
-    wider selection of another sequence pads it to), (c) `from_rows`: reading its window from
-    decoded rows instead of the ring (a decode row in a step with prefill chunks)."""
+def fixed_tile_changes(
+    device: str = "cpu", q_dtype: str = "float32", tiles: MqaTiles | None = None
+) -> dict[str, list[int]]:
+    """Elements that change, with `fixed_tiles` (or one `tiles` shape), when a token runs (a)
+    `alone` instead of with the launch's other tokens, (b) `padded`: with 40 more −1
+    selections (other tiles: what a wider selection of another sequence pads it to), (c)
+    `from_rows`: reading its window from decoded rows instead of the ring (a decode row in a
+    step with prefill chunks)."""
     changes: dict[str, list[int]] = {"alone": [], "padded": [], "from_rows": []}
     for case in (CASES[0], CASES[4]):
         (q, seq, pos, sink, window, scale), sources = _inputs(case, device)
         q = q.to(getattr(torch, q_dtype))
-        run = functools.partial(sparse_mqa, sink=sink, window=window, softmax_scale=scale)
+        run = functools.partial(
+            sparse_mqa, sink=sink, window=window, softmax_scale=scale, tiles=tiles
+        )
         full = run(q, seq, pos, fixed_tiles=True, **sources)
         for t in range(q.shape[0]):
             one = {}
@@ -193,10 +252,23 @@ def test_fixed_tiles_make_a_token_ignore_the_launch_in_the_triton_interpreter() 
     assert {n for counts in changes.values() for n in counts} == {0}, changes
 
 
+def test_row_splits_keep_a_token_independent_of_the_launch_in_the_triton_interpreter() -> None:
+    """A split shape (the padding's −1 tiles land in other splits than the token's last real
+    tile) keeps the fixed-tiles property: splits deal tiles by index, not by the launch."""
+    code = (
+        "import json\nfrom tests.kernels.test_sparse_mqa import fixed_tile_changes\n"
+        "from kernels.sparse_mqa import MqaTiles\n"
+        "print(json.dumps(fixed_tile_changes(tiles=MqaTiles(16, 16, splits=4, block_d=32))))"
+    )
+    changes = run_interpreted(code)
+    assert {n for counts in changes.values() for n in counts} == {0}, changes
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [None, *(t for t in CUDA_TILES if t.splits > 1)], ids=str)
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float32"])
-def test_fixed_tiles_make_a_token_ignore_the_launch_on_cuda(q_dtype: str) -> None:
-    changes = fixed_tile_changes("cuda", q_dtype)
+def test_fixed_tiles_make_a_token_ignore_the_launch_on_cuda(q_dtype: str, tiles) -> None:
+    changes = fixed_tile_changes("cuda", q_dtype, tiles)
     assert set(changes["alone"]) == set(changes["padded"]) == {0}, changes
     # NOTE: not `from_rows`: a window read from the ring and from decoded rows differs in the
     # last bit on the H200 (137 of 768 elements with bf16 queries, 456 with fp32; measured):
