@@ -21,8 +21,13 @@ accumulation and lose nothing on the row side. An fp32 operand (fp32 queries, th
 probabilities) is split into a bf16 head and a bf16 remainder, two dots, ~16 significant bits:
 within ~1e-5 of the fp32 reference, whose own summation order differs anyway.
 
-    grid (tokens, heads / BLOCK_H); per program q [BLOCK_H, D], running max and sum,
-    acc [BLOCK_H, D] fp32; tile sizes autotuned per layer shape
+    grid (tokens, heads / BLOCK_H, SPLITS · D / BLOCK_D); per program q [BLOCK_H, D], running
+    max and sum, acc [BLOCK_H, BLOCK_D] fp32 over its split's tiles (tile i of the token's
+    window-then-selected tiles goes to split i % SPLITS); SPLITS > 1 writes partials that
+    `_combine_kernel` folds with the sink (flash-decoding: parallelism for small decode steps)
+
+The launch shape (`MqaTiles`) comes from the `TILES` table by token count (one place to edit,
+from `benchmarks/kernel_speed.py --only attention`), or `FIXED_TILES` in batch-invariant mode.
 
 `sparse_mqa` is the launcher; `sparse_mqa_reference` the torch reference (codecs' own
 dequantisation, a direct softmax).
@@ -83,21 +88,21 @@ TILES: tuple[tuple[int, MqaTiles], ...] = (
 # `fixed_tiles` (batch-invariant mode): one shape whatever the launch, so a token's reduction
 # never changes with the step's other tokens. Any `MqaTiles` keeps that property.
 FIXED_TILES = MqaTiles(16, 64)
-# What `kernel_speed --only attention` times (with the entries above): the legacy tiles, all
-# heads per program (narrower tiles or halved D to fit the registers), and row splits.
+# What `kernel_speed --only attention` times (with the entries above): the legacy tiles, every
+# head in one program (M = 64: wgmma) with the output columns split so the accumulator fits
+# (sm90 ptxas, Triton 3.9: d128 at 4 warps spills nothing; d256 at 8 warps ~0.6 KB; all D at
+# 64 heads ~8 KB, left out), and row splits for small decode steps.
 CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(16, 64),
     MqaTiles(32, 64),
-    MqaTiles(64, 32),
-    MqaTiles(64, 64),
     MqaTiles(64, 32, block_d=256),
-    MqaTiles(64, 64, block_d=256),
     MqaTiles(64, 32, block_d=128, num_warps=4),
+    MqaTiles(64, 64, block_d=128, num_warps=4),
+    MqaTiles(16, 64, splits=2),
     MqaTiles(16, 64, splits=4),
-    MqaTiles(64, 32, splits=4),
-    MqaTiles(64, 32, splits=8),
+    MqaTiles(64, 32, splits=2, block_d=128, num_warps=4),
+    MqaTiles(64, 32, splits=4, block_d=128, num_warps=4),
     MqaTiles(64, 32, splits=4, block_d=256),
-    MqaTiles(64, 64, splits=4, block_d=256),
 )
 if _INTERPRETING:
     TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4)),)

@@ -178,9 +178,10 @@ CUDA_TILES = sorted({*CANDIDATES, FIXED_TILES, *(tiles for _, tiles in TILES)}, 
 )
 def test_kernel_matches_reference_on_cuda(case, tiles) -> None:
     args, sources = _inputs(case, "cuda")
-    ours = sparse_mqa(*args, **sources, tiles=tiles)
-    reference = sparse_mqa_reference(*args, **sources)
-    assert float((ours - reference).norm() / reference.norm()) < TOLERANCE
+    if tiles is None:  # fp32 queries: the default shapes (the split of q is per program)
+        ours = sparse_mqa(*args, **sources)
+        reference = sparse_mqa_reference(*args, **sources)
+        assert float((ours - reference).norm() / reference.norm()) < TOLERANCE
     bf16 = (args[0].bfloat16(), *args[1:])  # the model's bf16 queries
     ours = sparse_mqa(*bf16, **sources, tiles=tiles)
     reference = sparse_mqa_reference(*bf16, **sources)
@@ -258,14 +259,16 @@ def test_row_splits_keep_a_token_independent_of_the_launch_in_the_triton_interpr
     code = (
         "import json\nfrom tests.kernels.test_sparse_mqa import fixed_tile_changes\n"
         "from kernels.sparse_mqa import MqaTiles\n"
-        "print(json.dumps(fixed_tile_changes(tiles=MqaTiles(16, 16, splits=4, block_d=32))))"
+        "print(json.dumps(fixed_tile_changes(tiles=MqaTiles(16, 16, splits=4))))"
     )
     changes = run_interpreted(code)
     assert {n for counts in changes.values() for n in counts} == {0}, changes
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [None, *(t for t in CUDA_TILES if t.splits > 1)], ids=str)
+@pytest.mark.parametrize(
+    "tiles", [None, MqaTiles(64, 32, splits=4, block_d=128, num_warps=4)], ids=str
+)
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float32"])
 def test_fixed_tiles_make_a_token_ignore_the_launch_on_cuda(q_dtype: str, tiles) -> None:
     changes = fixed_tile_changes("cuda", q_dtype, tiles)
