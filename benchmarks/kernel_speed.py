@@ -27,9 +27,14 @@ written.
 mhc_post / mhc_combine: one site's residual update / stream combination (4 streams x 5120,
 bf16); GB/s counts the bf16 rows read and written.
 
-sparse_mqa: one ratio-2 attention layer at 8K context: decode steps of S sequences (T = S) and
-a 1,024-token prefill chunk; "before" the torch reference (gather + decode [T, 640, 512] fp32
-rows, direct softmax), "after" the kernel; GB/s counts the rows read.
+sparse_mqa: one ratio-2 attention layer at 8K context: decode steps of 16 / 64 / 256 sequences
+(T = S, window in the MXFP8 ring) and a 4,096-token prefill chunk (window from bf16 rows);
+"before" the torch reference (gather + decode [T, 640, 512] fp32 rows, direct softmax; for the
+chunk, 256 tokens' time scaled to 4,096), "after" the kernel with its `TILES` choice; GB/s counts
+the rows read, q in and the fp32 output. Then every launch shape of `attention_candidates`
+(`kernels.sparse_mqa.CANDIDATES`; row splits only for decode) at the same shapes, compiled in
+parallel first: µs, GB/s, TFLOP/s (the three bf16 dots: QK, PV head and remainder), the error
+against the reference, the fastest per shape, and the `TILES` table the fastest make.
 
 fp8_gemm: the released model's FP8 dense GEMMs (`kernels.fp8_block_gemm`, `--dense-gemm fp8`) at
 M = T tokens: attention wq_a, wkv, wq_b, wo_a (8 groups), wo_b, the indexer's wq_b, the shared

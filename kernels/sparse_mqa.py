@@ -102,6 +102,7 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(16, 64, splits=4),
     MqaTiles(64, 32, splits=2, block_d=128, num_warps=4),
     MqaTiles(64, 32, splits=4, block_d=128, num_warps=4),
+    MqaTiles(64, 32, splits=8, block_d=128, num_warps=4),
     MqaTiles(64, 32, splits=4, block_d=256),
 )
 if _INTERPRETING:
