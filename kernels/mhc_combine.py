@@ -16,12 +16,29 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
-from kernels.rms_norm import MAX_WIDTH, rms_norm_reference
+from kernels.rms_norm import MAX_WIDTH, inv_rms, rms_norm_reference
 from kernels.rounding import round_to
 
 __all__ = ["mhc_combine", "mhc_combine_norm", "mhc_combine_norm_reference", "mhc_combine_reference"]
 
 _BLOCK_D = 1024
+
+
+@triton.jit
+def _combine_streams(residual_ptr, weights_ptr, token, d, in_row, dim, N: tl.constexpr):
+    """fp32 `Σ_k w[k] · R[k, d]` of one token over the columns d, as one fixed chain: w₀·r₀,
+    then a fused multiply-add per further stream in stream order.
+
+    NOTE: no plain add of products, so nothing is left for the compiler to contract into
+    fused multiply-adds its own way (it did so differently per kernel and per column): every
+    kernel that calls this gets the same bits for a column, whatever its tile or layout."""
+    rows = residual_ptr + token * N * dim + d
+    weights = weights_ptr + token * N
+    acc = tl.load(weights) * tl.load(rows, mask=in_row, other=0.0).to(tl.float32)
+    for k in tl.static_range(1, N):
+        r = tl.load(rows + k * dim, mask=in_row, other=0.0).to(tl.float32)
+        acc = tl.fma(r, tl.load(weights + k), acc)
+    return acc
 
 
 @triton.jit
@@ -31,34 +48,24 @@ def _mhc_combine_kernel(
     token = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_row = d < dim
-    streams = tl.arange(0, N)
-    rows = token * N * dim + streams[:, None] * dim + d[None, :]
-    residual = tl.load(residual_ptr + rows, mask=in_row[None, :], other=0.0).to(tl.float32)
-    weights = tl.load(weights_ptr + token * N + streams)
-    out = tl.sum(weights[:, None] * residual, axis=0)
-    tl.store(
-        out_ptr + token * dim + d,
-        round_to(out, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
-        mask=in_row,
-    )
+    out = _combine_streams(residual_ptr, weights_ptr, token, d, in_row, dim, N)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + token * dim + d, round_to(out, dtype).to(dtype), mask=in_row)
 
 
 @triton.jit
 def _mhc_combine_norm_kernel(
     residual_ptr, weights_ptr, norm_ptr, out_ptr, dim, eps, N: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """One token's whole row: the combination rounded to the model dtype, then `rms_norm`'s
-    exact steps on it (`kernels.rms_norm`: the same sum over the same [BLOCK] row)."""
+    """One token's whole row: the combination rounded to the model dtype (`_combine_streams`,
+    as `_mhc_combine_kernel`), then `rms_norm`'s exact steps on it: `inv_rms` over the same
+    [BLOCK] row, loaded from rows of the same dtype, with rms_norm's num_warps."""
     token = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     in_row = d < dim
-    streams = tl.arange(0, N)
-    rows = token * N * dim + streams[:, None] * dim + d[None, :]
-    residual = tl.load(residual_ptr + rows, mask=in_row[None, :], other=0.0).to(tl.float32)
-    weights = tl.load(weights_ptr + token * N + streams)
     dtype = out_ptr.dtype.element_ty
-    x = round_to(tl.sum(weights[:, None] * residual, axis=0), dtype)
-    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    x = round_to(_combine_streams(residual_ptr, weights_ptr, token, d, in_row, dim, N), dtype)
+    y = x * inv_rms(x, dim, eps)
     y = y * tl.load(norm_ptr + d, mask=in_row, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * dim + d, round_to(y, dtype).to(dtype), mask=in_row)
 

@@ -21,9 +21,21 @@ from kernels import check_runnable
 from kernels.fp8_block_gemm import quantize_slab
 from kernels.rounding import round_to
 
-__all__ = ["rms_norm", "rms_norm_fp8", "rms_norm_reference"]
+__all__ = ["inv_rms", "rms_norm", "rms_norm_fp8", "rms_norm_reference"]
 
 MAX_WIDTH = 16384
+
+
+@triton.jit
+def inv_rms(x, width, eps):
+    """`rsqrt(Σ x² / width + eps)` of one row held as a [BLOCK] fp32 tensor (zeros past width).
+
+    NOTE: each square is an explicit fused multiply-add onto +0 (exactly the rounded x²), so the
+    compiler has no multiply to contract into the sum's adds; it contracts plain `x * x` into
+    some of them, picked per program, so two kernels could sum the same row differently. Any
+    kernel calling this on a row in the same layout (same BLOCK, num_warps and load dtype) gets
+    the same bits (`kernels.mhc_combine.mhc_combine_norm` relies on it)."""
+    return tl.rsqrt(tl.sum(tl.fma(x, x, 0.0), axis=0) / width + eps)
 
 
 @triton.jit
@@ -44,7 +56,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     in_row = cols < width
     x = tl.load(x_ptr + row * width + cols, mask=in_row, other=0.0).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)
+    y = x * inv_rms(x, width, eps)
     if HAS_WEIGHT:
         y = y * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     y = round_to(y, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import re
+
 import pytest
 import torch
+import triton
 
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
@@ -44,20 +48,22 @@ import json
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
 from tests.kernels.interpreted import ulps
-from tests.kernels.test_mhc_update import CASES, _inputs
+from tests.kernels.test_mhc_update import CASES, _combine_terms, _inputs
 result = []
 for case in CASES:
     residual, post, comb, y, weights = _inputs(case)
+    combined, reference = mhc_combine(residual, weights), mhc_combine_reference(residual, weights)
     result.append([
         ulps(mhc_post(residual, post, comb, y), mhc_post_reference(residual, post, comb, y)),
-        ulps(mhc_combine(residual, weights), mhc_combine_reference(residual, weights)),
+        ulps(combined, reference, _combine_terms(residual, weights)),
     ])
 print(json.dumps(result))
 """
 
 
 def test_kernels_match_reference_in_the_triton_interpreter() -> None:
-    # At most one rounding step apart (fp32 sums of N terms in another order, then the cast).
+    # At most one rounding step apart (fp32 sums of N terms in another order, then the cast);
+    # the combination's chain of fused multiply-adds at the scale of its summed terms.
     assert max(max(pair) for pair in run_interpreted(_INTERPRETED)) <= 2.0
 
 
@@ -101,19 +107,28 @@ def _norm_inputs(case, device: str = "cpu"):
     return residual, weights, norm_weight
 
 
+def _norm_terms(residual, weights, norm_weight):
+    """The scale of each output of the combination + norm: Σ |term| of the combination times
+    the row's rsqrt(mean square) and |norm weight|."""
+    x = mhc_combine_reference(residual, weights).float()
+    inv_rms = torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS)
+    return _combine_terms(residual, weights) * inv_rms * norm_weight.abs().float()
+
+
 _INTERPRETED_NORM = """
 import json, torch
 from kernels.mhc_combine import mhc_combine, mhc_combine_norm, mhc_combine_norm_reference
 from kernels.rms_norm import rms_norm
 from tests.kernels.interpreted import ulps
-from tests.kernels.test_mhc_update import EPS, NORM_CASES, _norm_inputs
+from tests.kernels.test_mhc_update import EPS, NORM_CASES, _norm_inputs, _norm_terms
 result = []
 for case in NORM_CASES:
     residual, weights, norm_weight = _norm_inputs(case)
     fused = mhc_combine_norm(residual, weights, norm_weight, EPS)
     two = rms_norm(mhc_combine(residual, weights), norm_weight, EPS)
     reference = mhc_combine_norm_reference(residual, weights, norm_weight, EPS)
-    result.append([bool(torch.equal(fused, two)), ulps(fused, reference)])
+    terms = _norm_terms(residual, weights, norm_weight)
+    result.append([bool(torch.equal(fused, two)), ulps(fused, reference, terms)])
 print(json.dumps(result))
 """
 
@@ -121,7 +136,8 @@ print(json.dumps(result))
 def test_combination_and_norm_in_one_launch_equal_the_two_kernels_in_the_interpreter() -> None:
     result = run_interpreted(_INTERPRETED_NORM)
     assert all(equal for equal, _ in result)
-    # and the torch references within rms_norm's own bound (its sum in another order)
+    # and the torch references within rms_norm's own bound (its sum in another order), at the
+    # scale of the combination's summed terms (a chain of fused multiply-adds, not torch's sum)
     assert max(gap for _, gap in result) <= 16
 
 
@@ -144,3 +160,50 @@ def test_combination_and_norm_in_one_launch_equal_the_two_kernels_on_cuda(case) 
     residual, weights, norm_weight = _norm_inputs(case, "cuda")
     fused = mhc_combine_norm(residual, weights, norm_weight, EPS)
     assert torch.equal(fused, rms_norm(mhc_combine(residual, weights), norm_weight, EPS))
+
+
+def _sum_of_squares_ops(ptx: str, elements_per_thread: int) -> collections.Counter:
+    """The adds and shuffles from a row's first square to its rsqrt, after checking that every
+    square is an explicit fused multiply-add onto +0 (no multiply left to contract into the
+    sum's adds)."""
+    square = r"fma\.rn\.f32\s+%r\d+, (%r\d+), \1, 0f00000000;"
+    assert len(re.findall(square, ptx)) == elements_per_thread
+    start = re.search(square, ptx).start()
+    body = ptx[start : ptx.index("rsqrt", start)].split()
+    return collections.Counter(op for op in body if op in ("add.f32", "shfl.sync.bfly.b32"))
+
+
+@pytest.mark.parametrize("case", NORM_CASES[:3])
+def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -> None:
+    # The CUDA build contracts multiplies into adds per program (why the fused kernel once
+    # differed from the two on the H200): the sum of squares must hold no plain multiply, cover
+    # as many elements per thread and lower to as many adds and shuffles as rms_norm's.
+    from kernels.mhc_combine import _mhc_combine_norm_kernel
+    from kernels.rms_norm import _rms_norm_kernel
+    from tests.kernels.interpreted import compile_for_hopper
+
+    _, _, dim, dtype = case
+    block = triton.next_power_of_2(dim)
+    warps = {"num_warps": min(16, max(1, block // 512))}
+    elem = {"float32": "*fp32", "bfloat16": "*bf16"}[dtype]
+    scalars = {"dim": "i32", "width": "i32", "eps": "fp32"}
+    aligned = {"residual_ptr", "weights_ptr", "norm_ptr", "out_ptr", "x_ptr", "weight_ptr"}
+    aligned |= {"codes_ptr", "scale_ptr"} | ({"dim", "width"} if dim % 16 == 0 else set())
+    fused = compile_for_hopper(
+        _mhc_combine_norm_kernel,
+        {"residual_ptr": elem, "weights_ptr": "*fp32", "norm_ptr": elem, "out_ptr": elem} | scalars,
+        {"N": case[1], "BLOCK": block},
+        aligned,
+        warps,
+    )
+    two = compile_for_hopper(
+        _rms_norm_kernel,
+        {"x_ptr": elem, "weight_ptr": elem, "out_ptr": elem, "codes_ptr": "*fp32"}
+        | {"scale_ptr": "*fp32"}
+        | scalars,
+        {"HAS_WEIGHT": True, "EMIT_FP8": False, "BLOCK": block, "GROUP": 1},
+        aligned,
+        warps,
+    )
+    per_thread = block // (32 * warps["num_warps"])
+    assert _sum_of_squares_ops(fused, per_thread) == _sum_of_squares_ops(two, per_thread)
