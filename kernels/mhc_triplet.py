@@ -8,19 +8,31 @@ From the residual streams z = f32(R) [T, N·D] of each token (N streams of width
 
 The torch version (`mhc_triplet_reference`, below) is ~8 launches before `mhc_mix`'s one.
 
-    launch 1  programs (tile of BLOCK_T tokens, slice of SPLIT_COLS columns): read the slice of
-              each row once, fp32 dots with fn's 2N + N² rows and Σ z² → partials
+    launch 1  programs (tile of BLOCK_T tokens, slice of split columns): read the slice of
+              each row once, dots with fn's 2N + N² rows and Σ z² → partials
               [splits, T, MIX_PAD] (column 2N + N² holds Σ z²)
-    launch 2  per tile of tokens: the partials summed in split order, rsqrt, the fused
-              multiply-add, then `mhc_mix`'s gates and Sinkhorn (`mix_and_store`)
+    launch 2  per tile of tokens: the partials summed in a fixed order (CHUNK splits as one
+              tree per step, the steps in split order), rsqrt, the fused multiply-add, then
+              `mhc_mix`'s gates and Sinkhorn (`mix_and_store`)
 
-The split and the tiles do not depend on T, so a row's sums are the same operations whatever
-else is in the batch (by construction; batch-invariant mode still takes the torch steps). The
-order of the fp32 sums differs from BLAS: pre / post / comb within ~2e-6 relative (norm) and
-~60 ulps of the torch path at the released width (`tests/kernels/test_mhc_triplet.py`).
+Launch 1's dots run on tensor cores with fp32 accuracy (`TripletConfig.precision`): "bf16x6"
+splits x and fn exactly into three bf16 parts each (hi + mid + lo, from the bits) and sums the
+six products down to 2⁻¹⁶ of the whole; "tf32x3" is Triton's three-TF32 form; "ieee" the fp32
+FMA loop on CUDA cores (slow: ~1.45 ms per call at 4,096 tokens on the H200). Each BLOCK_K chunk
+is dotted from a zero accumulator and added to the fp32 sum on CUDA cores, so the tensor cores'
+own (truncating) accumulation never spans more than BLOCK_K columns. The token tile, split
+and warps come from `CONFIGS`, a table keyed by T (`benchmarks/mhc_tiles.py` times the
+candidates): a row's sums depend on T's table row, so the kernel is not batch-invariant;
+`--batch-invariant` takes the torch steps (`primitives.mhc_triplet`). The order of the fp32
+sums differs from BLAS: pre / post / comb within ~1e-6 relative (norm) and ~60 ulps of the
+torch path in the interpreter (exact products there; `tests/kernels/test_mhc_triplet.py` allows
+5e-6 and 256, on the H200 for every table row too); `benchmarks/mhc_tiles.py` prints each
+candidate's error against float64 and against the torch path on the device.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,14 +40,98 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import check_runnable
+from kernels import check_runnable, interpreting
 from kernels.mhc_mix import mhc_mix_reference, mix_and_store
 
-__all__ = ["mhc_logits_reference", "mhc_triplet", "mhc_triplet_reference"]
+__all__ = [
+    "CONFIGS",
+    "TripletConfig",
+    "config_for",
+    "mhc_logits_reference",
+    "mhc_triplet",
+    "mhc_triplet_reference",
+]
 
-_BLOCK_T = 16
-_BLOCK_K = 64
-SPLIT_COLS = 512  # columns of N·D per program of launch 1
+PRECISIONS = ("bf16x6", "tf32x3", "ieee")
+BLOCK_K = 64
+
+
+@dataclass(frozen=True)
+class TripletConfig:
+    """Launch 1's shape: how its dots run (`PRECISIONS`), its token tile, the columns of N·D
+    per program (the split), its warps. Launch 2 sums the cdiv(N·D, split_cols) partials."""
+
+    precision: str
+    block_t: int
+    split_cols: int
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.block_t < 16 or self.block_t & (self.block_t - 1):
+            raise ValueError(f"block_t must be a power of two >= 16, got {self.block_t}")
+        if self.split_cols < BLOCK_K or self.split_cols % BLOCK_K:
+            raise ValueError(f"split_cols must be a multiple of {BLOCK_K}, got {self.split_cols}")
+
+
+_FINISH_BLOCK_T = 16
+_FINISH_CHUNK = 16  # partials (splits) launch 2 sums per step
+# (largest T, config): the first row with T <= its bound runs; the last row takes every larger
+# T. Edit after `python3 benchmarks/mhc_tiles.py` on the device (it prints what each candidate
+# costs per T).
+CONFIGS: tuple[tuple[int, TripletConfig], ...] = (
+    (64, TripletConfig("bf16x6", 16, 256, 4)),
+    (256, TripletConfig("bf16x6", 64, 512, 4)),
+    (2048, TripletConfig("bf16x6", 64, 2048, 4)),
+    (1 << 62, TripletConfig("bf16x6", 128, 4096, 8)),
+)
+
+
+def config_for(num_tokens: int) -> TripletConfig:
+    """`CONFIGS`' row for T tokens."""
+    return next(config for bound, config in CONFIGS if num_tokens <= bound)
+
+
+@triton.jit
+def _split_bf16(x):
+    """fp32 x → (hi, mid, lo) bf16 with hi + mid + lo == x exactly: hi and mid keep the top 8
+    significant bits (from the bits: no cast rounding, the same in the interpreter) and lo the
+    at most 8 left."""
+    hi = (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    rest = x - hi
+    mid = (rest.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return hi.to(tl.bfloat16), mid.to(tl.bfloat16), (rest - mid).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot(a, b, acc, BF16_DOTS: tl.constexpr):
+    """acc + a · b for bf16 parts; without BF16_DOTS (Triton's interpreter, whose bf16 dots
+    are wrong) the same exact products from the parts as fp32."""
+    if BF16_DOTS:
+        return tl.dot(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _chunk_dot(x, w, PRECISION: tl.constexpr, X_IS_BF16: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """fp32 x [BLOCK_T, BLOCK_K] · w [BLOCK_K, MIX_PAD] on tensor cores, from a zero
+    accumulator (the caller adds it to its fp32 sum: the tensor cores' accumulation never runs
+    over more than BLOCK_K columns)."""
+    if PRECISION == "tf32x3":
+        out = tl.dot(x, w, input_precision="tf32x3")
+    else:
+        # bf16x6: every product of the parts down to 2⁻¹⁶ of the whole, the small ones first
+        w0, w1, w2 = _split_bf16(w)
+        x0, x1, x2 = _split_bf16(x)
+        out = _dot(x0, w2, tl.zeros((x.shape[0], w.shape[1]), tl.float32), BF16_DOTS)
+        if not X_IS_BF16:  # a bf16 x is its own hi part: mid = lo = 0
+            out = _dot(x2, w0, out, BF16_DOTS)
+            out = _dot(x1, w1, out, BF16_DOTS)
+            out = _dot(x1, w0, out, BF16_DOTS)
+        out = _dot(x0, w1, out, BF16_DOTS)
+        out = _dot(x0, w0, out, BF16_DOTS)
+    return out
 
 
 @triton.jit
@@ -50,22 +146,29 @@ def _mhc_partials_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BF16_DOTS: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     is_token = t < num_tokens
     m = tl.arange(0, MIX_PAD)
+    X_IS_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     rows = x_ptr + t[:, None].to(tl.int64) * width
     weights = fn_ptr + m[None, :].to(tl.int64) * width
     dots = tl.zeros((BLOCK_T, MIX_PAD), dtype=tl.float32)
     squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for k0 in tl.static_range(0, SPLIT, BLOCK_K):
+    for k0 in range(0, SPLIT, BLOCK_K):
         k = split * SPLIT + k0 + tl.arange(0, BLOCK_K)
         in_row = k < width
         x = tl.load(rows + k[None, :], mask=is_token[:, None] & in_row[None, :], other=0.0)
         x = x.to(tl.float32)
         w = tl.load(weights + k[:, None], mask=(m[None, :] < MIX) & in_row[:, None], other=0.0)
-        dots = tl.dot(x, w.to(tl.float32), dots, input_precision="ieee")
+        w = w.to(tl.float32)
+        if PRECISION == "ieee":
+            dots = tl.dot(x, w, dots, input_precision="ieee")
+        else:
+            dots += _chunk_dot(x, w, PRECISION, X_IS_BF16, BF16_DOTS)
         squares += tl.sum(x * x, axis=1)
     dots = tl.where(m[None, :] == MIX, squares[:, None], dots)
     out = (split.to(tl.int64) * num_tokens + t[:, None]) * MIX_PAD + m[None, :]
@@ -89,6 +192,7 @@ def _mhc_finish_kernel(
     N: tl.constexpr,
     MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     is_token = t < num_tokens
@@ -103,12 +207,19 @@ def _mhc_finish_kernel(
     post = tl.zeros((BLOCK_T, N), dtype=tl.float32)
     comb = tl.zeros((BLOCK_T, N, N), dtype=tl.float32)
     squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for split in range(num_splits):  # a fixed order: no atomics
-        p = row + split * split_stride
-        pre += tl.load(p[:, None] + i[None, :], mask=gate_mask, other=0.0)
-        post += tl.load(p[:, None] + N + i[None, :], mask=gate_mask, other=0.0)
-        comb += tl.load(p[:, None, None] + cell, mask=cell_mask, other=0.0)
-        squares += tl.load(p + (2 * N + N * N), mask=is_token, other=0.0)
+    # CHUNK splits per step, summed as one tree, the steps in split order (a fixed order, no
+    # atomics): a loop step waits one memory latency, so one per split was most of the time
+    c = tl.arange(0, CHUNK)
+    for s0 in range(0, num_splits, CHUNK):
+        in_split = (s0 + c) < num_splits
+        p = row[None, :] + (s0 + c)[:, None].to(tl.int64) * split_stride  # [CHUNK, BLOCK_T]
+        gates = in_split[:, None, None] & gate_mask[None, :, :]
+        pre += tl.sum(tl.load(p[:, :, None] + i[None, None, :], mask=gates, other=0.0), axis=0)
+        post += tl.sum(tl.load(p[:, :, None] + N + i[None, None, :], mask=gates, other=0.0), axis=0)
+        cells = in_split[:, None, None, None] & cell_mask[None, :, :, :]
+        comb += tl.sum(tl.load(p[:, :, None, None] + cell[None], mask=cells, other=0.0), axis=0)
+        is_sum = in_split[:, None] & is_token[None, :]
+        squares += tl.sum(tl.load(p + (2 * N + N * N), mask=is_sum, other=0.0), axis=0)
     r = tl.rsqrt(squares * inv_width + norm_eps)
     # mix = dots · r, rounded, then one fused multiply-add, as the released kernel rounds it
     pre = tl.fma(
@@ -137,9 +248,11 @@ def mhc_triplet(
     norm_eps: float,
     hc_eps: float,
     iters: int,
+    config: TripletConfig | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`mhc_triplet_reference` in two launches: residual [T, N, D] (any float dtype), fn
     [2N + N², N·D], base [2N + N²], scale [3] → fp32 pre [T, N], post [T, N], comb [T, N, N].
+    config: launch 1's shape (default `config_for(T)`).
 
     Raises:
         ValueError: shapes that do not fit together, N not a power of two, iters < 1, or not
@@ -161,13 +274,14 @@ def mhc_triplet(
     comb = torch.empty(num_tokens, n, n, dtype=torch.float32, device=device)
     if not num_tokens:
         return pre, post, comb
+    config = config or config_for(num_tokens)
     width = n * d
     mix_pad = max(16, triton.next_power_of_2(mix + 1))
-    num_splits = max(1, triton.cdiv(width, SPLIT_COLS))
+    split = min(config.split_cols, triton.cdiv(width, BLOCK_K) * BLOCK_K)
+    num_splits = triton.cdiv(width, split)
     partials = torch.empty(num_splits, num_tokens, mix_pad, dtype=torch.float32, device=device)
     x = residual.reshape(num_tokens, width).contiguous()
-    token_tiles = triton.cdiv(num_tokens, _BLOCK_T)
-    _mhc_partials_kernel[(token_tiles, num_splits)](
+    _mhc_partials_kernel[(triton.cdiv(num_tokens, config.block_t), num_splits)](
         x,
         fn.contiguous(),
         partials,
@@ -175,14 +289,17 @@ def mhc_triplet(
         width,
         MIX=mix,
         MIX_PAD=mix_pad,
-        BLOCK_T=_BLOCK_T,
-        BLOCK_K=_BLOCK_K,
-        SPLIT=SPLIT_COLS,
+        BLOCK_T=config.block_t,
+        BLOCK_K=BLOCK_K,
+        SPLIT=split,
+        PRECISION=config.precision,
+        BF16_DOTS=not interpreting(),
+        num_warps=config.num_warps,
     )
     # torch's mean multiplies the sum by the fp32 reciprocal of the count: the float64 1/width
     # rounds to it (no double-rounding tie for integers below 2²⁴), as Triton passes it as fp32
     inv_width = 1.0 / width
-    _mhc_finish_kernel[(token_tiles,)](
+    _mhc_finish_kernel[(triton.cdiv(num_tokens, _FINISH_BLOCK_T),)](
         partials,
         base.contiguous(),
         scale.contiguous(),
@@ -197,7 +314,8 @@ def mhc_triplet(
         ITERS=iters,
         N=n,
         MIX_PAD=mix_pad,
-        BLOCK_T=_BLOCK_T,
+        BLOCK_T=_FINISH_BLOCK_T,
+        CHUNK=min(_FINISH_CHUNK, triton.next_power_of_2(num_splits)),
     )
     return pre, post, comb
 

@@ -9,12 +9,13 @@ evaluation than the fp32 reference itself at every shape below.
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
 
 from kernels.mhc_mix import mhc_mix_reference
-from kernels.mhc_triplet import mhc_triplet, mhc_triplet_reference
+from kernels.mhc_triplet import CONFIGS, TripletConfig, mhc_triplet, mhc_triplet_reference
 from tests.kernels.interpreted import compile_for_hopper, run_interpreted, ulps
 
 NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20
@@ -38,12 +39,15 @@ def triplet_inputs(num_tokens: int, d: int, seed: int, device: str = "cpu"):
     return [t.to(device) for t in (residual, fn, base, scale)]
 
 
-def triplet_errors(cases: list[tuple[int, int]], device: str = "cpu") -> list[list[list[float]]]:
-    """Per case, per output (pre, post, comb): [relative norm, ulps] against the reference."""
+def triplet_errors(
+    cases: list[tuple[int, int]], device: str = "cpu", config=None
+) -> list[list[list[float]]]:
+    """Per case, per output (pre, post, comb): [relative norm, ulps] against the reference
+    (config: the launcher's, default its table's row for T)."""
     errors = []
     for seed, (num_tokens, d) in enumerate(cases):
         inputs = triplet_inputs(num_tokens, d, seed, device)
-        ours = mhc_triplet(*inputs, NORM_EPS, HC_EPS, ITERS)
+        ours = mhc_triplet(*inputs, NORM_EPS, HC_EPS, ITERS, config=config)
         reference = mhc_triplet_reference(*inputs, NORM_EPS, HC_EPS, ITERS)
         row = []
         for got, expected in zip(ours, reference, strict=True):
@@ -125,35 +129,62 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
         mhc_triplet(residual[0], fn, base, scale, NORM_EPS, HC_EPS, ITERS)
     with pytest.raises(ValueError, match="CUDA"):
         mhc_triplet(residual, fn, base, scale, NORM_EPS, HC_EPS, ITERS)
+    with pytest.raises(ValueError, match="precision"):
+        TripletConfig("fp16", 16, 512)
+    with pytest.raises(ValueError, match="split_cols"):
+        TripletConfig("bf16x6", 16, 100)
 
 
-@pytest.mark.parametrize("one_token", [False, True])
-def test_kernels_compile_for_hopper(one_token: bool) -> None:
+@pytest.mark.parametrize(
+    ("one_token", "precision", "block_t"),
+    [(False, "bf16x6", 64), (True, "bf16x6", 16), (False, "tf32x3", 64), (False, "ieee", 16)],
+)
+def test_kernels_compile_for_hopper(one_token: bool, precision: str, block_t: int) -> None:
     # A launch with T = 1 (or one split) passes them as constexprs, which the interpreter
     # never does.
     from kernels.mhc_triplet import _mhc_finish_kernel, _mhc_partials_kernel
 
     count = {"num_tokens": 1} if one_token else {}
     count_type = {} if one_token else {"num_tokens": "i32"}
-    types = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "width": "i32"}
-    constexprs = {"MIX": 24, "MIX_PAD": 32, "BLOCK_T": 16, "BLOCK_K": 64, "SPLIT": 512}
+    types = {"x_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "width": "i32"}
+    constexprs = {"MIX": 24, "MIX_PAD": 32, "BLOCK_T": block_t, "BLOCK_K": 64, "SPLIT": 512}
+    constexprs |= {"PRECISION": precision, "BF16_DOTS": True}
     ptx = compile_for_hopper(
         _mhc_partials_kernel, {**types, **count_type}, {**constexprs, **count}, set(types)
     )
-    assert "fma.rn.f32" in ptx and "mma" not in ptx  # IEEE fp32 dots, no TF32
+    if precision == "ieee":
+        assert "fma.rn.f32" in ptx and "mma" not in ptx  # IEEE fp32 dots, no TF32
+    else:  # tensor cores: wgmma for 64-token tiles, mma.sync for 16
+        kind = {"bf16x6": "bf16.bf16", "tf32x3": "tf32.tf32"}[precision]
+        assert re.search(rf"(wgmma\.mma_async|mma\.sync)\S*{kind}", ptx)
     pointers = ("part_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr")
     types = {name: "*fp32" for name in pointers}
     types |= {"inv_width": "fp32", "norm_eps": "fp32", "hc_eps": "fp32", **count_type}
     splits = {"num_splits": 1} if one_token else {}
     types |= {} if one_token else {"num_splits": "i32"}
-    constexprs = {"ITERS": 20, "N": 4, "MIX_PAD": 32, "BLOCK_T": 16, **count, **splits}
-    ptx = compile_for_hopper(_mhc_finish_kernel, types, constexprs, {"part_ptr"})
+    chunk = 1 if one_token else 16
+    constexprs = {"ITERS": 20, "N": 4, "MIX_PAD": 32, "BLOCK_T": 16, "CHUNK": chunk}
+    ptx = compile_for_hopper(
+        _mhc_finish_kernel, types, {**constexprs, **count, **splits}, {"part_ptr"}
+    )
     assert "fma.rn.f32" in ptx
 
 
 @pytest.mark.gpu
 def test_kernel_matches_reference_on_cuda() -> None:
     _check(triplet_errors(GPU_CASES, "cuda"), GPU_CASES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [config for _, config in CONFIGS] + [TripletConfig("tf32x3", 64, 2048, 4)],
+    ids=repr,
+)
+def test_every_configured_launch_shape_matches_reference_on_cuda(config) -> None:
+    # every row of the launcher's table (and tf32x3) at a prefill-like T, fp32 and bf16 rows
+    cases = [(300, 5120), (300, 5120), (5, 256)]
+    _check(triplet_errors(cases, "cuda", config), cases)
 
 
 @pytest.mark.gpu
