@@ -18,9 +18,17 @@ import argparse
 import torch
 import triton.testing
 
-from kernels.mhc_triplet import TripletConfig, config_for, mhc_triplet, mhc_triplet_reference
+from kernels.mhc_mix import mhc_mix_reference
+from kernels.mhc_triplet import (
+    TripletConfig,
+    config_for,
+    mhc_logits_reference,
+    mhc_triplet,
+    mhc_triplet_reference,
+)
 
 N, D, NORM_EPS, HC_EPS, ITERS = 4, 5120, 1e-6, 1e-6, 20
+DEVICE = "cuda"
 BOUND = 2e-6
 CANDIDATES = [
     TripletConfig("ieee", 16, 512, 4),  # the first kernel's shape
@@ -35,13 +43,21 @@ CANDIDATES = [
 
 def site_inputs(num_tokens: int) -> list[torch.Tensor]:
     """One site's residual (fp32), fn, base, scale at the model's scales."""
-    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    g = torch.Generator(device=DEVICE).manual_seed(num_tokens)
     mix = 2 * N + N * N
-    residual = torch.randn(num_tokens, N, D, device="cuda", generator=g)
-    fn = torch.randn(mix, N * D, device="cuda", generator=g) * (2 / (N * D) ** 0.5)
-    base = torch.randn(mix, device="cuda", generator=g)
-    scale = torch.rand(3, device="cuda", generator=g) + 0.5
+    residual = torch.randn(num_tokens, N, D, device=DEVICE, generator=g)
+    fn = torch.randn(mix, N * D, device=DEVICE, generator=g) * (2 / (N * D) ** 0.5)
+    base = torch.randn(mix, device=DEVICE, generator=g)
+    scale = torch.rand(3, device=DEVICE, generator=g) + 0.5
     return [residual, fn, base, scale]
+
+
+def float64_site(residual, fn, base, scale) -> tuple[torch.Tensor, ...]:
+    """The site evaluated in float64 throughout (`mhc_triplet_reference` rounds z to fp32)."""
+    z = residual.flatten(1).double()
+    mix = (z @ fn.double().t()) * torch.rsqrt(z.square().mean(-1, keepdim=True) + NORM_EPS)
+    logits = mhc_logits_reference(mix, base.double(), scale.double(), N)
+    return mhc_mix_reference(logits, N, HC_EPS, ITERS)
 
 
 def worst_relative(ours, reference) -> float:
@@ -59,7 +75,7 @@ def main() -> None:
     for num_tokens in args.tokens:
         inputs = site_inputs(num_tokens)
         with torch.inference_mode():
-            exact = mhc_triplet_reference(*(t.double() for t in inputs), NORM_EPS, HC_EPS, ITERS)
+            exact = float64_site(*inputs)
             torch_fp32 = mhc_triplet_reference(*inputs, NORM_EPS, HC_EPS, ITERS)
             torch_us = 1e3 * triton.testing.do_bench(
                 lambda a=inputs: mhc_triplet_reference(*a, NORM_EPS, HC_EPS, ITERS),

@@ -83,7 +83,7 @@ _FINISH_CHUNK = 16  # partials (splits) launch 2 sums per step
 CONFIGS: tuple[tuple[int, TripletConfig], ...] = (
     (64, TripletConfig("bf16x6", 16, 256, 4)),
     (256, TripletConfig("bf16x6", 64, 512, 4)),
-    (2048, TripletConfig("bf16x6", 64, 2048, 4)),
+    (8192, TripletConfig("bf16x6", 64, 2048, 4)),
     (1 << 62, TripletConfig("bf16x6", 128, 4096, 8)),
 )
 
