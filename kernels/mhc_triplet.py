@@ -153,7 +153,6 @@ def _mhc_partials_kernel(
     split = tl.program_id(1)
     is_token = t < num_tokens
     m = tl.arange(0, MIX_PAD)
-    X_IS_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     rows = x_ptr + t[:, None].to(tl.int64) * width
     weights = fn_ptr + m[None, :].to(tl.int64) * width
     dots = tl.zeros((BLOCK_T, MIX_PAD), dtype=tl.float32)
@@ -168,7 +167,8 @@ def _mhc_partials_kernel(
         if PRECISION == "ieee":
             dots = tl.dot(x, w, dots, input_precision="ieee")
         else:
-            dots += _chunk_dot(x, w, PRECISION, X_IS_BF16, BF16_DOTS)
+            is_bf16 = x_ptr.dtype.element_ty == tl.bfloat16
+            dots += _chunk_dot(x, w, PRECISION, is_bf16, BF16_DOTS)
         squares += tl.sum(x * x, axis=1)
     dots = tl.where(m[None, :] == MIX, squares[:, None], dots)
     out = (split.to(tl.int64) * num_tokens + t[:, None]) * MIX_PAD + m[None, :]
