@@ -1,0 +1,125 @@
+"""The indexer's scores from the paged FP4 key pool against the torch reference.
+
+Every product iq[h, d] · key[j, d] is exact (both are FP4 values times powers of two), so the
+kernel and the float64 reference differ only by fp32 rounding of the sums. First order, a sum
+of n terms in any order rounds within (n − 1)·u·Σ|term| (u = 2^-24); relu does not grow an
+error; so a score lies within (D + H + 1)·u·A of the exact value, A = Σ_h |hw_h| Σ_d |q_hd k_jd|
+(D products, one weight product, H heads, the reference's own rounding). The bound checked is
+twice that: tensor-core fp32 accumulation truncates where IEEE rounds (up to 2u an add). A
+relative norm would hide a single wrong position; this bound is per score and scale-aware
+(a head sum may cancel), and a wrong key, head or weight breaks it by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.deepseek_v41.kv_formats import index_fp4_quantize, index_fp4_round_trip
+from kernels.index_scores import index_scores, index_scores_reference
+from tests.kernels.interpreted import run_interpreted
+
+# (lengths per sequence, start positions, heads, head dim, ratio): decode batches (T = 1),
+# ragged prefill chunks with padded rows, few heads (several tokens per dot), heads that are
+# not a power of two, the released 64 × 128, ratios 1 and 2.
+CASES = [
+    ((1, 1, 1), (5, 200, 63), 16, 32, 2),
+    ((7, 3), (0, 130), 4, 64, 1),
+    ((2, 5, 1), (300, 17, 0), 12, 32, 2),
+    ((2, 1), (260, 40), 64, 128, 2),
+]
+GPU_CASES = [
+    ((1,) * 16, (4095,) * 16, 64, 128, 2),  # decode, J = 2048
+    ((1,) * 64, tuple(4095 - 37 * i for i in range(64)), 64, 128, 2),  # ragged decode
+    ((1,) * 7, (100, 4095, 9, 2047, 0, 130, 1), 32, 128, 2),
+    ((512,), (3584,), 64, 128, 2),  # a prefill chunk at J = 2048
+    ((300, 64, 1), (0, 1000, 3000), 64, 128, 1),
+    ((33, 2), (5, 600), 16, 32, 2),
+]
+_U = 2.0**-24
+
+
+def _inputs(case, device: str = "cpu"):
+    """(iq, hw, pool, block_tables, ratio, pad_index, positions, num_j) for `index_scores`."""
+    lengths, starts, heads, dim, ratio = case
+    generator = torch.Generator().manual_seed(sum(lengths) + sum(starts) + heads + dim)
+    num_tokens, t_max = sum(lengths), max(lengths)
+    ends = [s + n - 1 for s, n in zip(starts, lengths, strict=True)]
+    num_j = max((e + 1) // ratio for e in ends)
+    per_block = 128 // ratio
+    max_blocks = -(-max(ends) // 128) + 1
+    num_blocks = len(lengths) * max_blocks + 3
+    keys = torch.randn(num_blocks, per_block, dim, generator=generator)
+    keys = keys * torch.exp2(torch.randint(-3, 4, (num_blocks, per_block, 1), generator=generator))
+    pool = index_fp4_quantize(keys)
+    tables = torch.full((len(lengths), max_blocks), -1, dtype=torch.long)
+    order = torch.randperm(num_blocks, generator=generator)
+    for b, end in enumerate(ends):  # each sequence's own blocks; −1 past its end
+        own = end // 128 + 1
+        tables[b, :own] = order[b * max_blocks : b * max_blocks + own]
+    iq = index_fp4_round_trip(torch.randn(num_tokens, heads, dim, generator=generator))
+    hw = torch.randn(num_tokens, heads, generator=generator) * (dim**-0.5 * heads**-0.5)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
+    first = torch.tensor([0, *lengths]).cumsum(0)[:-1]
+    local = torch.arange(t_max)
+    pad_index = torch.where(
+        local[None, :] < torch.tensor(lengths)[:, None], first[:, None] + local, -1
+    )
+    tensors = (iq, hw, pool, tables)
+    return (
+        *(t.to(device) for t in tensors),
+        ratio,
+        pad_index.to(device),
+        positions.to(device),
+        num_j,
+    )
+
+
+def _error_in_bounds(args) -> tuple[float, bool]:
+    """(max |kernel − reference| / bound over finite scores, whether the −inf sets agree)."""
+    iq, hw, pool, tables, ratio, pad_index, positions, num_j = args
+    ours = index_scores(*args)
+    reference = index_scores_reference(*args)
+    # Σ_h |hw| Σ_d |q k|: the reference on magnitudes (e2m1 codes keep their magnitudes when
+    # the sign bit is cleared; the scale bytes stay).
+    magnitudes = pool.clone()
+    half = iq.shape[-1] // 2
+    magnitudes[..., :half] &= 0x77
+    terms = index_scores_reference(
+        iq.abs(), hw.abs(), magnitudes, tables, ratio, pad_index, positions, num_j
+    )
+    same_inf = bool(torch.equal(torch.isinf(ours), torch.isinf(reference)))
+    finite = torch.isfinite(reference)
+    bound = 2 * (iq.shape[-1] + iq.shape[1] + 1) * _U * terms[finite].double()
+    error = (ours[finite].double() - reference[finite].double()).abs()
+    ratio_to_bound = float((error / bound.clamp(min=1e-300)).max()) if error.numel() else 0.0
+    return ratio_to_bound, same_inf
+
+
+_INTERPRETED = """
+import json
+from tests.kernels.test_index_scores import CASES, _error_in_bounds, _inputs
+print(json.dumps([_error_in_bounds(_inputs(case)) for case in CASES]))
+"""
+
+
+def test_index_scores_match_the_reference_in_the_interpreter() -> None:
+    results = run_interpreted(_INTERPRETED)
+    assert len(results) == len(CASES)
+    for case, (ratio_to_bound, same_inf) in zip(CASES, results, strict=True):
+        assert same_inf, case
+        assert ratio_to_bound <= 1.0, (case, ratio_to_bound)
+
+
+def test_index_scores_rejects_a_head_dim_it_cannot_tile() -> None:
+    iq, hw, pool, tables, ratio, pad_index, positions, num_j = _inputs(CASES[0])
+    with pytest.raises(ValueError, match="power of two"):
+        index_scores(iq[..., :24], hw, pool, tables, ratio, pad_index, positions, num_j)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES + GPU_CASES)
+def test_index_scores_on_cuda(case) -> None:
+    ratio_to_bound, same_inf = _error_in_bounds(_inputs(case, "cuda"))
+    assert same_inf
+    assert ratio_to_bound <= 1.0, ratio_to_bound
