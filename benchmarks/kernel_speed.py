@@ -47,6 +47,12 @@ counts the weight bytes (FP8 + scales) plus x in and y out.
 fp8_tiles: for the same shapes and T, every tile shape of a small candidate list
 (`fp8_tile_candidates`) against `default_config`'s; prints the fastest per shape (what to put
 into `default_config` once measured). Writes kernel_speed.json.
+
+index_scores: one ratio-2 indexer's scores (64 heads x 128, FP4 index keys of a paged pool,
+J = 2048 compressed positions: 4K context) for decode steps of S sequences and a 1,024-token
+prefill chunk; "before" the torch path of `Attention._select` (gather the rows, decode them to
+fp32, bf16 bmm + fp32 head sum, mask), "after" `kernels.index_scores` (one launch); GB/s counts
+the key rows, queries and head weights read and the fp32 scores written. Also prints µs.
 """
 
 from __future__ import annotations
@@ -573,6 +579,64 @@ def fp8_tile_rows(tokens: list[int], device: torch.device) -> list[dict]:
     return rows
 
 
+def index_score_rows(sequences: list[int], device: torch.device) -> list[dict]:
+    """One ratio-2 indexer at J = 2048 (`index_scores` group of the module docstring)."""
+    from engine.models.deepseek_v41.attention import Attention
+    from engine.models.deepseek_v41.kv_formats import index_fp4_quantize, index_fp4_round_trip
+    from kernels.fp4_rows import index_fp4_rows_dequantize
+    from kernels.index_scores import _index_scores_kernel, index_scores
+
+    heads, dim, ratio, num_j = 64, 128, 2, 2048
+    per_block, context = 128 // ratio, num_j * ratio
+    blocks_per_seq = context // 128
+    rows = []
+    for num_seqs, new in [(s, 1) for s in sequences] + [(1, 1024)]:
+        generator = torch.Generator(device=device).manual_seed(num_seqs)
+        num_tokens = num_seqs * new
+
+        def randn(*shape, g=generator):
+            return torch.randn(*shape, device=device, generator=g)
+
+        pool = index_fp4_quantize(randn(num_seqs * blocks_per_seq, per_block, dim))
+        tables = torch.randperm(num_seqs * blocks_per_seq, device=device).view(num_seqs, -1)
+        iq = index_fp4_round_trip(randn(num_tokens, heads, dim))
+        hw = randn(num_tokens, heads) * (dim**-0.5 * heads**-0.5)
+        positions = context - new + torch.arange(new, device=device).repeat(num_seqs)
+        pad_index = torch.arange(num_tokens, device=device).view(num_seqs, new)
+        args = (iq, hw, pool, tables, ratio, pad_index, positions, num_j)
+        j = torch.arange(num_j, device=device)
+        block = tables[:, (j * ratio) // 128]
+        row = (j % per_block)[None, :].expand_as(block)
+        visible = torch.div(positions.view(num_seqs, new) + 1, ratio, rounding_mode="floor")
+        hidden = j[None, None, :] >= visible[..., None]
+
+        def before(a=args, block=block, row=row, hidden=hidden):
+            keys = index_fp4_rows_dequantize(a[2][block, row])
+            q, w = a[0].view(*a[5].shape, heads, dim), a[1].view(*a[5].shape, heads)
+            scores = Attention._index_scores(q, w, keys, keys.is_cuda)
+            return scores.masked_fill(hidden, float("-inf"))
+
+        before_us = _bench_us(before)
+        after_us = _bench_us(lambda a=args: index_scores(*a))
+        ours, theirs = index_scores(*args), before()
+        finite = torch.isfinite(theirs)
+        same_inf = bool(torch.equal(finite, torch.isfinite(ours)))
+        error = _relative(ours[finite], theirs[finite]) if same_inf else float("inf")
+        moved = num_seqs * num_j * (dim // 2 + dim // 32) + num_tokens * heads * (dim + 1) * 4
+        moved += num_tokens * num_j * 4
+        flops = 2 * num_tokens * heads * num_j * dim
+        phase = "decode" if new == 1 else "prefill"
+        name = f"index_scores ({phase})"
+        rows.append(_row(name, num_tokens, before_us / 1e3, after_us / 1e3, moved, flops, error))
+        print(
+            f"{name} S={num_seqs} T={num_tokens}: before {before_us:.1f} µs "
+            f"({moved / before_us / 1e3:.0f} GB/s), after {after_us:.1f} µs "
+            f"({moved / after_us / 1e3:.0f} GB/s); tiles {_index_scores_kernel.best_config}",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
@@ -587,6 +651,7 @@ def main() -> None:
         "attention": lambda _tokens, device: attention_tile_rows(device) + attention_rows(device),
         "fp8_gemm": fp8_gemm_rows,
         "fp8_tiles": fp8_tile_rows,
+        "index_scores": lambda _tokens, device: index_score_rows([16, 64, 256], device),
     }
     parser.add_argument("--only", nargs="*", choices=sorted(groups), default=sorted(groups))
     args = parser.parse_args()

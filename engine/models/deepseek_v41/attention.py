@@ -509,18 +509,26 @@ class Attention(nn.Module):
         hw = self.indexer.weights_proj.forward_fp32(x) * (dim**-0.5 * heads**-0.5)
         ends = batch.end_positions()
         num_visible_max = max((e + 1) // r for e in ends)
-        keys = self._gather_index_keys(num_visible_max, ctx)  # [B, J, dim]
-        if self.batch_invariant:
-            scores = self._index_scores_fixed_order(iq, hw, keys, batch)
+
+        def visibility() -> tuple[Tensor, Tensor]:
+            return batch.shared(
+                ("index visibility", r, num_visible_max),
+                lambda: _index_visibility(batch, r, num_visible_max),
+            )
+
+        if self._scores_in_kernel(iq, ctx):
+            scores = self._index_scores_kernel(iq, hw, num_visible_max, ctx)
         else:
-            exact_in_bf16 = ctx.codecs.index.storage_dtype in (torch.uint8, torch.bfloat16)
-            on_tensor_cores = keys.is_cuda and exact_in_bf16 and bf16_mm_to_fp32_runs(keys.device)
-            scores = self._index_scores(batch.pad(iq), batch.pad(hw), keys, on_tensor_cores)
-        num_visible, hidden = batch.shared(
-            ("index visibility", r, num_visible_max),
-            lambda: _index_visibility(batch, r, num_visible_max),
-        )
-        scores = scores.masked_fill(hidden, float("-inf"))
+            keys = self._gather_index_keys(num_visible_max, ctx)  # [B, J, dim]
+            if self.batch_invariant:
+                scores = self._index_scores_fixed_order(iq, hw, keys, batch)
+            else:
+                exact_in_bf16 = ctx.codecs.index.storage_dtype in (torch.uint8, torch.bfloat16)
+                on_tensor_cores = (
+                    keys.is_cuda and exact_in_bf16 and bf16_mm_to_fp32_runs(keys.device)
+                )
+                scores = self._index_scores(batch.pad(iq), batch.pad(hw), keys, on_tensor_cores)
+            scores = scores.masked_fill(visibility()[1], float("-inf"))
         if self.is_candidate_consumer and ctx.candidates is not None:
             scores = scores.masked_fill(~ctx.candidates[..., :num_visible_max], float("-inf"))
         k = min(cfg.index_topk, num_visible_max)
@@ -533,11 +541,30 @@ class Attention(nn.Module):
             sel = _ascending_selection(sel, cfg.index_topk)
         ctx.selection[r] = batch.unpad(sel)
         if self.is_candidate_source:
-            ctx.candidates = self._candidate_blocks(scores, num_visible)
+            ctx.candidates = self._candidate_blocks(scores, visibility()[0])
         if ctx.record is not None:
             ctx.record[f"layers.{self.layer_id}.selection"] = batch.unpad(sel)
             if ctx.candidates is not None:
                 ctx.record[f"layers.{self.layer_id}.candidates"] = batch.unpad(ctx.candidates)
+
+    def _scores_in_kernel(self, iq: Tensor, ctx: StepContext) -> bool:
+        """`kernels.index_scores` scores: the kernel path, FP4 index rows (decoded exactly to
+        bf16 in registers), not batch-invariant (its head sum's order follows the tile)."""
+        return (
+            runs_kernels(iq)
+            and not self.batch_invariant
+            and ctx.codecs.index.storage_dtype == torch.uint8
+        )
+
+    def _index_scores_kernel(self, iq: Tensor, hw: Tensor, num_j: int, ctx: StepContext) -> Tensor:
+        """`_index_scores` with the hidden positions at −inf, read from the paged key pool."""
+        from kernels.index_scores import index_scores
+
+        batch = ctx.batch
+        pool = ctx.state.index_keys[self.source_id]
+        return index_scores(
+            iq, hw, pool, batch.block_tables, self.ratio, batch.pad_index, batch.positions, num_j
+        )
 
     def _gather_index_keys(self, num_j: int, ctx: StepContext) -> Tensor:
         batch, r = ctx.batch, self.ratio
