@@ -12,6 +12,8 @@ relative norm would hide a single wrong position; this bound is per score and sc
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -123,3 +125,39 @@ def test_index_scores_on_cuda(case) -> None:
     ratio_to_bound, same_inf = _error_in_bounds(_inputs(case, "cuda"))
     assert same_inf
     assert ratio_to_bound <= 1.0, ratio_to_bound
+
+
+# Whole prompts on the tiny model's kernel paths (FP4 index rows): more visible positions than
+# index_topk (8) at both ratios, a candidate source and consumers, ragged lengths.
+_SELECTIONS = """
+import json, torch
+from engine.models import load_model
+from engine.models.deepseek_v41.attention import Attention
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in (40, 23, 5)]
+model = load_model({checkpoint!r})
+runs = []
+for in_kernel in (True, False):
+    if not in_kernel:  # the same run with the indexer's torch scores (gather, decode, bmm)
+        Attention._scores_in_kernel = lambda self, iq, ctx: False
+    record = {{}}
+    model.logits(prompts, record=record)
+    kept = ("selection", "candidates")
+    runs.append({{k: v.tolist() for k, v in record.items() if k.endswith(kept)}})
+print(json.dumps(runs))
+"""
+
+
+@pytest.mark.slow  # two tiny-model runs in the interpreter (~1-2 min on 2 cores)
+def test_the_model_selects_the_same_positions_with_the_kernel(tiny_checkpoint: Path) -> None:
+    """Every index layer's top-k selection (and the candidate mask) of a tiny-model run on its
+    kernel paths is the same set with the kernel's scores as with the torch path's: the scores
+    differ by fp32 summation order only, and no near tie falls across the k-th place here."""
+    kernel, torch_path = run_interpreted(_SELECTIONS.format(checkpoint=str(tiny_checkpoint)))
+    assert kernel.keys() == torch_path.keys() and len(kernel) >= 4
+    for name, selection in kernel.items():
+        ours, theirs = torch.tensor(selection), torch.tensor(torch_path[name])
+        if name.endswith("selection"):
+            assert (ours >= 0).sum() > 0, name
+            ours, theirs = ours.sort(-1).values, theirs.sort(-1).values
+        assert torch.equal(ours, theirs), name
