@@ -549,7 +549,8 @@ class Attention(nn.Module):
 
     def _scores_in_kernel(self, iq: Tensor, ctx: StepContext) -> bool:
         """`kernels.index_scores` scores: the kernel path, FP4 index rows (decoded exactly to
-        bf16 in registers), not batch-invariant (its head sum's order follows the tile)."""
+        bf16 in registers), not batch-invariant (its tiles and tuned config follow the step's
+        shapes, so a score's summation order may too)."""
         return (
             runs_kernels(iq)
             and not self.batch_invariant
