@@ -138,7 +138,7 @@ def _index_scores_kernel(
         total = tl.sum(tl.reshape(weighted, (BLOCK_T, BLOCK_H, BLOCK_J)), axis=1)
         visible = (j[None, :] < num_visible[:, None]) & is_row[None, :]
         scores = tl.where(visible, total, float("-inf"))
-    out_ptrs = out_ptr + seq * stride_ob + t[:, None] * stride_ot + j[None, :]
+    out_ptrs = out_ptr + seq * stride_ob + t.to(tl.int64)[:, None] * stride_ot + j[None, :]
     tl.store(out_ptrs, scores, mask=(t < max_len)[:, None] & (j < num_j)[None, :])
 
 
