@@ -109,11 +109,9 @@ def _index_scores_kernel(
     tile_visible = tl.max(num_visible, axis=0)
     scores = tl.full((BLOCK_T, BLOCK_J), float("-inf"), tl.float32)
     if j0 < tile_visible:
-        rows_per_block: tl.constexpr = _BLOCK_TOKENS // RATIO
+        rows_per_block: tl.constexpr = 128 // RATIO  # _BLOCK_TOKENS (a jit sees no globals)
         is_row = j < tile_visible
-        block = tl.load(
-            table_ptr + seq * stride_table + (j * RATIO) // _BLOCK_TOKENS, mask=is_row, other=-1
-        )
+        block = tl.load(table_ptr + seq * stride_table + (j * RATIO) // 128, mask=is_row, other=-1)
         is_row = is_row & (block >= 0)
         row_index = (
             tl.where(is_row, block, 0) * stride_pool_block + (j % rows_per_block) * stride_pool_row

@@ -19,7 +19,7 @@ import torch
 
 from engine.models.deepseek_v41.kv_formats import index_fp4_quantize, index_fp4_round_trip
 from kernels.index_scores import index_scores, index_scores_reference
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import compile_for_hopper, run_interpreted
 
 # (lengths per sequence, start positions, heads, head dim, ratio): decode batches (T = 1),
 # ragged prefill chunks with padded rows, few heads (several tokens per dot), heads that are
@@ -117,6 +117,26 @@ def test_index_scores_rejects_a_head_dim_it_cannot_tile() -> None:
     iq, hw, pool, tables, ratio, pad_index, positions, num_j = _inputs(CASES[0])
     with pytest.raises(ValueError, match="power of two"):
         index_scores(iq[..., :24], hw, pool, tables, ratio, pad_index, positions, num_j)
+
+
+def test_the_released_shape_compiles_to_tensor_core_dots() -> None:
+    """Compiled for sm90 (what the interpreter cannot show): 64 heads × 128 in one wgmma tile,
+    no register spills."""
+    import triton.language as tl
+
+    from kernels.index_scores import _index_scores_kernel
+
+    kernel = _index_scores_kernel.fn
+    pointers = {"q": "fp32", "w": "fp32", "pool": "u8", "table": "i64", "pad": "i64"}
+    types = {f"{name}_ptr": f"*{dtype}" for name, dtype in pointers.items()}
+    types |= {"position_ptr": "*i64", "out_ptr": "*fp32"}
+    types |= {n: "i32" for n in kernel.arg_names if n.startswith(("num_", "max_", "stride_"))}
+    constexprs = {"RATIO": 2, "D": 128, "BLOCK_H": 64, "BLOCK_T": 1, "BLOCK_J": 128}
+    constexprs["DOT_DTYPE"] = tl.bfloat16
+    options = {"num_warps": 8, "num_stages": 1}
+    ptx = compile_for_hopper(kernel, types, constexprs, {"q_ptr", "pool_ptr"}, options)
+    assert "wgmma.mma_async" in ptx and ".bf16" in ptx
+    assert ".local" not in ptx
 
 
 @pytest.mark.gpu
