@@ -78,11 +78,14 @@ class MqaTiles:
 
 
 # THE CHOICE (edit here after `benchmarks/kernel_speed.py --only attention`): per launch, the
-# first entry whose bound is at least the launch's token count. Measured on the H200 before
-# this table existed (autotuned): 8 warps and 64-row tiles won at every shape tried, with 16
-# heads per program for decode and 32 for prefill.
+# first entry whose bound is at least the launch's token count. Measured on the H200
+# (2026-12-02, one layer of the released shape, 8K context; docs/performance.md): at 16 tokens
+# two row splits 54 µs (one: 85 µs); at 64 and 256 every head in one program with 128 output
+# columns 138 / 549 µs (16 heads: 162 / 653 µs); prefill 4,096 tokens 32 heads 5.7 ms (64 heads
+# with 128 columns: 6.8 ms).
 TILES: tuple[tuple[int, MqaTiles], ...] = (
-    (256, MqaTiles(16, 64)),
+    (16, MqaTiles(16, 64, splits=2)),
+    (256, MqaTiles(64, 32, block_d=128, num_warps=4)),
     (1 << 62, MqaTiles(32, 64)),
 )
 # `fixed_tiles` (batch-invariant mode): one shape whatever the launch, so a token's reduction
