@@ -131,8 +131,10 @@ class EngineConfig:
         directory are pulled from them (`GET /internal/kv/slot/{id}`; `resume_dir.py`).
     speculative: `dspark` (draft with the checkpoint's DSpark drafter and verify several
         tokens per step, `engine/speculative/`) or `off`; None = `dspark` on CUDA when the
-        model has the drafter, `off` on the CPU. Speculation runs the synchronous loop (the
-        async loop's placeholders cannot stand for a step's variable number of tokens yet).
+        model has the drafter, `off` on the CPU. With `async_scheduling` it runs
+        `OverlappedSpeculativeCore` (`engine/speculative/overlap.py`). NOTE: the embedded
+        `default` model's drafter is random, so it accepts ~no draft and speculation only
+        costs there (docs/performance.md, 2026-12-02: TPOT ~3x that of `off`).
     num_speculative_tokens: drafts per request and step (1 to the drafter's block, 5).
     speculative_verify: `fixed` verifies every draft; `scheduled` the planner's budget
         (`engine/speculative/planner.py`; without a step-time table, i.e. eager mode and the
