@@ -48,8 +48,14 @@ Logits, the attention's `wkv`/`wgate`, the indexer's weights and DSpark's heads 
 f32(x) · f32(W)ᵀ. On CUDA with bf16 weights (outside batch-invariant mode) that is one bf16
 tensor-core GEMM with fp32 output over x split exactly into three bf16 parts stacked as rows
 (x = hi + mid + lo; bf16 × bf16 products are exact in fp32): no fp32 copy of W per call (the
-lm head's was 2.6 GB per step at the released widths) and no fp32 CUDA-core GEMM. It differs
-from the fp32 GEMM only in the order of the fp32 sums (~1e-7 relative).
+lm head's was 2.6 GB per step at the released widths) and no fp32 CUDA-core GEMM. The split
+is exact and its three fp32 adds round by ≤ u·|y| each, so the error is the GEMM's own: the
+tensor cores' fp32 accumulator truncates (rounds toward zero) once per step of k = 16 products
+instead of rounding to nearest per product, an error biased toward zero that grows with K:
+measured on the H200 at K = 5120, 1.6e-6..5.4e-6 relative against 2.4e-7..5.2e-7 for the fp32
+CUDA-core GEMM, bounded by ~(K/16)·u (2e-5; `tests/models/test_dense.py`). Far below the bf16
+activations' own 4e-3 that feed these products in a bf16 model; exact mode (fp32 weights)
+does not take this path.
 """
 
 from __future__ import annotations
