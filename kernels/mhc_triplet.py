@@ -11,9 +11,8 @@ The torch version (`mhc_triplet_reference`, below) is ~8 launches before `mhc_mi
     launch 1  programs (tile of BLOCK_T tokens, slice of split columns): read the slice of
               each row once, dots with fn's 2N + N² rows and Σ z² → partials
               [splits, T, MIX_PAD] (column 2N + N² holds Σ z²)
-    launch 2  per tile of tokens: the partials summed in a fixed order (CHUNK splits as one
-              tree per step, the steps in split order), rsqrt, the fused multiply-add, then
-              `mhc_mix`'s gates and Sinkhorn (`mix_and_store`)
+    launch 2  per tile of tokens: the partials summed in split order, rsqrt, the fused
+              multiply-add, then `mhc_mix`'s gates and Sinkhorn (`mix_and_store`)
 
 Launch 1's dots run on tensor cores with fp32 accuracy (`TripletConfig.precision`): "bf16x6"
 splits x and fn exactly into three bf16 parts each (hi + mid + lo, from the bits) and sums the
@@ -76,7 +75,6 @@ class TripletConfig:
 
 
 _FINISH_BLOCK_T = 16
-_FINISH_CHUNK = 16  # partials (splits) launch 2 sums per step
 # (largest T, config): the first row with T <= its bound runs; the last row takes every larger
 # T. Chosen by `python3 benchmarks/mhc_tiles.py` on the H200 (2026-12-02, docs/performance.md):
 # per site 53.9 / 53.8 / 64.4 / 206.7 µs at T = 16 / 64 / 256 / 4,096 (ieee: 63 / 81 / 134 /
@@ -191,7 +189,6 @@ def _mhc_finish_kernel(
     N: tl.constexpr,
     MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     is_token = t < num_tokens
@@ -206,19 +203,15 @@ def _mhc_finish_kernel(
     post = tl.zeros((BLOCK_T, N), dtype=tl.float32)
     comb = tl.zeros((BLOCK_T, N, N), dtype=tl.float32)
     squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    # CHUNK splits per step, summed as one tree, the steps in split order (a fixed order, no
-    # atomics): a loop step waits one memory latency, so one per split was most of the time
-    c = tl.arange(0, CHUNK)
-    for s0 in range(0, num_splits, CHUNK):
-        in_split = (s0 + c) < num_splits
-        p = row[None, :] + (s0 + c)[:, None].to(tl.int64) * split_stride  # [CHUNK, BLOCK_T]
-        gates = in_split[:, None, None] & gate_mask[None, :, :]
-        pre += tl.sum(tl.load(p[:, :, None] + i[None, None, :], mask=gates, other=0.0), axis=0)
-        post += tl.sum(tl.load(p[:, :, None] + N + i[None, None, :], mask=gates, other=0.0), axis=0)
-        cells = in_split[:, None, None, None] & cell_mask[None, :, :, :]
-        comb += tl.sum(tl.load(p[:, :, None, None] + cell[None], mask=cells, other=0.0), axis=0)
-        is_sum = in_split[:, None] & is_token[None, :]
-        squares += tl.sum(tl.load(p + (2 * N + N * N), mask=is_sum, other=0.0), axis=0)
+    # NOTE: one split per loop step, in split order (no atomics). Loading 16 splits per step
+    # as one [16, BLOCK_T, N, N] tree made the launch 3x slower on the H200 (40 vs 12 µs per
+    # site at 64 tokens, `gpu_rank --profile`, 2026-12-02)
+    for split in range(num_splits):
+        p = row + split * split_stride
+        pre += tl.load(p[:, None] + i[None, :], mask=gate_mask, other=0.0)
+        post += tl.load(p[:, None] + N + i[None, :], mask=gate_mask, other=0.0)
+        comb += tl.load(p[:, None, None] + cell, mask=cell_mask, other=0.0)
+        squares += tl.load(p + (2 * N + N * N), mask=is_token, other=0.0)
     r = tl.rsqrt(squares * inv_width + norm_eps)
     # mix = dots · r, rounded, then one fused multiply-add, as the released kernel rounds it
     pre = tl.fma(
@@ -314,7 +307,6 @@ def mhc_triplet(
         N=n,
         MIX_PAD=mix_pad,
         BLOCK_T=_FINISH_BLOCK_T,
-        CHUNK=min(_FINISH_CHUNK, triton.next_power_of_2(num_splits)),
     )
     return pre, post, comb
 

@@ -162,8 +162,7 @@ def test_kernels_compile_for_hopper(one_token: bool, precision: str, block_t: in
     types |= {"inv_width": "fp32", "norm_eps": "fp32", "hc_eps": "fp32", **count_type}
     splits = {"num_splits": 1} if one_token else {}
     types |= {} if one_token else {"num_splits": "i32"}
-    chunk = 1 if one_token else 16
-    constexprs = {"ITERS": 20, "N": 4, "MIX_PAD": 32, "BLOCK_T": 16, "CHUNK": chunk}
+    constexprs = {"ITERS": 20, "N": 4, "MIX_PAD": 32, "BLOCK_T": 16}
     ptx = compile_for_hopper(
         _mhc_finish_kernel, types, {**constexprs, **count, **splits}, {"part_ptr"}
     )
