@@ -35,6 +35,7 @@ from engine.models import DeepseekV41ForCausalLM, Numerics, load_model
 from engine.models.deepseek_v41.engram_store import ENGRAM_PLACEMENTS as ENGRAM_PLACEMENTS
 from engine.models.deepseek_v41.engram_store import resolve_engram_placement
 from engine.models.deepseek_v41.state import ModelState, slot_payload_len
+from engine.models.deepseek_v41.warm_up import serving_warm_up_steps, warm_up
 from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta
 from engine.overlap import OverlappedCore
@@ -715,7 +716,24 @@ def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
     )
     logger.info("the engine holds its weights: %s", describe_held(model))
     capture_graphs(model, config)
+    warm_up_kernels(model, config)
     return model
+
+
+def warm_up_kernels(model: DeepseekV41ForCausalLM, config: EngineConfig) -> None:
+    """On CUDA, run the step shapes serving meets once now (`warm_up.py`: Triton compiles and
+    tunes on first use, which the first requests would otherwise wait for)."""
+    if model.device.type != "cuda":
+        return
+    start = time.perf_counter()
+    has_drafter = model.mtp is not None
+    speculative = config.speculative_config(on_cuda=True, has_drafter=has_drafter)
+    drafts = config.num_speculative_tokens if speculative.method == "dspark" else 0
+    steps = serving_warm_up_steps(config.max_num_batched_tokens, config.max_num_seqs, drafts)
+    warm_up(model, steps)
+    logger.info(
+        "kernels warmed up for %d step shapes in %.1f s", len(steps), time.perf_counter() - start
+    )
 
 
 def capture_graphs(model: DeepseekV41ForCausalLM, config: EngineConfig) -> None:
