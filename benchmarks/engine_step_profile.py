@@ -1,12 +1,14 @@
-"""Host time of the engine's steps for one stream: `cProfile` on the engine thread's `step`.
+"""Host time of the engine's steps: `cProfile` on the engine thread's `step`.
 
     python benchmarks/engine_step_profile.py [--device cuda] [--speculative default|off|dspark]
                                              [--async-scheduling on|off] [--requests 3]
-                                             [--prompt-len 512] [--output-len 128] [--top 35]
+                                             [--concurrency 1] [--prompt-len 512]
+                                             [--output-len 128] [--top 35]
 
 Builds the engine as the server does (`AsyncEngine.from_config`, the `default` model), sends
-greedy requests one after the other, and profiles every `core.step` call of all but the first
-(warm-up) request on the thread that runs it. Prints each request's TTFT and TPOT (both
+`--requests` rounds of `--concurrency` greedy requests (distinct prompts), one round after the
+other, and profiles every `core.step` call of all but the first (warm-up) round on the thread
+that runs it. Prints each request's TTFT and TPOT (both
 inflated by the profiler), the mean step time, then the functions by own time and by
 cumulative time: where a step's host time goes when the GPU is not the limit.
 """
@@ -30,7 +32,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--speculative", default="default", choices=["default", "off", "dspark"])
     parser.add_argument("--async-scheduling", choices=["on", "off"], default=None)
-    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=3, help="rounds")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests per round")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=35)
@@ -65,8 +68,14 @@ def main() -> None:
             profiler.disable()
 
     core.step = profiled_step  # looked up per call by the engine loop
-    prompt = list(range(1000, 1000 + args.prompt_len))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    async def one(rid: str, prompt: list[int]) -> tuple[float, float, int]:
+        start, first, count = time.perf_counter(), None, 0
+        async for delta in engine.generate(prompt, params, rid):
+            count += len(delta.token_ids)
+            first = first or time.perf_counter()
+        return start, first, count, time.perf_counter()
 
     async def run() -> None:
         nonlocal profiling
@@ -74,14 +83,19 @@ def main() -> None:
         try:
             for i in range(args.requests):
                 profiling = i > 0
-                start, first, count = time.perf_counter(), None, 0
-                async for delta in engine.generate(prompt, params, f"profile-{i}"):
-                    count += len(delta.token_ids)
-                    first = first or time.perf_counter()
-                end = time.perf_counter()
-                tpot = (end - first) / max(1, count - 1) * 1e3
-                print(f"request {i}: {count} tokens, TTFT {(first - start) * 1e3:.1f} ms, "
-                      f"TPOT {tpot:.2f} ms{' (profiled)' if profiling else ''}")  # fmt: skip
+                prompts = [
+                    [1000 + c, *range(1000, 1000 + args.prompt_len - 1)]
+                    for c in range(args.concurrency)
+                ]
+                done = await asyncio.gather(
+                    *(one(f"profile-{i}-{c}", p) for c, p in enumerate(prompts))
+                )
+                ttft = sorted(first - start for start, first, _, _ in done)[len(done) // 2]
+                tpot = sorted((end - first) / max(1, n - 1) for _, first, n, end in done)
+                tokens = sum(n for *_, n, _ in done)
+                print(f"round {i}: {len(done)} requests, {tokens} tokens, TTFT p50 "
+                      f"{ttft * 1e3:.1f} ms, TPOT p50 {tpot[len(tpot) // 2] * 1e3:.2f} ms"
+                      f"{' (profiled)' if profiling else ''}")  # fmt: skip
         finally:
             await engine.shutdown()
 
