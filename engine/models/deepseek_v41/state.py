@@ -285,8 +285,10 @@ def sequential_batch(
     slots: list[int],
     block_tables: Tensor,
     device: torch.device | str = "cpu",
+    logits_indices: Tensor | None = None,
 ) -> StepBatch:
-    """Convenience constructor from Python lists."""
+    """Convenience constructor from Python lists (logits_indices: the rows whose logits the
+    step returns; None = every row)."""
     flat = [t for seq in token_lists for t in seq]
     starts = [0]
     for seq in token_lists:
@@ -297,6 +299,7 @@ def sequential_batch(
         start_positions=list(start_positions),
         slots=ints_to_device(list(slots), device),
         block_tables=block_tables.to(device),
+        logits_indices=None if logits_indices is None else logits_indices.to(device),
     )
 
 

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.deepseek_v41.state import StepBatch
-
-_BLOCK_TOKENS = 128
+from engine.models.deepseek_v41.state import BLOCK_TOKENS, StepBatch, sequential_batch
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,7 @@ def serving_warm_up_steps(
     (the sparse attention's and the grouped GEMM's decode tiles change at 16 and 256 tokens);
     with speculation, verify rows of 1 + drafts tokens."""
     long = min(4096, max_prefill_tokens)
-    steps = [WarmUpStep(1, long), WarmUpStep(1, min(300, long) | 1, 0)]
+    steps = [WarmUpStep(1, long), WarmUpStep(1, min(300, long) | 1)]
     steps += [WarmUpStep(1, 1, 300), WarmUpStep(min(64, max_num_seqs), 1, 300)]
     if num_speculative_tokens:
         verify_seqs = min(8, max_num_seqs)
@@ -50,18 +48,19 @@ def serving_warm_up_steps(
 
 
 def warm_up_batch(step: WarmUpStep, vocab_size: int, device: torch.device) -> StepBatch:
-    """The step's batch: sequence i in slot i, its blocks laid out one after the other."""
+    """The step's batch: sequence i in slot i, its blocks laid out one after the other, the
+    logits of each sequence's last row only (as serving asks for them)."""
     n, per_seq = step.num_seqs, step.tokens_per_seq
-    blocks = -(-(step.context + per_seq) // _BLOCK_TOKENS)
+    blocks = -(-(step.context + per_seq) // BLOCK_TOKENS)
     generator = torch.Generator().manual_seed(n * 7919 + per_seq)
-    token_ids = torch.randint(3, min(vocab_size, 100_000), (n * per_seq,), generator=generator)
-    return StepBatch(
-        token_ids=token_ids.to(device),
-        starts=[i * per_seq for i in range(n + 1)],
-        start_positions=[step.context] * n,
-        slots=torch.arange(n, device=device),
-        block_tables=torch.arange(n * blocks, device=device).view(n, blocks),
-        logits_indices=torch.arange(1, n + 1, device=device) * per_seq - 1,
+    token_ids = torch.randint(3, min(vocab_size, 100_000), (n, per_seq), generator=generator)
+    return sequential_batch(
+        token_ids.tolist(),
+        [step.context] * n,
+        list(range(n)),
+        torch.arange(n * blocks).view(n, blocks),
+        device,
+        logits_indices=torch.arange(1, n + 1) * per_seq - 1,
     )
 
 
