@@ -47,9 +47,10 @@ from pathlib import Path
 import torch
 
 from engine import envs
-from engine.models import DeepseekV41Config, Numerics, StepBatch, preset_config
+from engine.models import DeepseekV41Config, Numerics, preset_config
 from engine.models.deepseek_v41.config import config_with
 from engine.models.deepseek_v41.random_init import MXFP4_RANDOM_SCALE_EXPONENT, random_model
+from engine.models.deepseek_v41.warm_up import WarmUpStep, synthetic_batch
 
 RANK_EXPERTS = 48
 RANK_DSPARK_EXPERTS = 16
@@ -206,30 +207,11 @@ def count_work(cfg: DeepseekV41Config, model, tokens: int, context: int, seqs: i
 # ---------------------------------------------------------------- steps
 
 
-def _batch(
-    device: torch.device,
-    tokens_per_seq: int,
-    seqs: int,
-    start: int,
-    blocks_per_seq: int,
-    vocab: int,
-) -> StepBatch:
-    n = tokens_per_seq * seqs
-    return StepBatch(
-        token_ids=torch.randint(3, min(vocab, 100000), (n,), device=device),
-        starts=[i * tokens_per_seq for i in range(seqs + 1)],
-        start_positions=[start] * seqs,
-        slots=torch.arange(seqs, device=device),
-        block_tables=torch.arange(seqs * blocks_per_seq, device=device).view(seqs, blocks_per_seq),
-        logits_indices=torch.arange(1, seqs + 1, device=device) * tokens_per_seq - 1,
-    )
-
-
 @torch.inference_mode()
 def prefill(model, chunk: int, device: torch.device, steps: int) -> float:
     blocks = chunk // 128 + 1
     state = model.allocate_state(1, blocks)
-    batch = _batch(device, chunk, 1, 0, blocks, model.config.vocab_size)
+    batch = synthetic_batch(WarmUpStep(1, chunk), model.config.vocab_size, device)
     return time_ms(lambda: model.forward_step(batch, state), device, 1, steps)
 
 
@@ -238,7 +220,8 @@ def decode_state(model, seqs: int, context: int, device: torch.device):
     """State for `seqs` sequences at `context` tokens: one real prefill, copied to every slot."""
     blocks = context // 128 + 1
     state = model.allocate_state(seqs, seqs * blocks)
-    model.forward_step(_batch(device, context, 1, 0, blocks, model.config.vocab_size), state)
+    prefill_batch = synthetic_batch(WarmUpStep(1, context), model.config.vocab_size, device)
+    model.forward_step(prefill_batch, state)
     for rings in (state.swa, state.draft_swa):
         for ring in rings:
             ring[1:] = ring[0]
@@ -254,7 +237,7 @@ def decode_state(model, seqs: int, context: int, device: torch.device):
 @torch.inference_mode()
 def decode(model, seqs: int, context: int, device: torch.device, steps: int) -> float:
     state, blocks = decode_state(model, seqs, context, device)
-    batch = _batch(device, 1, seqs, context, blocks, model.config.vocab_size)
+    batch = synthetic_batch(WarmUpStep(seqs, 1, context), model.config.vocab_size, device)
 
     def step() -> None:
         model.forward_step(batch, state).logits.argmax(-1)
@@ -580,12 +563,12 @@ def main() -> None:
         cases = [
             (
                 f"decode {seqs} seqs",
-                _batch(device, 1, seqs, args.context, blocks, cfg.vocab_size),
+                synthetic_batch(WarmUpStep(seqs, 1, args.context), cfg.vocab_size, device),
                 state,
             ),
             (
                 f"prefill {chunk}",
-                _batch(device, chunk, 1, 0, chunk_blocks, cfg.vocab_size),
+                synthetic_batch(WarmUpStep(1, chunk), cfg.vocab_size, device),
                 model.allocate_state(1, chunk_blocks),
             ),
         ]

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from engine import envs  # noqa: E402
 from engine.models import DeepseekV41Config, preset_config  # noqa: E402
 from engine.models.deepseek_v41.random_init import random_model  # noqa: E402
+from engine.models.deepseek_v41.warm_up import WarmUpStep, synthetic_batch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 _OWN_DIRS = (str(REPO / "engine"), str(REPO / "kernels"))
@@ -166,9 +167,6 @@ def _by_function(by_line: Counter[str]) -> Counter[str]:
 
 
 def main() -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from gpu_rank import _batch
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=512)
@@ -187,7 +185,7 @@ def main() -> None:
         # interpreter would take most of the run.
         blocks = args.context // 128 + 1
         state = model.allocate_state(args.seqs, args.seqs * blocks)
-        batch = _batch(device, 1, args.seqs, args.context, blocks, cfg.vocab_size)
+        batch = synthetic_batch(WarmUpStep(args.seqs, 1, args.context), cfg.vocab_size, device)
         model.forward_step(batch, state).logits.argmax(-1)  # warm: lazy buffers, caches
         census = LaunchCensus(1 + args.callers)
         restore = _count_triton_launches(census)

@@ -47,8 +47,9 @@ def serving_warm_up_steps(
     return tuple(steps)
 
 
-def warm_up_batch(step: WarmUpStep, vocab_size: int, device: torch.device) -> StepBatch:
-    """The step's batch: sequence i in slot i, its blocks laid out one after the other, the
+def synthetic_batch(step: WarmUpStep, vocab_size: int, device: torch.device) -> StepBatch:
+    """The step's batch of random token ids (also the benchmarks' `gpu_rank` and
+    `kernel_census`): sequence i in slot i, its blocks laid out one after the other, the
     logits of each sequence's last row only (as serving asks for them)."""
     n, per_seq = step.num_seqs, step.tokens_per_seq
     blocks = -(-(step.context + per_seq) // BLOCK_TOKENS)
@@ -75,7 +76,7 @@ def warm_up(model, steps: Sequence[WarmUpStep]) -> None:
     if model.expert_parallel is not None:
         raise ValueError("warm_up runs one rank alone: not with expert parallelism")
     for step in steps:
-        batch = warm_up_batch(step, model.config.vocab_size, model.device)
+        batch = synthetic_batch(step, model.config.vocab_size, model.device)
         state = model.allocate_state(step.num_seqs, batch.block_tables.numel())
         model.forward_step(batch, state)
         del state
