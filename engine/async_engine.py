@@ -32,6 +32,7 @@ from engine.kv_cache.store.dirstore import DirStoreConfig
 from engine.kv_cache.store.ttl import DEFAULT_TTL_SPEC, TTLPolicy
 from engine.model_runner import DirTiersConfig, ModelRunner, build_prefix_reuse
 from engine.models import DeepseekV41ForCausalLM, Numerics, load_model
+from engine.models.deepseek_v41.config import preset_names
 from engine.models.deepseek_v41.engram_store import ENGRAM_PLACEMENTS as ENGRAM_PLACEMENTS
 from engine.models.deepseek_v41.engram_store import resolve_engram_placement
 from engine.models.deepseek_v41.state import ModelState, slot_payload_len
@@ -132,10 +133,11 @@ class EngineConfig:
         directory are pulled from them (`GET /internal/kv/slot/{id}`; `resume_dir.py`).
     speculative: `dspark` (draft with the checkpoint's DSpark drafter and verify several
         tokens per step, `engine/speculative/`) or `off`; None = `dspark` on CUDA when the
-        model has the drafter, `off` on the CPU. With `async_scheduling` it runs
-        `OverlappedSpeculativeCore` (`engine/speculative/overlap.py`). NOTE: the embedded
-        `default` model's drafter is random, so it accepts ~no draft and speculation only
-        costs there (docs/performance.md, 2026-12-02: TPOT ~3x that of `off`).
+        model has the drafter and is a checkpoint folder, `off` on the CPU and for the
+        embedded presets (`tiny`, `default`, `medium`): their weights are random, so their
+        drafter accepts ~no draft and speculation only costs (docs/performance.md,
+        2026-12-02: TPOT ~3x that of `off`); `dspark` still runs them when asked. With
+        `async_scheduling` it runs `OverlappedSpeculativeCore` (`engine/speculative/overlap.py`).
     num_speculative_tokens: drafts per request and step (1 to the drafter's block, 5).
     speculative_verify: `fixed` verifies every draft; `scheduled` the planner's budget
         (`engine/speculative/planner.py`; without a step-time table, i.e. eager mode and the
@@ -255,11 +257,13 @@ class EngineConfig:
         )
 
     def speculative_config(self, *, on_cuda: bool, has_drafter: bool) -> SpeculativeConfig:
-        """The speculation these options select for a model on CUDA (or not) with (or without)
-        the DSpark drafter. Raises ValueError for a bad value, or `dspark` without a drafter."""
+        """The speculation these options select for this config's model on CUDA (or not) with
+        (or without) the DSpark drafter. Raises ValueError for a bad value, or `dspark`
+        without a drafter."""
         method = self.speculative
         if method is None:
-            method = "dspark" if on_cuda and has_drafter else "off"
+            trained = self.model not in preset_names()  # the presets are random weights
+            method = "dspark" if on_cuda and has_drafter and trained else "off"
         if method == "dspark" and not has_drafter:
             raise ValueError("--speculative dspark needs a checkpoint with the DSpark drafter")
         return SpeculativeConfig(

@@ -240,10 +240,15 @@ def test_cli_speculative_options():
         return config_from_args(build_parser().parse_args(list(argv))).engine
 
     default = engine()
-    assert default.speculative is None  # dspark on CUDA with a drafter, off on the CPU
-    assert default.speculative_config(on_cuda=True, has_drafter=True).method == "dspark"
-    assert default.speculative_config(on_cuda=False, has_drafter=True).method == "off"
-    assert default.speculative_config(on_cuda=True, has_drafter=False).method == "off"
+    assert default.speculative is None  # dspark on CUDA with a trained drafter, else off
+    # The embedded presets are random weights: their drafter would only cost.
+    assert default.speculative_config(on_cuda=True, has_drafter=True).method == "off"
+    folder = engine("--model", "/models/DeepSeek-V4.1-Flash")
+    assert folder.speculative_config(on_cuda=True, has_drafter=True).method == "dspark"
+    assert folder.speculative_config(on_cuda=False, has_drafter=True).method == "off"
+    assert folder.speculative_config(on_cuda=True, has_drafter=False).method == "off"
+    asked = engine("--speculative", "dspark")
+    assert asked.speculative_config(on_cuda=True, has_drafter=True).method == "dspark"
     assert (default.num_speculative_tokens, default.speculative_verify) == (5, "scheduled")
     chosen = engine(
         "--speculative",
