@@ -12,10 +12,10 @@ and then drives the async engine's order of host work by hand, with the sampled 
     schedule N+1 │ build_batch N+1 (placeholders from N) │ update N │ sampling metadata N+1
 
 Per step it times `Scheduler.schedule`, `Scheduler.update`, `ModelRunner.build_batch` and
-`SamplingBatch.from_infos` (the runner's sampling metadata), and prints milliseconds per step
-(the median step of the fastest of `--repeats` runs of `--steps` steps each, per phase), in
-CPU time of the engine's thread (`time.thread_time`), so that other processes on a shared
-machine count as little as they can. Rows:
+`ModelRunner.sampling_batch` (the sampling metadata, `SamplingBatch.from_infos`), and prints
+milliseconds per step (the median step of the fastest of `--repeats` runs of `--steps` steps
+each, per phase), in CPU time of the engine's thread (`time.thread_time`), so that other
+processes on a shared machine count as little as they can. Rows:
 
     decode R       R running requests, each decoding one token per step
     mixed R+P      the same, plus P waiting prompts admitted as prefill chunks in the step
@@ -40,7 +40,6 @@ from engine.async_engine import DEFAULT_TARGET_STEP_MS, AsyncEngine, EngineConfi
 from engine.model_runner import ModelRunner, StepInFlight
 from engine.outputs import ModelOutput, SchedulerOutput
 from engine.request import Request
-from engine.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_budget import CUDA_TIME_PRIOR, StepBudget, StepTimeModel
@@ -70,7 +69,6 @@ class Bench:
     def step(self, times: dict[str, float] | None = None) -> int:
         """One step in the async engine's order; adds each phase's seconds to `times`.
         Returns the number of chunks scheduled."""
-        vocab = self.runner.model.config.vocab_size
         clock = time.thread_time  # CPU time of this thread: other processes do not count
         t0 = clock()
         scheduled = self.scheduler.schedule()
@@ -88,7 +86,7 @@ class Bench:
         t3 = clock()
         infos = [c.sampling for c in step.sampled_chunks]
         if infos:
-            SamplingBatch.from_infos(infos, vocab, "cpu", eos_token_id=None)
+            self.runner.sampling_batch(infos)
         t4 = clock()
         self.in_flight = None if scheduled.is_empty else (scheduled, step)
         if times is not None:
@@ -216,7 +214,8 @@ def main() -> None:
         )
     )
     cases.append((f"finish {top}", lambda: measure_finish(bench, top)))
-    print(f"host ms per step ({args.model} on the CPU, median step, fastest of {args.repeats} runs)")
+    runs = f"median step, fastest of {args.repeats} runs"
+    print(f"host ms per step ({args.model} on the CPU, {runs})")
     header = f"{'step':>14} " + " ".join(f"{p:>11}" for p in PHASES) + f" {'total':>9}"
     print(header)
     for name, run in cases:
