@@ -489,13 +489,13 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             scheduled = request.num_computed_tokens + request.num_inflight_tokens
             num_ahead = request.num_output_placeholders
-            num_left = (
-                len(request.prompt_token_ids) + len(request.output_token_ids) + num_ahead
-            ) - scheduled
-            if num_left != 1:
+            num_outputs = len(request.output_token_ids) + num_ahead
+            num_tokens = len(request.prompt_token_ids) + num_outputs
+            if num_tokens - scheduled != 1:
                 continue
             if num_ahead and (
-                self._reaches_length_limit(request) or self._waits_for_its_outputs(request)
+                self._ends_for_length(request.params, num_outputs, num_tokens)
+                or self._waits_for_its_outputs(request)
             ):
                 continue  # its step in flight samples its last token, or one this row needs
             drafts = 0 if speculation is None else self._draft_slots(request, plan)
@@ -539,11 +539,18 @@ class Scheduler:
         (`max_tokens`, `max_model_len`): the next token would be computed only to be dropped."""
         if request.num_output_placeholders == 0:
             return False
-        max_tokens = request.params.max_tokens
         num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return self._ends_for_length(
+            request.params, num_outputs, request.num_tokens_with_placeholders
+        )
+
+    def _ends_for_length(self, params: SamplingParams, num_outputs: int, num_tokens: int) -> bool:
+        """Whether `num_outputs` outputs (of `num_tokens` tokens in all) end a request of
+        `params` for length (`max_tokens`, `max_model_len`)."""
+        max_tokens = params.max_tokens
         return (
             max_tokens is not None and num_outputs >= max_tokens
-        ) or request.num_tokens_with_placeholders >= self.config.max_model_len
+        ) or num_tokens >= self.config.max_model_len
 
     def _waits_for_its_outputs(self, request: Request) -> bool:
         """True when the next draw depends on the identity of a token a step in flight

@@ -300,7 +300,8 @@ class PinnedStaging:
         self._lock = threading.Lock()
 
     def upload(self, host: Tensor, device: torch.device) -> Tensor:
-        """`host` (int64, any shape) on `device`; valid in stream order like any queued copy."""
+        """`host` (an int64 host tensor, any shape) on `device`; valid in stream order like any
+        queued copy."""
         numel = host.numel()
         size = 1 << max(6, (numel - 1).bit_length())  # size classes: powers of two, >= 64
         with self._lock:
@@ -346,6 +347,10 @@ def ints_to_device(
     device = torch.device(device)
     if device.type != "cuda":
         return host
+    if torch.cuda.is_current_stream_capturing():
+        # A captured copy reads its host buffer at every replay: never a reused one (nor an
+        # event query while capturing).
+        return host.pin_memory().to(device, non_blocking=True)
     if _CUDA_STAGING is None:
         _CUDA_STAGING = _cuda_staging()
     return _CUDA_STAGING.upload(host, device)
