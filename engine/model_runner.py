@@ -50,7 +50,7 @@ from engine.outputs import (
     SchedulerOutput,
     TokenLogprob,
 )
-from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRowCache
 
 if TYPE_CHECKING:
     from engine.speculative.config import SpeculativeConfig
@@ -326,7 +326,9 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.state = model.allocate_state(num_slots, num_blocks)
+        self._block_tables = BlockTableRows(num_slots, self.device)
         self.sampler = Sampler()
+        self._sampling_rows = SamplingRowCache()
         self.overlap_grammar_mask = overlap_grammar_mask
         self.grammar: GrammarTracker | None = None
         self.replay_rows = ReplayRows()  # advanced by every step that replays
@@ -358,26 +360,36 @@ class ModelRunner:
         """Flat token ids, per-chunk offsets, positions, slots, block tables, logit rows; a
         placeholder (always a chunk's last token) takes `previous`'s sampled id on the device."""
         chunks = output.chunks
-        flat = [t for c in chunks for t in c.token_ids]
+        flat: list[int] = []
         starts = [0]
+        holes: list[int] = []  # flat indices of placeholders (always a chunk's last token)
+        hole_requests: list[str] = []
+        sampled_rows = []
+        replaying = decoder_tail = False
         for c in chunks:
-            starts.append(starts[-1] + len(c.token_ids))
-        width = max(1, max(len(c.block_table) for c in chunks))
-        tables = [[*c.block_table, *[-1] * (width - len(c.block_table))] for c in chunks]
-        sampled_rows = [starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sampling is not None]
+            token_ids = c.token_ids
+            flat.extend(token_ids)
+            end = starts[-1] + len(token_ids)
+            starts.append(end)
+            if token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                holes.append(end - 1)
+                hole_requests.append(c.request_id)
+            if c.sampling is not None:
+                sampled_rows.append(end - 1)
+            if c.restore is not None:
+                replaying = True
+                decoder_tail = decoder_tail or bool(c.restore.decoder_tail)
         dev = self.device
-        replaying = any(c.restore is not None for c in chunks)
-        decoder_tail = any(c.restore is not None and c.restore.decoder_tail for c in chunks)
+        slots = [c.slot for c in chunks]
         token_ids = ints_to_device(flat, dev)
-        holes = [i for i, t in enumerate(flat) if t == PLACEHOLDER_TOKEN_ID]
         if holes:
-            token_ids = _fill_placeholders(token_ids, holes, chunks, starts, previous)
+            token_ids = _fill_placeholders(token_ids, holes, hole_requests, previous)
         return StepBatch(
             token_ids=token_ids,
             starts=starts,
             start_positions=[c.start_position for c in chunks],
-            slots=ints_to_device([c.slot for c in chunks], dev),
-            block_tables=ints_to_device(tables, dev),
+            slots=ints_to_device(slots, dev),
+            block_tables=self._block_tables.rows(chunks),
             logits_indices=ints_to_device(sampled_rows, dev),
             window_floors=[c.restore.window_floor if c.restore else 0 for c in chunks]
             if replaying
@@ -466,6 +478,17 @@ class ModelRunner:
             self.sample(step)
         return step
 
+    def sampling_batch(self, infos: Sequence[SamplingInfo]) -> SamplingBatch:
+        """The sampling metadata of a step's rows on the device (row i samples `infos[i]`);
+        what each request's parameters contribute is kept from the step before."""
+        return SamplingBatch.from_infos(
+            infos,
+            self.model.config.vocab_size,
+            self.device,
+            eos_token_id=self.model.config.eos_token_id,
+            rows_cache=self._sampling_rows,
+        )
+
     @torch.inference_mode()
     def sample(
         self,
@@ -488,12 +511,7 @@ class ModelRunner:
             if step.pending_mask is None:
                 step.pending_mask = grammar.start_mask(step.request_ids, infos)
             grammar.apply_mask(step.pending_mask, step.logits)
-        sampling = SamplingBatch.from_infos(
-            infos,
-            self.model.config.vocab_size,
-            self.device,
-            eos_token_id=self.model.config.eos_token_id,
-        )
+        sampling = self.sampling_batch(infos)
         with step.timed():
             result = self.sampler.sample(step.logits, sampling)
             step.device_token_ids = result.token_ids
@@ -671,27 +689,67 @@ def _to_host(result: SamplerOutput) -> SamplerOutput:
 def _fill_placeholders(
     token_ids: torch.Tensor,
     holes: list[int],
-    chunks: tuple[ScheduledChunk, ...],
-    starts: list[int],
+    hole_requests: list[str],
     previous: StepInFlight | None,
 ) -> torch.Tensor:
     """`token_ids` with the flat positions `holes` set to the ids `previous` sampled for their
-    requests, gathered on the device.
+    requests (`hole_requests`), gathered on the device.
 
     NOTE: a placeholder whose request has no sampled row in `previous` (its chunk failed there)
     gets id 0: that request is finished by the previous step's `update`, which then ignores
     this chunk."""
-    chunk_of = {starts[i + 1] - 1: c.request_id for i, c in enumerate(chunks)}
     if previous is None or previous.device_token_ids is None:
         sources = torch.zeros(len(holes), dtype=torch.long, device=token_ids.device)
     else:
         # One extra 0 after the previous step's rows, for requests it has no row of.
         padded = torch.cat([previous.device_token_ids, previous.device_token_ids.new_zeros(1)])
         missing = len(previous.request_ids)
-        rows = [previous.row_of.get(chunk_of[i], missing) for i in holes]
+        row_of = previous.row_of
+        rows = [row_of.get(rid, missing) for rid in hole_requests]
         sources = padded[ints_to_device(rows, token_ids.device)]
     token_ids[ints_to_device(holes, token_ids.device)] = sources
     return token_ids
+
+
+class BlockTableRows:
+    """The runner's host copy of the block tables by state slot, so that a step's `[B, width]`
+    table tensor is one gather instead of B padded lists.
+
+    Row s holds the last table a chunk of slot s carried, padded with −1. A row is rewritten
+    only when a chunk carries another table object than the one it holds (the manager hands
+    out one snapshot per table until it grows, `KVCacheManager.block_table`); the snapshot
+    itself is kept, so its identity is never reused while it is compared."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.device = device
+        self._host = torch.full((num_slots, 8), -1, dtype=torch.long)
+        self._held: list[tuple[int, ...] | None] = [None] * num_slots
+
+    def rows(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """`[len(chunks), max(1, longest table)]` int64 on the device: each chunk's table, −1
+        past its end."""
+        width = 1
+        for c in chunks:
+            table = c.block_table
+            if len(table) > width:
+                width = len(table)
+            if self._held[c.slot] is not table:
+                self._write(c.slot, table)
+        index = torch.tensor([c.slot for c in chunks], dtype=torch.long)
+        gathered = self._host[:, :width].index_select(0, index)
+        return ints_to_device(gathered, self.device)
+
+    def _write(self, slot: int, table: tuple[int, ...]) -> None:
+        if len(table) > self._host.shape[1]:
+            wider = max(len(table), 2 * self._host.shape[1])
+            grown = torch.full((self._host.shape[0], wider), -1, dtype=torch.long)
+            grown[:, : self._host.shape[1]] = self._host
+            self._host = grown
+        row = self._host[slot]
+        row.fill_(-1)
+        if table:
+            row[: len(table)] = torch.tensor(table, dtype=torch.long)
+        self._held[slot] = table
 
 
 def _token_id_problem(chunk: ScheduledChunk, vocab_size: int) -> str | None:

@@ -44,13 +44,13 @@ import enum
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from itertools import chain
+from itertools import chain, compress
 
 import torch
 
 import kernels
 from engine.outputs import SamplingInfo
-from engine.sampling_params import MAX_TOP_LOGPROBS
+from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from kernels.nucleus_cutoff import nucleus_cutoffs
 
 # Temperatures in (0, 1e-5) sample as 1e-5: logits / T must stay finite; such rows are
@@ -266,65 +266,55 @@ class SamplingBatch:
         device: torch.device | str,
         *,
         eos_token_id: int | None = None,
+        rows_cache: SamplingRowCache | None = None,
     ) -> SamplingBatch:
         """Build the batch for `infos` (row i samples for `infos[i]`) on `device`.
 
         eos_token_id: suppressed (with the row's `stop_token_ids`) while a row's output index is
         below `params.min_tokens`, unless the row has `ignore_eos` or a grammar constraint.
+        rows_cache: what each `SamplingParams` object contributes to a row, kept from the
+        previous call (the same requests decode step after step); None: derived afresh.
         Raises ValueError when a logit-bias or stop token id is outside the vocabulary or when a
         row with a penalty has no `history`. History token ids must be < vocab_size (not checked).
         """
-        rows = range(len(infos))
-        params = [info.params for info in infos]
-        temperature = [1.0 if p.is_greedy else max(p.temperature, MIN_TEMPERATURE) for p in params]
-        top_k = [p.top_k if p.top_k < vocab_size else 0 for p in params]
-        # NOTE: the filters never change an argmax, so greedy rows skip them unless they want
-        # logprobs (which are taken from the filtered distribution).
-        needs_filters = [not p.is_greedy or p.logprobs for p in params]
-        is_filtered = [
-            (k > 0 or p.top_p < 1) and needs
-            for k, p, needs in zip(top_k, params, needs_filters, strict=True)
-        ]
-        is_penalised = [
-            p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
-            for p in params
-        ]
-        bias_rows, bias_tokens, bias_values = _bias_entries(infos, vocab_size, eos_token_id)
-        wants_logprobs = [p.logprobs for p in params]
-        forced_rows = [i for i in rows if infos[i].forced_token_id is not None]
+        if rows_cache is None:
+            rows_cache = SamplingRowCache()
+        num_rows = len(infos)
+        statics = rows_cache.rows([info.params for info in infos], vocab_size, eos_token_id)
+        columns = list(zip(*(row.values for row in statics), strict=True)) or [()] * _NUM_COLUMNS
+        (
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            presence,
+            frequency,
+            repetition,
+            wants_logprobs,
+            num_logprobs,
+            *flags,
+        ) = columns
+        is_sampled, is_greedy, is_filtered, is_min_p, is_kernel, is_candidate, is_penalised = flags
+        bias_rows, bias_tokens, bias_values = _bias_entries(infos, statics, vocab_size)
+        forced_rows = [i for i, info in enumerate(infos) if info.forced_token_id is not None]
         forced_tokens = [infos[i].forced_token_id for i in forced_rows]
         if any(not 0 <= t < vocab_size for t in forced_tokens):
             raise ValueError(f"a forced token id is outside the vocabulary ({vocab_size})")
 
-        def where(flags: list[bool]) -> list[int]:
-            return [i for i in rows if flags[i]]
+        def where(flags: Sequence[bool]) -> list[int]:
+            return list(compress(range(num_rows), flags))
 
+        # on the device, top-p rows without a top_k the candidates can hold take the kernel
         selections = [
-            where([not p.is_greedy for p in params]),
-            where([p.is_greedy for p in params]),
-            where(is_filtered),
-            where([p.min_p > 0 and needs for p, needs in zip(params, needs_filters, strict=True)]),
-            where(wants_logprobs),
-            # on the device, top-p rows without a top_k the candidates can hold take the kernel
-            where(
-                [
-                    f and ((k == 0 and p.top_p < 1) or k > NUCLEUS_CANDIDATES[-1])
-                    for k, p, f in zip(top_k, params, is_filtered, strict=True)
-                ]
-            ),
-            where(
-                [
-                    f and 0 < k <= NUCLEUS_CANDIDATES[-1]
-                    for k, f in zip(top_k, is_filtered, strict=True)
-                ]
-            ),
+            where(f) for f in (is_sampled, is_greedy, is_filtered, is_min_p, wants_logprobs)
         ]
+        selections += [where(is_kernel), where(is_candidate)]
         ints = _upload(
             [
                 top_k,
                 [_int64(info.seed) for info in infos],
                 [info.num_prompt_tokens + info.output_index for info in infos],
-                [int(w) for w in wants_logprobs],
+                wants_logprobs,
                 bias_rows,
                 bias_tokens,
                 forced_rows,
@@ -335,28 +325,20 @@ class SamplingBatch:
             device,
         )
         floats = _upload(
-            [
-                temperature,
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-                [p.presence_penalty for p in params],
-                [p.frequency_penalty for p in params],
-                [p.repetition_penalty for p in params],
-                bias_values,
-            ],
+            [temperature, top_p, min_p, presence, frequency, repetition, bias_values],
             torch.float32,
             device,
         )
         k_t, seeds_t, positions_t, wants_t, bias_rows_t, bias_tokens_t = ints[:6]
         forced_rows_t, forced_tokens_t = ints[6:8]
         sample, greedy, filtered, min_p_sel, logprob_sel, kernel_sel, candidate_sel = (
-            RowSelection(index, len(sel), len(sel) == len(infos))
+            RowSelection(index, len(sel), len(sel) == num_rows)
             for index, sel in zip(ints[8:], selections, strict=True)
         )
         temperature_t, top_p_t, min_p_t, presence_t, frequency_t, repetition_t, bias_t = floats
-        num_logprobs = tuple(p.num_logprobs for p in params)
+        filtered_k = list(compress(top_k, is_filtered))
         return cls(
-            num_rows=len(infos),
+            num_rows=num_rows,
             vocab_size=vocab_size,
             temperature=temperature_t,
             top_p=top_p_t,
@@ -368,7 +350,7 @@ class SamplingBatch:
             seeds=seeds_t,
             positions=positions_t,
             wants_logprobs=wants_t.bool(),
-            num_logprobs=num_logprobs,
+            num_logprobs=tuple(num_logprobs),
             max_num_logprobs=max(num_logprobs, default=0),
             logit_bias=LogitBias(bias_rows_t, bias_tokens_t, bias_t) if bias_rows else None,
             penalties=_penalty_entries(infos, where(is_penalised), vocab_size, device),
@@ -381,10 +363,104 @@ class SamplingBatch:
             kernel_rows=kernel_sel,
             candidate_rows=candidate_sel,
             has_temperature=any(t != 1.0 for t in temperature),
-            uses_top_p=any(p.top_p < 1 for p, f in zip(params, is_filtered, strict=True) if f),
-            uses_top_p_alone=any(k == 0 for k, f in zip(top_k, is_filtered, strict=True) if f),
-            max_top_k=max((k for k, f in zip(top_k, is_filtered, strict=True) if f), default=0),
+            uses_top_p=any(p < 1 for p in compress(top_p, is_filtered)),
+            uses_top_p_alone=0 in filtered_k,
+            max_top_k=max(filtered_k, default=0),
         )
+
+
+_NUM_COLUMNS = 16  # the entries of `_RowStatics.values`
+
+
+@dataclass(frozen=True)
+class _RowStatics:
+    """What one `SamplingParams` contributes to a batch row, whatever the step.
+
+    values: (temperature divisor, top_k (0 = off), top_p, min_p, presence, frequency,
+    repetition, wants logprobs (0/1), alternatives, then the flags: sampled, greedy, filtered
+    (top-k or top-p active), min-p, kernel cut-off, candidate cut-off, penalised).
+    bias: the logit bias with −inf on banned ids (token → value, in the order applied);
+    stops: the ids banned while the output index is below `min_tokens` (with EOS unless
+    `ignore_eos`), validated against the vocabulary only when used."""
+
+    values: tuple
+    bias: dict[int, float]
+    stops: tuple[int, ...]
+
+
+def _row_statics(params: SamplingParams, vocab_size: int, eos_token_id: int | None) -> _RowStatics:
+    greedy = params.is_greedy
+    temperature = 1.0 if greedy else max(params.temperature, MIN_TEMPERATURE)
+    top_k = params.top_k if params.top_k < vocab_size else 0
+    # NOTE: the filters never change an argmax, so greedy rows skip them unless they want
+    # logprobs (which are taken from the filtered distribution).
+    needs_filters = not greedy or params.logprobs
+    filtered = bool((top_k > 0 or params.top_p < 1) and needs_filters)
+    kernel = filtered and ((top_k == 0 and params.top_p < 1) or top_k > NUCLEUS_CANDIDATES[-1])
+    candidate = filtered and 0 < top_k <= NUCLEUS_CANDIDATES[-1]
+    penalised = (
+        params.repetition_penalty != 1
+        or params.frequency_penalty != 0
+        or params.presence_penalty != 0
+    )
+    bias = dict(params.logit_bias)
+    bias.update(dict.fromkeys(params.banned_token_ids, -math.inf))
+    for token in bias:
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"token id {token} is outside the vocabulary ({vocab_size})")
+    stops = set(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        stops.add(eos_token_id)
+    values = (
+        temperature,
+        top_k,
+        params.top_p,
+        params.min_p,
+        params.presence_penalty,
+        params.frequency_penalty,
+        params.repetition_penalty,
+        int(params.logprobs),
+        params.num_logprobs,
+        not greedy,
+        greedy,
+        filtered,
+        bool(params.min_p > 0 and needs_filters),
+        bool(kernel),
+        bool(candidate),
+        penalised,
+    )
+    return _RowStatics(values, bias, tuple(stops) if params.min_tokens else ())
+
+
+class SamplingRowCache:
+    """`_RowStatics` by `SamplingParams` object, kept from one batch to the next.
+
+    Holds the params objects of the latest batch only (so their ids cannot be reused while
+    cached) and forgets the rest; a different vocabulary or EOS id starts afresh. One per
+    runner; not thread-safe."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int | None] | None = None
+        self._rows: dict[int, tuple[SamplingParams, _RowStatics]] = {}
+
+    def rows(
+        self, params: Sequence[SamplingParams], vocab_size: int, eos_token_id: int | None
+    ) -> list[_RowStatics]:
+        """The statics of each row's params; mutates the cache to hold exactly these."""
+        if self._key != (vocab_size, eos_token_id):
+            self._key = (vocab_size, eos_token_id)
+            self._rows = {}
+        old, new = self._rows, {}
+        out = []
+        for p in params:
+            key = id(p)
+            entry = new.get(key) or old.get(key)
+            if entry is None or entry[0] is not p:
+                entry = (p, _row_statics(p, vocab_size, eos_token_id))
+            new[key] = entry
+            out.append(entry[1])
+        self._rows = new
+        return out
 
 
 def _int64(value: int) -> int:
@@ -412,28 +488,25 @@ def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 
 def _bias_entries(
-    infos: Sequence[SamplingInfo], vocab_size: int, eos_token_id: int | None
+    infos: Sequence[SamplingInfo], statics: Sequence[_RowStatics], vocab_size: int
 ) -> tuple[list[int], list[int], list[float]]:
     """(rows, tokens, values) of the logit bias, with −inf on banned ids and on stop ids before
     min_tokens (except on grammar-constrained rows: their grammar decides when they may end)."""
     rows: list[int] = []
     tokens: list[int] = []
     values: list[float] = []
-    for row, info in enumerate(infos):
-        params = info.params
-        entries = dict(params.logit_bias)
-        entries.update(dict.fromkeys(params.banned_token_ids, -math.inf))
-        if info.output_index < params.min_tokens and info.constraint is None:
-            stops = set(params.stop_token_ids)
-            if eos_token_id is not None and not params.ignore_eos:
-                stops.add(eos_token_id)
-            entries.update(dict.fromkeys(stops, -math.inf))
-        for token, value in entries.items():
-            if not 0 <= token < vocab_size:
-                raise ValueError(f"token id {token} is outside the vocabulary ({vocab_size})")
-            rows.append(row)
-            tokens.append(token)
-            values.append(value)
+    for row, (info, static) in enumerate(zip(infos, statics, strict=True)):
+        entries = static.bias
+        if static.stops and info.output_index < info.params.min_tokens and info.constraint is None:
+            entries = dict(entries)
+            entries.update(dict.fromkeys(static.stops, -math.inf))
+            for token in static.stops:
+                if not 0 <= token < vocab_size:
+                    raise ValueError(f"token id {token} is outside the vocabulary ({vocab_size})")
+        if entries:
+            rows.extend([row] * len(entries))
+            tokens.extend(entries)
+            values.extend(entries.values())
     return rows, tokens, values
 
 

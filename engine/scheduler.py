@@ -114,7 +114,10 @@ class SchedulerConfig:
 
 
 class _StepPlan:
-    """Positions chosen so far in one `schedule()` call; insertion order is batch order."""
+    """Positions chosen so far in one `schedule()` call; insertion order is batch order.
+
+    The padded shape is kept as running maxima (O(1) per chunk); a `drop` (preemption) marks
+    them stale and the next `shape()` recomputes them."""
 
     def __init__(self, budget: int, step_budget: StepBudget) -> None:
         self.budget_left = budget
@@ -123,6 +126,9 @@ class _StepPlan:
         self.num_draft_slots: dict[str, int] = {}  # speculation: decode rows' draft caps
         self.end_positions: dict[str, int] = {}
         self.num_preempted = 0
+        self._max_new_tokens = 0
+        self._max_end = 0
+        self._is_stale = False
 
     def chunk_len(self, request: Request, start: int | None = None) -> int:
         """Positions the request's next chunk may take: what is left, within the token budget
@@ -134,24 +140,30 @@ class _StepPlan:
         return self.step_budget.max_chunk(self.shape(), start, wanted)
 
     def shape(self) -> StepShape:
-        ends = self.end_positions.values()
-        return StepShape(
-            len(self.num_new_tokens),
-            max(self.num_new_tokens.values(), default=0),
-            max(ends, default=0),
-        )
+        if self._is_stale:
+            self._max_new_tokens = max(self.num_new_tokens.values(), default=0)
+            self._max_end = max(self.end_positions.values(), default=0)
+            self._is_stale = False
+        return StepShape(len(self.num_new_tokens), self._max_new_tokens, self._max_end)
 
     def add(self, request: Request, num_tokens: int, num_draft_slots: int = 0) -> None:
-        self.num_new_tokens[request.request_id] = num_tokens
-        self.end_positions[request.request_id] = request.num_scheduled_tokens + num_tokens
+        rid = request.request_id
+        end = request.num_computed_tokens + request.num_inflight_tokens + num_tokens
+        self.num_new_tokens[rid] = num_tokens
+        self.end_positions[rid] = end
         self.budget_left -= num_tokens + num_draft_slots
+        if num_tokens > self._max_new_tokens:
+            self._max_new_tokens = num_tokens
+        if end > self._max_end:
+            self._max_end = end
         if num_draft_slots:
-            self.num_draft_slots[request.request_id] = num_draft_slots
+            self.num_draft_slots[rid] = num_draft_slots
 
     def drop(self, request_id: str) -> None:
         self.end_positions.pop(request_id, None)
         self.budget_left += self.num_new_tokens.pop(request_id, 0)
         self.budget_left += self.num_draft_slots.pop(request_id, 0)
+        self._is_stale = True
 
 
 class Scheduler:
@@ -268,17 +280,11 @@ class Scheduler:
         lists a request twice. Returns an empty output when nothing can run.
         """
         plan = _StepPlan(self.config.max_num_batched_tokens, self.step_budget)
-        self._schedule_running(plan, decoding=True)
-        self._schedule_running(plan, decoding=False)
+        self._schedule_decode_rows(plan)
+        self._schedule_prefill_chunks(plan)
         if plan.num_preempted == 0:
             self._admit_waiting(plan)
-        output = self._build_output(plan)
-        for chunk in output.chunks:
-            request = self._requests[chunk.request_id]
-            request.num_inflight_tokens += len(chunk.token_ids)
-            request.num_output_placeholders += chunk.sampling is not None
-            request.num_inflight_drafts += chunk.num_draft_slots
-        return output
+        return self._build_output(plan)
 
     def resolve(self, output: SchedulerOutput) -> SchedulerOutput:
         """`output`, scheduled while the speculative step before it was in flight, placed on
@@ -359,15 +365,24 @@ class Scheduler:
         match the request state.
         """
         deltas, self._outbox = self._outbox, []
+        reuse = self.prefix_reuse
+        if reuse is not None:
+            reuse.poll()  # host copies that landed since the last step
+        requests, running = self._requests, RequestStatus.RUNNING
+        failed = model_output.failed
         for chunk in scheduler_output.chunks:
-            request = self._requests.get(chunk.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            request = requests.get(chunk.request_id)
+            if request is None or request.status is not running:
                 continue  # aborted, finished or preempted after schedule()
-            request.num_inflight_tokens -= len(chunk.token_ids)
-            request.num_output_placeholders -= chunk.sampling is not None
-            request.num_inflight_drafts -= chunk.num_draft_slots
-            if chunk.request_id in model_output.failed:
-                request.error = model_output.failed[chunk.request_id]
+            num_new = len(chunk.token_ids)
+            request.num_inflight_tokens -= num_new
+            if chunk.sampling is not None:
+                request.num_output_placeholders -= 1
+            if chunk.num_draft_slots:
+                request.num_inflight_drafts -= chunk.num_draft_slots
+                num_new += _num_accepted(chunk, model_output)
+            if failed and chunk.request_id in failed:
+                request.error = failed[chunk.request_id]
                 self._finish(request, FinishReason.ABORT)
                 deltas.append(_final_delta(request))
                 continue
@@ -376,9 +391,9 @@ class Scheduler:
                     f"request {chunk.request_id!r}: chunk starts at {chunk.start_position} but "
                     f"{request.num_computed_tokens} tokens are computed (update out of order?)"
                 )
-            request.num_computed_tokens += len(chunk.token_ids) + _num_accepted(chunk, model_output)
-            if self.prefix_reuse is not None:
-                self.prefix_reuse.commit(request)
+            request.num_computed_tokens += num_new
+            if reuse is not None:
+                reuse.commit(request)
             if chunk.sampling is not None:
                 deltas.append(self._append_sampled(request, model_output))
         if self.speculation is not None:
@@ -458,26 +473,56 @@ class Scheduler:
             self._arrival_order[request.request_id],
         )
 
-    def _schedule_running(self, plan: _StepPlan, *, decoding: bool) -> None:
-        """Schedule the running requests that are (or are not) decoding, best first."""
+    def _schedule_decode_rows(self, plan: _StepPlan) -> None:
+        """Schedule the running requests that decode (one position left), best first.
+
+        NOTE: a decode row always takes exactly 1 position without asking the step budget:
+        decode rows come first, so the step holds no multi-token chunk yet, and then
+        `StepBudget.max_chunk(shape, start, 1)` is 1 by its contract. Blocks are allocated
+        only when the row's end crosses the request's last block (`KVCacheManager.allocate`
+        is a no-op otherwise)."""
+        speculation = self.speculation
+        for request in list(self._running):
+            if plan.budget_left == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            scheduled = request.num_computed_tokens + request.num_inflight_tokens
+            num_ahead = request.num_output_placeholders
+            num_outputs = len(request.output_token_ids) + num_ahead
+            num_tokens = len(request.prompt_token_ids) + num_outputs
+            if num_tokens - scheduled != 1:
+                continue
+            if num_ahead and (
+                self._ends_for_length(request.params, num_outputs, num_tokens)
+                or self._waits_for_its_outputs(request)
+            ):
+                continue  # its step in flight samples its last token, or one this row needs
+            drafts = 0 if speculation is None else self._draft_slots(request, plan)
+            # Blocks up to the furthest position: the step in flight may commit its drafts.
+            end = scheduled + request.num_inflight_drafts + 1 + drafts
+            if self._allocate_or_preempt(request, end, plan):
+                plan.add(request, 1, drafts)
+
+    def _schedule_prefill_chunks(self, plan: _StepPlan) -> None:
+        """Schedule the next chunk of the running requests still in prefill (or recompute),
+        best first, each bounded by the token budget left and the step budget."""
         for request in list(self._running):
             if plan.budget_left == 0:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
             num_left = request.num_tokens_with_placeholders - request.num_scheduled_tokens
-            if (num_left == 1) != decoding or request.request_id in plan.num_new_tokens:
+            if num_left == 1 or request.request_id in plan.num_new_tokens:
                 continue
             if self._reaches_length_limit(request) or self._waits_for_its_outputs(request):
                 continue  # its step in flight samples its last token, or one this row needs
             num_new = plan.chunk_len(request)
             if num_new == 0:
                 continue  # the step budget is spent: this chunk waits for the next step
-            drafts = self._draft_slots(request, plan) if decoding else 0
-            # Blocks up to the furthest position: the step in flight may commit its drafts.
-            end = request.num_scheduled_tokens + request.num_inflight_drafts + num_new + drafts
+            end = request.num_scheduled_tokens + request.num_inflight_drafts + num_new
             if self._allocate_or_preempt(request, end, plan):
-                plan.add(request, num_new, drafts)
+                plan.add(request, num_new)
 
     def _draft_slots(self, request: Request, plan: _StepPlan) -> int:
         """Drafts a decoding request may verify this step (0 without speculation), within the
@@ -494,11 +539,18 @@ class Scheduler:
         (`max_tokens`, `max_model_len`): the next token would be computed only to be dropped."""
         if request.num_output_placeholders == 0:
             return False
-        max_tokens = request.params.max_tokens
         num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return self._ends_for_length(
+            request.params, num_outputs, request.num_tokens_with_placeholders
+        )
+
+    def _ends_for_length(self, params: SamplingParams, num_outputs: int, num_tokens: int) -> bool:
+        """Whether `num_outputs` outputs (of `num_tokens` tokens in all) end a request of
+        `params` for length (`max_tokens`, `max_model_len`)."""
+        max_tokens = params.max_tokens
         return (
             max_tokens is not None and num_outputs >= max_tokens
-        ) or request.num_tokens_with_placeholders >= self.config.max_model_len
+        ) or num_tokens >= self.config.max_model_len
 
     def _waits_for_its_outputs(self, request: Request) -> bool:
         """True when the next draw depends on the identity of a token a step in flight
@@ -570,37 +622,43 @@ class Scheduler:
         return next((r for r in self._waiting if reuse is None or reuse.is_ready(r)), None)
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """The step's chunks in plan order; then each chunk's positions and sampled token count
+        as in flight (`num_inflight_tokens`, `num_output_placeholders`, `num_inflight_drafts`)."""
+        kv = self.kv_manager
+        reuse = self.prefix_reuse
+        draft_slots = plan.num_draft_slots
         chunks = []
+        rows = []  # (request, chunk length, samples, draft slots), for the planner and counts
         for request_id, num_new in plan.num_new_tokens.items():
             request = self._requests[request_id]
-            start = request.num_scheduled_tokens
+            start = request.num_computed_tokens + request.num_inflight_tokens
             end = start + num_new
+            num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            samples = end == num_known + request.num_output_placeholders
+            num_drafts = draft_slots.get(request_id, 0) if draft_slots else 0
+            if num_new == 1:
+                token_ids = (_token_at(request, start, num_known),)
+            else:
+                token_ids = _token_range(request, start, end)
             chunks.append(
                 ScheduledChunk(
-                    request_id=request_id,
-                    slot=self.kv_manager.slot(request_id),
-                    block_table=self.kv_manager.block_table(request_id),
-                    start_position=start,
-                    token_ids=_token_range(request, start, end),
-                    sampling=(
-                        _sampling_info(request)
-                        if end == request.num_tokens_with_placeholders
-                        else None
-                    ),
-                    restore=(
-                        None
-                        if self.prefix_reuse is None
-                        else self.prefix_reuse.restore_info(request, start)
-                    ),
-                    resume=(
-                        None
-                        if self.prefix_reuse is None
-                        else self.prefix_reuse.resume_info(request, start)
-                    ),
-                    num_draft_slots=plan.num_draft_slots.get(request_id, 0),
+                    request_id,
+                    kv.slot(request_id),
+                    kv.block_table(request_id),
+                    start,
+                    token_ids,
+                    _sampling_info(request) if samples else None,
+                    None if reuse is None else reuse.restore_info(request, start),
+                    None if reuse is None else reuse.resume_info(request, start),
+                    num_drafts,
                 )
             )
-        decision = self._draft_plan(plan)
+            rows.append((request, num_new, samples, num_drafts))
+        decision = self._draft_plan(rows)
+        for request, num_new, samples, num_drafts in rows:
+            request.num_inflight_tokens += num_new
+            request.num_output_placeholders += samples
+            request.num_inflight_drafts += num_drafts
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(
             chunks=tuple(chunks),
@@ -611,64 +669,73 @@ class Scheduler:
             draft_step=-1 if self.speculation is None else self.speculation.num_steps - 1,
         )
 
-    def _draft_plan(self, plan: _StepPlan) -> BudgetDecision:
-        """The planner's budget for the step's draft slots (0 without speculation)."""
+    def _draft_plan(self, rows: list[tuple[Request, int, bool, int]]) -> BudgetDecision:
+        """The planner's budget for the step's draft slots (0 without speculation). rows: the
+        step's (request, chunk length, samples, draft slots), before they count as in flight."""
         if self.speculation is None:
-            return BudgetDecision(budget=0, is_verify_all=True, reason="off")
-        rows, other_rows = [], 0
-        for rid, num_new in plan.num_new_tokens.items():
-            request = self._requests[rid]
-            end = request.num_scheduled_tokens + num_new
-            samples = end == request.num_tokens_with_placeholders
+            return _NO_DRAFTS
+        sampled, other_rows = [], 0
+        for request, num_new, samples, num_drafts in rows:
             if samples:
-                rows.append((request, plan.num_draft_slots.get(rid, 0)))
+                sampled.append((request, num_drafts))
             other_rows += num_new - samples
-        return self.speculation.plan(rows, other_rows)
+        return self.speculation.plan(sampled, other_rows)
 
     # ---------------------------------------------------------------- update helpers
 
     def _append_sampled(self, request: Request, model_output: ModelOutput) -> Delta:
-        sampled = model_output.sampled.get(request.request_id)
+        rid = request.request_id
+        sampled = model_output.sampled.get(rid)
         if not sampled:
-            raise RuntimeError(f"the runner sampled no token for {request.request_id!r}")
-        num_new = 0
+            raise RuntimeError(f"the runner sampled no token for {rid!r}")
+        outputs = request.output_token_ids
         reason = None
-        for token in sampled:
-            request.output_token_ids.append(token)
-            num_new += 1
+        if len(sampled) == 1:
+            outputs.append(sampled[0])
             reason = self._stop_reason(request)
-            if reason is not None:
-                break
-        logprobs = model_output.logprobs.get(request.request_id)
+            new_ids = [sampled[0]]
+        else:
+            num_new = 0
+            for token in sampled:
+                outputs.append(token)
+                num_new += 1
+                reason = self._stop_reason(request)
+                if reason is not None:
+                    break
+            new_ids = outputs[-num_new:]
+        logprobs = model_output.logprobs.get(rid) if model_output.logprobs else None
         if reason is not None:
             self._finish(request, reason)
         queue_time = None
-        if request.num_output_tokens == num_new and request.first_scheduled_time is not None:
+        if len(outputs) == len(new_ids) and request.first_scheduled_time is not None:
             queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)
         return Delta(
-            request_id=request.request_id,
-            index=request.index,
-            token_ids=request.output_token_ids[-num_new:],
-            logprobs=None if logprobs is None else list(logprobs[:num_new]),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            finish_reason=reason,
-            queue_time_s=queue_time,
-            num_cached_tokens=request.num_cached_tokens,
+            rid,
+            request.index,
+            new_ids,
+            None if logprobs is None else list(logprobs[: len(new_ids)]),
+            len(request.prompt_token_ids),
+            len(outputs),
+            reason,
+            None,  # error
+            queue_time,
+            request.num_cached_tokens,
         )
 
     def _stop_reason(self, request: Request) -> FinishReason | None:
         """Why the request stops after its last output token, or None."""
         params = request.params
-        token = request.output_token_ids[-1]
-        is_eos = not params.ignore_eos and token == request.eos_token_id
-        if request.num_output_tokens > params.min_tokens and (
-            is_eos or token in params.stop_token_ids
+        outputs = request.output_token_ids
+        token = outputs[-1]
+        num_outputs = len(outputs)
+        if num_outputs > params.min_tokens and (
+            (token == request.eos_token_id and not params.ignore_eos)
+            or token in params.stop_token_ids
         ):
             return FinishReason.STOP
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_outputs >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if len(request.prompt_token_ids) + num_outputs >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -726,6 +793,16 @@ def _num_accepted(chunk: ScheduledChunk, model_output: ModelOutput) -> int:
     return accepted
 
 
+def _token_at(request: Request, position: int, num_known: int) -> int:
+    """The token id at `position` (`PLACEHOLDER_TOKEN_ID` at or past the `num_known` tokens)."""
+    if position >= num_known:
+        return PLACEHOLDER_TOKEN_ID
+    num_prompt = len(request.prompt_token_ids)
+    if position < num_prompt:
+        return request.prompt_token_ids[position]
+    return request.output_token_ids[position - num_prompt]
+
+
 def _token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
     """Token ids at positions `start .. end − 1` without concatenating prompt and output;
     `PLACEHOLDER_TOKEN_ID` at positions a step in flight samples."""
@@ -742,6 +819,9 @@ def _token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
     return (*prompt[start:], *output[: end - num_prompt])
 
 
+_NO_DRAFTS = BudgetDecision(budget=0, is_verify_all=True, reason="off")
+
+
 def _uses_penalties(params: SamplingParams) -> bool:
     return (
         params.presence_penalty != 0
@@ -755,22 +835,21 @@ def _sampling_info(request: Request, num_ahead: int | None = None) -> SamplingIn
     (default: its placeholders, before this row's own is counted)."""
     if num_ahead is None:
         num_ahead = request.num_output_placeholders
+    params = request.params
     history = None
-    if _uses_penalties(request.params):
+    if _uses_penalties(params):
         history = (*request.all_token_ids, *[PLACEHOLDER_TOKEN_ID] * num_ahead)
-    budget = request.params.thinking_budget
+    budget = params.thinking_budget
     return SamplingInfo(
-        params=request.params,
-        seed=request.seed,
-        output_index=request.num_output_tokens + num_ahead,
-        num_prompt_tokens=request.num_prompt_tokens,
-        history=history,
-        constraint=request.constraint,
+        params,
+        request.seed,
+        len(request.output_token_ids) + num_ahead,  # output_index
+        len(request.prompt_token_ids),
+        history,
+        request.constraint,
         # NOTE: a budget forces only the draw at its index, which is never scheduled ahead of
         # the outputs before it (`_waits_for_its_outputs`), so none is a placeholder then.
-        forced_token_id=(
-            None if budget is None or num_ahead else budget.forced_token(request.output_token_ids)
-        ),
+        None if budget is None or num_ahead else budget.forced_token(request.output_token_ids),
     )
 
 

@@ -87,6 +87,7 @@ class KVCacheManager:
         self._free_slots: deque[int] = deque(range(config.num_slots))
         self._ref_counts: list[int] = [0] * config.num_blocks
         self._block_tables: dict[str, list[int]] = {}
+        self._table_snapshots: dict[str, tuple[int, ...]] = {}  # `block_table` answers, by id
         self._slots: dict[str, int] = {}
 
     # ---------------------------------------------------------------- queries (no mutation)
@@ -119,8 +120,16 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The request's pool blocks in position order; () if it holds nothing. A snapshot:
-        later `allocate` calls append to the request's table but never change these entries."""
-        return tuple(self._block_tables.get(request_id, ()))
+        later `allocate` calls append to the request's table but never change these entries.
+        NOTE: the same tuple object is returned until the table grows (callers may compare
+        snapshots by identity)."""
+        snapshot = self._table_snapshots.get(request_id)
+        if snapshot is None:
+            table = self._block_tables.get(request_id)
+            if table is None:
+                return ()
+            snapshot = self._table_snapshots[request_id] = tuple(table)
+        return snapshot
 
     def can_allocate(
         self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
@@ -169,6 +178,13 @@ class KVCacheManager:
         enough blocks, no free slot for a new request, or cached blocks for a request that
         already holds a table) nothing changes and False is returned.
         """
+        table = self._block_tables.get(request_id)
+        if (
+            table is not None
+            and not cached_blocks
+            and num_tokens <= len(table) * self.config.block_tokens
+        ):
+            return True  # the common case: a decode row inside its last block
         if not self.can_allocate(request_id, num_tokens, cached_blocks):
             return False
         if request_id not in self._slots:
@@ -186,6 +202,8 @@ class KVCacheManager:
             block = self._free_blocks.popleft()
             self._hold(block)
             table.append(block)
+        if num_missing or cached_blocks:
+            self._table_snapshots.pop(request_id, None)
         return True
 
     def free(self, request_id: str) -> None:
@@ -202,6 +220,7 @@ class KVCacheManager:
         slot = self._slots.pop(request_id, None)
         if slot is None:
             return
+        self._table_snapshots.pop(request_id, None)
         for block in reversed(self._block_tables.pop(request_id)):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
@@ -252,6 +271,11 @@ class KVCacheManager:
             self._slots.keys() == self._block_tables.keys(),
             "requests holding slots differ from requests holding block tables",
         )
+        for request_id, snapshot in self._table_snapshots.items():
+            _require(
+                snapshot == tuple(self._block_tables.get(request_id, ())),
+                f"request {request_id!r}: its block-table snapshot differs from its table",
+            )
         owners: dict[int, int] = {}
         for request_id, table in self._block_tables.items():
             _require(

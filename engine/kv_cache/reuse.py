@@ -401,15 +401,17 @@ class PrefixReuse:
 
         Mutates: new full blocks enter the cache (a block whose prefix another block already
         holds stays unindexed); `request.num_indexed_blocks` advances; a resume slot whose
-        restore has run is released."""
-        self.poll()
-        if self.resume is not None:
+        restore has run is released. O(1) unless a block filled: host copies that landed are
+        finished by `poll` (the scheduler polls once per step) and here only when a block is
+        indexed."""
+        if self.resume is not None and request.resume_slot is not None:
             self.resume.applied(request)
         # Accepted drafts are computed before `update` appends them: index known tokens only.
         known = min(request.num_computed_tokens, request.num_tokens)
         num_full = known // self.config.block_tokens
         if num_full <= request.num_indexed_blocks:
             return
+        self.poll()
         keys = self._keys(request)
         block_table = self.kv_manager.block_table(request.request_id)
         first = request.num_indexed_blocks
@@ -478,7 +480,7 @@ class PrefixReuse:
     def resume_info(self, request: Request, start_position: int) -> SlotRestore | None:
         """The resume slot the chunk starting at `start_position` copies back first (only the
         first chunk of a request admitted from a slot), or None."""
-        if self.resume is None:
+        if self.resume is None or request.resume_slot is None:
             return None
         table = self.kv_manager.block_table(request.request_id)
         return self.resume.restore(request, start_position, table)

@@ -20,6 +20,8 @@ block holds 64 rows of a ratio-2 source and 128 rows of a ratio-1 source.
 from __future__ import annotations
 
 import bisect
+import threading
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -270,13 +272,88 @@ def write_token_history(
     state.tokens[slot, positions] = ints_to_device(keep, device)
 
 
-def ints_to_device(values: list[int] | list[list[int]], device: torch.device | str) -> Tensor:
-    """An int64 tensor of host ints on `device`; to a GPU through pinned memory without making
-    the host wait for the GPU (a plain `torch.tensor(..., device=cuda)` does)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type != "cuda":
+class PinnedStaging:
+    """Reused host buffers for host → device copies that do not make the host wait.
+
+    `upload` copies a host tensor into a staging buffer and queues the buffer's copy to the
+    device; the buffer is handed out again only once the event recorded after that copy has
+    completed (buffers of one size class are reused oldest first, and copies complete in
+    stream order, so the oldest is the first to be free). When none is free a new one is
+    allocated; at most `max_per_size` wait per size class (older ones are dropped: their
+    copies keep them alive, `torch`'s pinned allocator frees them after).
+
+    `allocate(numel)`: a staging buffer (pinned int64 on CUDA); `copy(staged, device)`: the
+    queued copy; `record()`: an event with `query()` recorded after it. Thread-safe."""
+
+    def __init__(
+        self,
+        allocate: Callable[[int], Tensor],
+        copy: Callable[[Tensor, torch.device], Tensor],
+        record: Callable[[], Any],
+        max_per_size: int = 64,
+    ) -> None:
+        self._allocate = allocate
+        self._copy = copy
+        self._record = record
+        self._max_per_size = max_per_size
+        self._waiting: dict[int, deque[tuple[Tensor, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def upload(self, host: Tensor, device: torch.device) -> Tensor:
+        """`host` (an int64 host tensor, any shape) on `device`; valid in stream order like any
+        queued copy."""
+        numel = host.numel()
+        size = 1 << max(6, (numel - 1).bit_length())  # size classes: powers of two, >= 64
+        with self._lock:
+            waiting = self._waiting.setdefault(size, deque())
+            if waiting and waiting[0][1].query():
+                buffer = waiting.popleft()[0]
+            else:
+                buffer = self._allocate(size)
+            staged = buffer[:numel].view(host.shape)
+            staged.copy_(host)
+            out = self._copy(staged, device)
+            waiting.append((buffer, self._record()))
+            if len(waiting) > self._max_per_size:
+                waiting.popleft()
+        return out
+
+
+def _cuda_staging() -> PinnedStaging:
+    def record() -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    return PinnedStaging(
+        lambda numel: torch.empty(numel, dtype=torch.long, pin_memory=True),
+        lambda staged, device: staged.to(device, non_blocking=True),
+        record,
+    )
+
+
+# NOTE: a process-wide resource (like torch's own pinned allocator), not per-step state.
+_CUDA_STAGING: PinnedStaging | None = None
+
+
+def ints_to_device(
+    values: list[int] | list[list[int]] | Tensor, device: torch.device | str
+) -> Tensor:
+    """An int64 tensor of host ints (or an int64 host tensor) on `device`; to a GPU through
+    reused pinned buffers (`PinnedStaging`) without making the host wait for the GPU (a plain
+    `torch.tensor(..., device=cuda)` does)."""
+    global _CUDA_STAGING
+    host = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.long)
+    device = torch.device(device)
+    if device.type != "cuda":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    if torch.cuda.is_current_stream_capturing():
+        # A captured copy reads its host buffer at every replay: never a reused one (nor an
+        # event query while capturing).
+        return host.pin_memory().to(device, non_blocking=True)
+    if _CUDA_STAGING is None:
+        _CUDA_STAGING = _cuda_staging()
+    return _CUDA_STAGING.upload(host, device)
 
 
 def sequential_batch(
@@ -346,10 +423,15 @@ def export_slot(state: ModelState, slot: int, tail_block: int | None) -> Tensor:
     parts = _slot_parts(state, slot, tail_block)
     offsets, total = _part_offsets(parts)
     on_cuda = state.tokens.device.type == "cuda"
-    out = torch.zeros(total, dtype=torch.uint8, pin_memory=on_cuda)
-    for part, offset in zip(parts, offsets, strict=True):
+    # Only the alignment gaps are zeroed: every other byte is copied (no memset of the whole
+    # pinned buffer per finished request).
+    out = torch.empty(total, dtype=torch.uint8, pin_memory=on_cuda)
+    ends = [*offsets[1:], total]
+    for part, offset, next_offset in zip(parts, offsets, ends, strict=True):
         flat = part.contiguous().view(torch.uint8).reshape(-1)
         out[offset : offset + flat.numel()].copy_(flat, non_blocking=on_cuda)
+        if offset + flat.numel() < next_offset:
+            out[offset + flat.numel() : next_offset].zero_()
     return out
 
 
