@@ -148,7 +148,8 @@ def serve(port: int) -> None:
         engine.script = scripts[kind.replace("_", "+")]
         return {"cpu_s": time.thread_time()}
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    # idle keep-alive connections stay open between rounds (the pool reuses them)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=600)
 
 
 # ----------------------------------------------------------------------------- client side
