@@ -70,8 +70,11 @@ def _scripts(tokenizer) -> dict[str, list[int]]:
     encoding = dr.DeepseekV41Encoding().with_special_tokens(tokenizer.special_tokens)
     ids = tokenizer.encode_prompt(encoding.render_conversation(conversation))
     end_think, dsml = tokenizer.thinking_end_token_id, tokenizer.dsml_token_id
-    start = ids.index(dsml)  # the block the model writes after `</think>` (its first marker)
+    # ... <｜Assistant｜></think> [the DSML block the model writes] <｜end▁of▁sentence｜> ...
+    assistant = tokenizer.special_ids[tokenizer.special_tokens.token(dr.SpecialToken.Assistant)]
+    start = ids.index(end_think, ids.index(assistant)) + 1
     block = ids[start : ids.index(tokenizer.eos_token_id, start)]
+    assert dsml in block
     tail = [end_think, *plain("Let me check.").ids, *block, tokenizer.eos_token_id]
     reasoning = plain(_REASONING * 8).ids[: NUM_OUTPUT_TOKENS - len(tail)]
     return {"text": text, "reason+tool": reasoning + tail}
@@ -161,7 +164,7 @@ _TOOLS = {
 }
 _PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 _MASK = re.compile(rb"(chatcmpl-|resp_|msg_|rs_|fc_|call_|toolu_|ctc_|msg|item)[0-9a-zA-Z_]{8,}")
-_CREATED = re.compile(rb'"(created|created_at)":\d+')
+_CREATED = re.compile(rb'"(created|created_at|completed_at)":\d+')
 
 
 def _body(protocol: str, kind: str) -> dict:
