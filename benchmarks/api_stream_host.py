@@ -130,10 +130,25 @@ class ReplayEngine:
             )
 
 
-def serve(port: int) -> None:
+def _hold_the_gil() -> None:
+    """Pure-Python work forever: the engine thread's scheduling and launches, which hold the
+    GIL except where a native call releases it."""
+    count = 0
+    while True:
+        count += 1
+
+
+def serve(port: int, gil_thread: bool, switch_interval_s: float | None) -> None:
     """The child: the real app over `ReplayEngine`, plus `/_bench/{kind}`, which selects the
     script and answers the loop thread's CPU seconds so far."""
+    import threading
+
     import uvicorn
+
+    if switch_interval_s is not None:
+        sys.setswitchinterval(switch_interval_s)
+    if gil_thread:
+        threading.Thread(target=_hold_the_gil, name="gil-holder", daemon=True).start()
 
     from engine.models.deepseek_v41.tokenizer_files import write_v41_tokenizer
     from recipe import load_tokenizer
@@ -205,28 +220,31 @@ async def _cpu(client, base: str, kind: str) -> float:
     return response.json()["cpu_s"]
 
 
-async def measure(base: str, concurrency: list[int], rounds: int) -> list[tuple]:
+async def measure(
+    base: str, concurrency: list[int], rounds: int, protocols: list[str]
+) -> list[tuple]:
     import httpx
 
     rows = []
     limits = httpx.Limits(max_connections=max(concurrency) + 1)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        for protocol in PROTOCOLS:
+        for protocol in protocols:
             for kind in KINDS:
                 for n in concurrency:
                     await _cpu(client, base, kind)
                     await _round(client, base, protocol, kind, n)  # warm-up (connections too)
-                    before = await _cpu(client, base, kind)
+                    before, start = await _cpu(client, base, kind), time.perf_counter()
                     for _ in range(rounds):
                         bodies = await _round(client, base, protocol, kind, n)
-                    after = await _cpu(client, base, kind)
+                    after, wall_s = await _cpu(client, base, kind), time.perf_counter() - start
                     num_tokens = rounds * n * NUM_OUTPUT_TOKENS
                     digest = hashlib.sha256()
                     for data in bodies:
                         digest.update(_CREATED.sub(rb'"\1":0', _MASK.sub(rb"\1X", data)))
                     events = sum(data.count(b"data: ") for data in bodies) / len(bodies)
                     us = (after - before) / num_tokens * 1e6
-                    rows.append((protocol, kind, n, us, events, digest.hexdigest()[:12]))
+                    rate = num_tokens / wall_s
+                    rows.append((protocol, kind, n, us, rate, events, digest.hexdigest()[:12]))
                     print(
                         f"  {protocol:<9} {kind:<11} {n:>3} streams: {us:6.1f} us/token", flush=True
                     )
@@ -251,23 +269,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds per row")
+    parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
+    parser.add_argument(
+        "--gil-thread",
+        action="store_true",
+        help="a server thread that runs Python all the time, as the engine thread does",
+    )
+    parser.add_argument(
+        "--switch-interval", type=float, help="the server's sys.setswitchinterval (seconds)"
+    )
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--base", help="measure a server already started with --serve PORT")
     args = parser.parse_args()
     if args.serve is not None:
-        serve(args.serve)
+        serve(args.serve, args.gil_thread, args.switch_interval)
         return
     if args.base is not None:
-        _print(asyncio.run(measure(args.base, args.concurrency, args.rounds)))
+        _print(asyncio.run(measure(args.base, args.concurrency, args.rounds, args.protocols)))
         return
     from engine.distributed.groups import free_port
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
+    command = [sys.executable, __file__, "--serve", str(port)]
+    if args.gil_thread:
+        command.append("--gil-thread")
+    if args.switch_interval is not None:
+        command += ["--switch-interval", str(args.switch_interval)]
+    process = subprocess.Popen(command)
     try:
         _wait_ready(base + "/health", process)
-        rows = asyncio.run(measure(base, args.concurrency, args.rounds))
+        rows = asyncio.run(measure(base, args.concurrency, args.rounds, args.protocols))
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -276,9 +308,12 @@ def main() -> None:
 
 def _print(rows: list[tuple]) -> None:
     print(f"\nevent-loop CPU per streamed output token ({NUM_OUTPUT_TOKENS} tokens per stream)")
-    print(f"{'protocol':<10} {'stream':<12} {'streams':>7} {'us/token':>9} {'events':>7}  digest")
-    for protocol, kind, n, us, events, digest in rows:
-        print(f"{protocol:<10} {kind:<12} {n:>7} {us:>9.1f} {events:>7.0f}  {digest}")
+    print(
+        f"{'protocol':<10} {'stream':<12} {'streams':>7} {'us/token':>9} {'tok/s':>7} "
+        f"{'events':>7}  digest"
+    )
+    for protocol, kind, n, us, rate, events, digest in rows:
+        print(f"{protocol:<10} {kind:<12} {n:>7} {us:>9.1f} {rate:>7.0f} {events:>7.0f}  {digest}")
 
 
 if __name__ == "__main__":
