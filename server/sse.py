@@ -56,13 +56,18 @@ def _frame(data: str, event: str | None = None) -> bytes:
     return f"event: {_LINE_BREAK.sub('', event)}{_SEP}{lines}{_SEP}".encode()
 
 
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # `json.dumps` with these
+
+
 def encode_json(payload: Any) -> str:
     """Compact JSON for one event's data; strings pass through as they are."""
+    if type(payload) is dict:  # the bridge's events: first, as the check costs least
+        return _JSON.encode(payload)
     if isinstance(payload, str):
         return payload
     if hasattr(payload, "model_dump_json"):  # pydantic models (e.g. protocol chunk types)
         return payload.model_dump_json(exclude_unset=True)
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return _JSON.encode(payload)
 
 
 ErrorEvent = Callable[[APIError, int], tuple[str, Mapping[str, Any]]]
@@ -105,7 +110,8 @@ def _check_not_stopped(stop: Any) -> None:
 
 
 def _next_sequence_number(payload: Any, current: int) -> int:
-    number = payload.get("sequence_number") if isinstance(payload, Mapping) else None
+    is_mapping = type(payload) is dict or isinstance(payload, Mapping)
+    number = payload.get("sequence_number") if is_mapping else None
     if number is None:
         number = getattr(payload, "sequence_number", None)
     return number + 1 if isinstance(number, int) else current
