@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,7 +209,7 @@ class ResponseBridge:
             raise RecipeError(
                 500, f"output processing failed: {exc}", self.prepared.protocol
             ) from exc
-        if all(c.is_done for c in self._choices):
+        if choice.is_done and all(c.is_done for c in self._choices):
             events += self._closing_events()
             self._is_closed = True
         return BridgeStep(events, abort=stopped_early and delta.finish_reason is None)
@@ -254,10 +255,13 @@ class ResponseBridge:
         `choice.num_tokens` (`_set_usage`)."""
         choice.num_tokens += len(delta.token_ids)
         self._count_reasoning(delta.token_ids, choice)
-        kept = [i for i, token_id in enumerate(delta.token_ids) if token_id != self._eos_id]
-        if not kept:
+        token_ids = delta.token_ids
+        kept: Sequence[int] = range(len(token_ids))
+        if self._eos_id in token_ids:
+            kept = [i for i, token_id in enumerate(token_ids) if token_id != self._eos_id]
+            token_ids = [token_ids[i] for i in kept]
+        if not token_ids:
             return []
-        token_ids = [delta.token_ids[i] for i in kept]
         logprobs = None
         if delta.logprobs is not None:
             if len(delta.logprobs) != len(delta.token_ids):

@@ -167,6 +167,9 @@ class ServerMetrics:
             self.request_queue_time,
         ):
             metric.labels(model_name)  # zero-valued series exist before the first request
+        # per-token series, looked up once (`labels` per token costs the event loop)
+        self._inter_token_latency = self.inter_token_latency.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(model_name)
 
     # ---- per-request events --------------------------------------------------------------------
 
@@ -200,16 +203,17 @@ class ServerMetrics:
         timing = self._requests.get(request_id)
         if timing is None or num_tokens <= 0:
             return
-        self.on_first_token(request_id)
+        if timing.first_token is None:
+            self.on_first_token(request_id)
         now = self._clock()
         num_gaps = num_tokens if timing.num_output_tokens else num_tokens - 1
         if num_gaps > 0 and timing.last_token is not None:
             gap = (now - timing.last_token) / num_gaps
             for _ in range(num_gaps):
-                self.inter_token_latency.labels(self._model).observe(gap)
+                self._inter_token_latency.observe(gap)
         timing.last_token = now
         timing.num_output_tokens += num_tokens
-        self.generation_tokens.labels(self._model).inc(num_tokens)
+        self._generation_tokens.inc(num_tokens)
 
     def on_finish(self, request_id: str, num_prompt_tokens: int, finish_reason: str | None) -> None:
         """The request ended (finished, aborted, refused or failed); forgets it.

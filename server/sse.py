@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import anyio
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
+from starlette.types import Message, Send
 
 from recipe.errors import Protocol
 from server.drain import current_stop_event
@@ -38,15 +40,34 @@ logger = logging.getLogger(__name__)
 
 DONE = "[DONE]"
 _SEP = "\n"  # OpenAI and Anthropic both frame events with "\n"; sse-starlette defaults to CRLF
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+def _frame(data: str, event: str | None = None) -> bytes:
+    """One SSE message as sse-starlette's `ServerSentEvent(data, event=event).encode()` frames
+    it with `_SEP` (a line break in `data` starts another `data:` line; one in the event name
+    is dropped), without its per-message buffer."""
+    if "\n" in data or "\r" in data:
+        lines = "".join(f"data: {line}{_SEP}" for line in _LINE_BREAK.split(data))
+    else:
+        lines = f"data: {data}{_SEP}"
+    if event is None:
+        return f"{lines}{_SEP}".encode()
+    return f"event: {_LINE_BREAK.sub('', event)}{_SEP}{lines}{_SEP}".encode()
+
+
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # `json.dumps` with these
 
 
 def encode_json(payload: Any) -> str:
     """Compact JSON for one event's data; strings pass through as they are."""
+    if type(payload) is dict:  # the bridge's events: first, as the check costs least
+        return _JSON.encode(payload)
     if isinstance(payload, str):
         return payload
     if hasattr(payload, "model_dump_json"):  # pydantic models (e.g. protocol chunk types)
         return payload.model_dump_json(exclude_unset=True)
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return _JSON.encode(payload)
 
 
 ErrorEvent = Callable[[APIError, int], tuple[str, Mapping[str, Any]]]
@@ -89,7 +110,8 @@ def _check_not_stopped(stop: Any) -> None:
 
 
 def _next_sequence_number(payload: Any, current: int) -> int:
-    number = payload.get("sequence_number") if isinstance(payload, Mapping) else None
+    is_mapping = type(payload) is dict or isinstance(payload, Mapping)
+    number = payload.get("sequence_number") if is_mapping else None
     if number is None:
         number = getattr(payload, "sequence_number", None)
     return number + 1 if isinstance(number, int) else current
@@ -104,26 +126,26 @@ async def _aclose(source: Any) -> None:
 
 async def _data_events(
     chunks: AsyncIterator[Mapping[str, Any] | str], send_done: bool
-) -> AsyncIterator[ServerSentEvent]:
+) -> AsyncIterator[bytes]:
     stop = current_stop_event()
     try:
         try:
             async for chunk in chunks:
                 _check_not_stopped(stop)
-                yield ServerSentEvent(data=encode_json(chunk), sep=_SEP)
+                yield _frame(encode_json(chunk))
         except Exception as exc:  # headers are out: report in-stream (OpenAI/vLLM style)
             error = _as_api_error(exc)
             body = error_body(Protocol.CHAT, error.kind, error.message, error.param, error.code)
-            yield ServerSentEvent(data=encode_json(body), sep=_SEP)
+            yield _frame(encode_json(body))
         if send_done:
-            yield ServerSentEvent(data=DONE, sep=_SEP)
+            yield _frame(DONE)
     finally:
         await _aclose(chunks)
 
 
 async def _named_events(
     events: AsyncIterator[tuple[str, Mapping[str, Any] | str]], error_event: ErrorEvent
-) -> AsyncIterator[ServerSentEvent]:
+) -> AsyncIterator[bytes]:
     stop = current_stop_event()
     sequence_number = 0
     try:
@@ -131,19 +153,32 @@ async def _named_events(
             async for name, payload in events:
                 _check_not_stopped(stop)
                 sequence_number = _next_sequence_number(payload, sequence_number)
-                yield ServerSentEvent(data=encode_json(payload), event=name, sep=_SEP)
+                yield _frame(encode_json(payload), name)
         except Exception as exc:  # headers are out: report in-stream
             name, payload = error_event(_as_api_error(exc), sequence_number)
-            yield ServerSentEvent(data=encode_json(payload), event=name, sep=_SEP)
+            yield _frame(encode_json(payload), name)
     finally:
         await _aclose(events)
 
 
-def _response(body: AsyncIterator[ServerSentEvent], headers: Mapping[str, str] | None):
+class _EventSourceResponse(EventSourceResponse):
+    """sse-starlette's response without a cancel scope per message when no send timeout is
+    set (none is: a stalled client is caught by the disconnect watch and the drain)."""
+
+    async def _send_with_timeout(self, send: Send, message: Message) -> None:
+        # NOTE: overrides a private hook of sse-starlette; were it renamed, messages would
+        # only cost a cancel scope each again.
+        if self.send_timeout is None:
+            await send(message)
+        else:
+            await super()._send_with_timeout(send, message)
+
+
+def _response(body: AsyncIterator[bytes], headers: Mapping[str, str] | None):
     # NOTE: on a client disconnect sse-starlette cancels its sender without closing the body
     # iterator when the sender was suspended in `send`; the background task closes it then
     # (closing an already-closed generator is a no-op).
-    return EventSourceResponse(
+    return _EventSourceResponse(
         body,
         headers=dict(headers or {}),
         sep=_SEP,

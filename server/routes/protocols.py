@@ -11,6 +11,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -212,30 +213,33 @@ async def _serve(
         metrics.on_finish(call.request_id, prepared.num_prompt_tokens, "abort")
         raise
 
-    async def guarded() -> AsyncIterator[StreamEvent]:
-        with slot:
-            async for event in call.events():
-                yield event
-
     if protocol is Protocol.CHAT:
-        return data_stream(_data_only(guarded()), send_done=False)
-    return event_stream(_named(guarded()), error_event=_error_event(protocol))
+        return data_stream(_data_only(slot, call.events()), send_done=False)
+    return event_stream(_named(slot, call.events()), error_event=_error_event(protocol))
 
 
-async def _data_only(events: AsyncIterator[StreamEvent]) -> AsyncIterator[Any]:
-    try:
-        async for event in events:
-            yield event.data
-    finally:
-        await events.aclose()
+async def _data_only(
+    slot: AbstractContextManager, events: AsyncIterator[StreamEvent]
+) -> AsyncIterator[Any]:
+    """Chat's payloads, holding the admission slot until the stream ends."""
+    with slot:  # NOTE: released after the engine stream is closed (the request aborted)
+        try:
+            async for event in events:
+                yield event.data
+        finally:
+            await events.aclose()
 
 
-async def _named(events: AsyncIterator[StreamEvent]) -> AsyncIterator[tuple[str, Any]]:
-    try:
-        async for event in events:
-            yield (event.event or "message", event.data)
-    finally:
-        await events.aclose()
+async def _named(
+    slot: AbstractContextManager, events: AsyncIterator[StreamEvent]
+) -> AsyncIterator[tuple[str, Any]]:
+    """(name, payload) of each event, holding the admission slot until the stream ends."""
+    with slot:  # NOTE: released after the engine stream is closed (the request aborted)
+        try:
+            async for event in events:
+                yield (event.event or "message", event.data)
+        finally:
+            await events.aclose()
 
 
 def _error_event(protocol: Protocol):

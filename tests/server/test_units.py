@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from sse_starlette import ServerSentEvent
 
 from recipe.errors import Protocol, RecipeError
 from server.admission import AdmissionController
 from server.errors import APIError, ErrorKind, error_body, protocol_of
 from server.metrics import ServerMetrics
-from server.sse import encode_json
+from server.sse import data_stream, encode_json, event_stream
 
 
 def test_admission_counts_and_refuses_when_full():
@@ -132,3 +135,37 @@ def test_two_recorders_do_not_clash():
 def test_encode_json_is_compact_and_keeps_unicode():
     assert encode_json({"a": "é", "b": [1, 2]}) == '{"a":"é","b":[1,2]}'
     assert encode_json("[DONE]") == "[DONE]"
+
+
+# Payloads whose framing has edge cases: line breaks of every kind (one `data:` line each),
+# U+2028 (not a line break for SSE), non-ASCII, the empty string.
+_PAYLOADS = ["a\nb", "a\r\nb\rc\n", "x\u2028y 東京", "", {"k": "v\n"}, "[DONE]"]
+
+
+def test_sse_framing_is_sse_starlettes():
+    """Both stream shapes frame each message byte for byte as sse-starlette's
+    `ServerSentEvent(..., sep="\\n")` does (the framing clients were served before)."""
+
+    async def items():
+        for payload in _PAYLOADS:
+            yield payload
+
+    async def named():
+        for i, payload in enumerate(_PAYLOADS):
+            yield ("message" if i % 2 else "content_block_delta", payload)
+
+    app = FastAPI()
+    app.get("/data")(lambda: data_stream(items()))
+    app.get("/named")(lambda: event_stream(named()))
+    expected_data = b"".join(
+        ServerSentEvent(data=encode_json(p), sep="\n").encode() for p in [*_PAYLOADS, "[DONE]"]
+    )
+    expected_named = b"".join(
+        ServerSentEvent(data=encode_json(p), event=name, sep="\n").encode()
+        for name, p in [
+            ("message" if i % 2 else "content_block_delta", p) for i, p in enumerate(_PAYLOADS)
+        ]
+    )
+    with TestClient(app) as client:
+        assert client.get("/data").content == expected_data
+        assert client.get("/named").content == expected_named

@@ -1,0 +1,320 @@
+"""Event-loop CPU per streamed output token of the API path, through the real app over HTTP.
+
+What it measures: the CPU time of the server's event-loop thread (`time.thread_time()` read
+in that thread) divided by the output tokens streamed, for Chat Completions, Responses and
+Messages streams, at 1 and 64 concurrent streams. Everything between the engine and the socket
+is the real code: the real app (`server.app.create_app`: middleware, routes, `Recipe.prepare`,
+`ResponseBridge` over the `deepseek-recipe` stream processor, `server.sse`, sse-starlette)
+under a real uvicorn, read by real HTTP clients in another process (their CPU is not counted).
+Only the engine is replaced: `ReplayEngine` yields one `Delta` per token (one token per step,
+as the engine sends without speculation) of a fixed token script, handing the loop back
+between tokens (`asyncio.sleep(0)`), with no model and no engine thread. The request's own
+cost (HTTP parsing, prompt rendering and tokenizing, connection set-up) is included,
+amortised over its tokens; the engine's own loop-side delivery (`AsyncEngine`'s queues) is
+not. Scripts (real ids of the V4.1 tokenizer):
+
+* `text`: 128 tokens of plain answer text, ending on the output limit (`length`);
+* `reason+tool`: reasoning text, `</think>`, a short answer, one DSML tool call with two
+  arguments, EOS (`stop`), 128 tokens in all, with the request's `tools`.
+
+Each row also prints a digest of the bytes every stream of its last round returned (the
+random ids and `created` times masked), so a change of the API path can be checked to leave
+every response byte unchanged: same digest before and after.
+
+    python benchmarks/api_stream_host.py                 # the table (about a minute)
+    python benchmarks/api_stream_host.py --concurrency 1 64 --rounds 3
+
+The server runs in a child process (`--serve PORT`, started by the benchmark itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+NUM_OUTPUT_TOKENS = 128
+PROTOCOLS = ("chat", "responses", "messages")
+KINDS = ("text", "reason+tool")
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+_TEXT = (
+    "The committee met on Tuesday to review the quarterly figures, and after a long "
+    "discussion of the shipping delays it agreed to move the warehouse to the north side "
+    "of the river, where the new rail spur will cut the average delivery time by a third. "
+)
+_REASONING = "The user wants the forecast, so I should call the weather tool for the city. "
+
+
+# ----------------------------------------------------------------------------- server side
+
+
+def _scripts(tokenizer) -> dict[str, list[int]]:
+    """The token ids of each kind's output, `NUM_OUTPUT_TOKENS` long."""
+    import deepseek_recipe as dr
+
+    plain = tokenizer.plain.encode
+    text = plain(_TEXT * 8).ids[:NUM_OUTPUT_TOKENS]
+    call = dr.ToolCall("c0", "get_weather", json.dumps({"city": "Zürich", "days": 3}))
+    conversation = dr.Conversation(
+        [dr.UserMessage("x"), dr.AssistantMessage("", tool_calls=[call])], thinking_mode=False
+    )
+    encoding = dr.DeepseekV41Encoding().with_special_tokens(tokenizer.special_tokens)
+    ids = tokenizer.encode_prompt(encoding.render_conversation(conversation))
+    end_think, dsml = tokenizer.thinking_end_token_id, tokenizer.dsml_token_id
+    # ... <｜Assistant｜></think> [the DSML block the model writes] <｜end▁of▁sentence｜> ...
+    assistant = tokenizer.special_ids[tokenizer.special_tokens.token(dr.SpecialToken.Assistant)]
+    start = ids.index(end_think, ids.index(assistant)) + 1
+    block = ids[start : ids.index(tokenizer.eos_token_id, start)]
+    assert dsml in block
+    tail = [end_think, *plain("Let me check.").ids, *block, tokenizer.eos_token_id]
+    reasoning = plain(_REASONING * 8).ids[: NUM_OUTPUT_TOKENS - len(tail)]
+    return {"text": text, "reason+tool": reasoning + tail}
+
+
+class ReplayEngine:
+    """An `EngineClient` that streams the current script, one token per delta."""
+
+    def __init__(self, checkpoint_path: str) -> None:
+        from engine.client import EngineInfo
+
+        self.info = EngineInfo(
+            max_model_len=65536, vocab_size=129280, eos_token_id=1, checkpoint_path=checkpoint_path
+        )
+        self.is_running = True
+        self.failure = None
+        self.script: list[int] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        pass
+
+    def check_request(self, prompt_token_ids, params, constraint=None) -> None:
+        pass
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def resume_slot_payload(self, slot_id: int, generation: int) -> bytes | None:
+        return None
+
+    async def generate(
+        self, prompt_token_ids, params, request_id, constraint=None, **_
+    ) -> AsyncIterator:
+        from engine.outputs import Delta
+        from engine.request import FinishReason
+
+        script = self.script
+        finish = FinishReason.STOP if script[-1] == self.info.eos_token_id else FinishReason.LENGTH
+        for i, token_id in enumerate(script):
+            await asyncio.sleep(0)  # one engine step: every other stream gets its token
+            yield Delta(
+                request_id,
+                0,
+                [token_id],
+                None,
+                len(prompt_token_ids),
+                i + 1,
+                finish if i == len(script) - 1 else None,
+                queue_time_s=0.0 if i == 0 else None,
+            )
+
+
+def _hold_the_gil() -> None:
+    """Pure-Python work forever: the engine thread's scheduling and launches, which hold the
+    GIL except where a native call releases it."""
+    count = 0
+    while True:
+        count += 1
+
+
+def serve(port: int, gil_thread: bool, switch_interval_s: float | None) -> None:
+    """The child: the real app over `ReplayEngine`, plus `/_bench/{kind}`, which selects the
+    script and answers the loop thread's CPU seconds so far."""
+    import threading
+
+    import uvicorn
+
+    if switch_interval_s is not None:
+        sys.setswitchinterval(switch_interval_s)
+    if gil_thread:
+        threading.Thread(target=_hold_the_gil, name="gil-holder", daemon=True).start()
+
+    from engine.models.deepseek_v41.tokenizer_files import write_v41_tokenizer
+    from recipe import load_tokenizer
+    from server.app import create_app
+    from server.config import ServerConfig
+
+    folder = Path(tempfile.mkdtemp(prefix="api_stream_host_"))
+    write_v41_tokenizer(folder)
+    scripts = _scripts(load_tokenizer(folder))
+    engine = ReplayEngine(str(folder))
+    app = create_app(ServerConfig(default_thinking=False), engine=engine)
+
+    @app.get("/_bench/{kind}")
+    async def select(kind: str) -> dict:
+        engine.script = scripts[kind.replace("_", "+")]
+        return {"cpu_s": time.thread_time()}
+
+    # idle keep-alive connections stay open between rounds (the pool reuses them)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=600)
+
+
+# ----------------------------------------------------------------------------- client side
+
+_TOOLS = {
+    "chat": [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}],
+    "responses": [{"type": "function", "name": "get_weather", "parameters": SCHEMA}],
+    "messages": [{"name": "get_weather", "input_schema": SCHEMA}],
+}
+_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
+_MASK = re.compile(rb"(chatcmpl-|resp_|msg_|rs_|fc_|call_|toolu_|ctc_|msg|item)[0-9a-zA-Z_]{8,}")
+_CREATED = re.compile(rb'"(created|created_at|completed_at)":\d+')
+
+
+def _body(protocol: str, kind: str) -> dict:
+    messages = [{"role": "user", "content": "What is the weather in Zürich this week?"}]
+    body: dict = {"model": "DeepSeek-V4.1-Flash", "stream": True}
+    if protocol == "chat":
+        body |= {"messages": messages, "max_tokens": NUM_OUTPUT_TOKENS}
+    elif protocol == "responses":
+        body |= {"input": messages[0]["content"], "max_output_tokens": NUM_OUTPUT_TOKENS}
+    else:
+        body |= {"messages": messages, "max_tokens": 2048}
+    if kind == "reason+tool":
+        body["tools"] = _TOOLS[protocol]
+        if protocol == "chat":
+            body["chat_template_kwargs"] = {"thinking": True}
+        elif protocol == "responses":
+            body["reasoning"] = {"effort": "high"}
+        else:
+            body["thinking"] = {"type": "enabled", "budget_tokens": 1024}
+    return body
+
+
+async def _round(client, base: str, protocol: str, kind: str, concurrency: int) -> list[bytes]:
+    body = _body(protocol, kind)
+
+    async def one() -> bytes:
+        async with client.stream("POST", base + _PATHS[protocol], json=body) as response:
+            data = b"".join([chunk async for chunk in response.aiter_bytes()])
+        if response.status_code != 200:
+            raise RuntimeError(f"{protocol} {kind}: HTTP {response.status_code}: {data[:300]!r}")
+        return data
+
+    return await asyncio.gather(*(one() for _ in range(concurrency)))
+
+
+async def _cpu(client, base: str, kind: str) -> float:
+    response = await client.get(f"{base}/_bench/{kind.replace('+', '_')}")
+    return response.json()["cpu_s"]
+
+
+async def measure(
+    base: str, concurrency: list[int], rounds: int, protocols: list[str]
+) -> list[tuple]:
+    import httpx
+
+    rows = []
+    limits = httpx.Limits(max_connections=max(concurrency) + 1)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        for protocol in protocols:
+            for kind in KINDS:
+                for n in concurrency:
+                    await _cpu(client, base, kind)
+                    await _round(client, base, protocol, kind, n)  # warm-up (connections too)
+                    before, start = await _cpu(client, base, kind), time.perf_counter()
+                    for _ in range(rounds):
+                        bodies = await _round(client, base, protocol, kind, n)
+                    after, wall_s = await _cpu(client, base, kind), time.perf_counter() - start
+                    num_tokens = rounds * n * NUM_OUTPUT_TOKENS
+                    digest = hashlib.sha256()
+                    for data in bodies:
+                        digest.update(_CREATED.sub(rb'"\1":0', _MASK.sub(rb"\1X", data)))
+                    events = sum(data.count(b"data: ") for data in bodies) / len(bodies)
+                    us = (after - before) / num_tokens * 1e6
+                    rate = num_tokens / wall_s
+                    rows.append((protocol, kind, n, us, rate, events, digest.hexdigest()[:12]))
+                    print(
+                        f"  {protocol:<9} {kind:<11} {n:>3} streams: {us:6.1f} us/token", flush=True
+                    )
+    return rows
+
+
+def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError("the server did not become ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per row")
+    parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
+    parser.add_argument(
+        "--gil-thread",
+        action="store_true",
+        help="a server thread that runs Python all the time, as the engine thread does",
+    )
+    parser.add_argument(
+        "--switch-interval", type=float, help="the server's sys.setswitchinterval (seconds)"
+    )
+    parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--base", help="measure a server already started with --serve PORT")
+    args = parser.parse_args()
+    if args.serve is not None:
+        serve(args.serve, args.gil_thread, args.switch_interval)
+        return
+    if args.base is not None:
+        _print(asyncio.run(measure(args.base, args.concurrency, args.rounds, args.protocols)))
+        return
+    from engine.distributed.groups import free_port
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, __file__, "--serve", str(port)]
+    if args.gil_thread:
+        command.append("--gil-thread")
+    if args.switch_interval is not None:
+        command += ["--switch-interval", str(args.switch_interval)]
+    process = subprocess.Popen(command)
+    try:
+        _wait_ready(base + "/health", process)
+        rows = asyncio.run(measure(base, args.concurrency, args.rounds, args.protocols))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    _print(rows)
+
+
+def _print(rows: list[tuple]) -> None:
+    print(f"\nevent-loop CPU per streamed output token ({NUM_OUTPUT_TOKENS} tokens per stream)")
+    print(
+        f"{'protocol':<10} {'stream':<12} {'streams':>7} {'us/token':>9} {'tok/s':>7} "
+        f"{'events':>7}  digest"
+    )
+    for protocol, kind, n, us, rate, events, digest in rows:
+        print(f"{protocol:<10} {kind:<12} {n:>7} {us:>9.1f} {rate:>7.0f} {events:>7.0f}  {digest}")
+
+
+if __name__ == "__main__":
+    main()
