@@ -1,0 +1,129 @@
+"""Padded decode steps (`decode_batch.py`, what a step graph captures) against today's steps.
+
+Two sequences are prefilled, then decoded token by token across compression-group and
+128-token block boundaries, once through plain `StepBatch`es and once through a
+`PaddedDecodeBatch` with padding rows and a wider block table, from identical states. The
+logits and every real slot's and block's state must agree; the scratch slot and trash block
+are filled with garbage first, so a real row that read them would diverge.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.models.deepseek_v41.decode_batch import DecodeBuffers, can_pad
+from engine.models.deepseek_v41.state import ModelState, sequential_batch
+from tests.kernels.interpreted import run_interpreted
+
+# Decode crosses block 0 → 1 (position 128) and ratio-2 groups; the interpreter's run is
+# shorter (its prefill is slow) and crosses groups only.
+PROMPT_LENS, DECODE_STEPS = (124, 61), 7
+INTERPRETED_LENS, INTERPRETED_STEPS = (13, 6), 3
+NUM_ROWS, BLOCKS_CAP = 4, 4  # two padding rows, unused table columns
+
+
+def _fill_garbage(state: ModelState) -> None:
+    generator = torch.Generator().manual_seed(1)
+
+    def junk(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.uint8:
+            return torch.randint(0, 256, t.shape, generator=generator, dtype=torch.uint8)
+        if t.dtype == torch.long:
+            return torch.randint(0, 1000, t.shape, generator=generator)
+        return (torch.randn(t.shape, generator=generator) * 100).to(t.dtype)
+
+    slot, block = state.scratch_slot, state.trash_block
+    for ring in [*state.swa, *state.pending.values(), state.tokens, *state.draft_swa]:
+        ring[slot] = junk(ring[slot])
+    for pool in [*state.global_kv.values(), *state.index_keys.values()]:
+        pool[block] = junk(pool[block])
+
+
+def _real_parts(state: ModelState, num_slots: int, num_blocks: int) -> list[torch.Tensor]:
+    parts = [ring[:num_slots] for ring in [*state.swa, *state.pending.values(), state.tokens]]
+    return parts + [p[:num_blocks] for p in [*state.global_kv.values(), *state.index_keys.values()]]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+@torch.inference_mode()
+def compare_padded_decode(
+    model: Any, prompt_lens: tuple[int, int] = PROMPT_LENS, steps: int = DECODE_STEPS
+) -> dict[str, float]:
+    """Greedy decode of two prompts through plain and padded steps; the largest relative
+    logits error, the largest relative error of any real state tensor (codes compared as
+    the fraction of differing bytes) and whether any logit is non-finite."""
+    torch.manual_seed(0)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(1, vocab, (n,)).tolist() for n in prompt_lens]
+    num_slots, num_blocks = 2, 4
+    table = torch.tensor([[0, 1], [2, 3]])
+    states = [model.allocate_state(num_slots, num_blocks, reserve_scratch=True) for _ in "ab"]
+    prefill = sequential_batch(prompts, [0, 0], [0, 1], table)
+    for state in states:
+        logits = model.forward_step(prefill, state).logits
+    ends = [prompt_lens[0] - 1, sum(prompt_lens) - 1]
+    tokens = logits[ends].argmax(-1).tolist()
+    _fill_garbage(states[1])
+    buffers = DecodeBuffers(NUM_ROWS, BLOCKS_CAP, states[1], "cpu")
+    worst_logits, finite = 0.0, True
+    for step in range(steps):
+        positions = [n + step for n in prompt_lens]
+        batch = sequential_batch([[t] for t in tokens], positions, [0, 1], table)
+        assert can_pad(batch)
+        reference = model.forward_step(batch, states[0]).logits
+        buffers.fill(batch)
+        padded = model.forward_step(buffers.batch(), states[1]).logits
+        finite &= bool(torch.isfinite(padded[:2]).all())
+        worst_logits = max(worst_logits, _rel(padded[:2], reference))
+        tokens = reference.argmax(-1).tolist()
+    worst_state = 0.0
+    pairs = zip(
+        _real_parts(states[1], num_slots, num_blocks),
+        _real_parts(states[0], num_slots, num_blocks),
+        strict=True,
+    )
+    for ours, theirs in pairs:
+        if ours.dtype in (torch.uint8, torch.long):
+            worst_state = max(worst_state, float((ours != theirs).double().mean()))
+        else:
+            worst_state = max(worst_state, _rel(ours, theirs))
+    return {"logits": worst_logits, "state": worst_state, "finite": float(finite)}
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_exact_kv", "tiny_model"])
+def test_padded_decode_matches_plain_decode(fixture: str, request: pytest.FixtureRequest) -> None:
+    result = compare_padded_decode(request.getfixturevalue(fixture))
+    assert result["finite"] == 1.0
+    assert result["logits"] < 1e-5, result
+    assert result["state"] < 1e-5, result
+
+
+_INTERPRETED = """
+import json
+from engine.models import Numerics, load_model
+from tests.models.test_padded_decode import *
+model = load_model({checkpoint!r}, numerics=Numerics(kv_quantize={quantize!r}))
+print(json.dumps(compare_padded_decode(model, INTERPRETED_LENS, INTERPRETED_STEPS)))
+"""
+
+
+@pytest.mark.parametrize("quantize", [True])
+def test_padded_decode_on_the_kernel_paths(tiny_checkpoint: Path, quantize: bool) -> None:
+    code = _INTERPRETED.format(checkpoint=str(tiny_checkpoint), quantize=quantize)
+    result = run_interpreted(code)
+    assert result["finite"] == 1.0
+    assert result["logits"] < 1e-5, result
+    assert result["state"] < 1e-5, result
+
+
+def test_padding_rows_need_a_scratch_slot(tiny_model) -> None:
+    state = tiny_model.allocate_state(2, 2)
+    with pytest.raises(ValueError, match="scratch"):
+        DecodeBuffers(2, 2, state, "cpu")
