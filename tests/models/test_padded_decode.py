@@ -22,7 +22,7 @@ from tests.kernels.interpreted import run_interpreted
 # Decode crosses block 0 → 1 (position 128) and ratio-2 groups; the interpreter's run is
 # shorter (its prefill is slow) and crosses groups only.
 PROMPT_LENS, DECODE_STEPS = (124, 61), 7
-INTERPRETED_LENS, INTERPRETED_STEPS = (13, 6), 3
+INTERPRETED_LENS, INTERPRETED_STEPS = (5, 2), 3
 NUM_ROWS, BLOCKS_CAP = 4, 4  # two padding rows, unused table columns
 
 
@@ -52,6 +52,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
+def _selection_mismatches(plain: dict, padded: dict) -> int:
+    """Selections [T, k] of the plain step that the padded one does not hold as its first k
+    columns in the same order (its real rows), followed by −1 only."""
+    bad = 0
+    for key, ours in padded.items():
+        if key.endswith(".selection"):
+            theirs = plain[key]
+            width = theirs.shape[1]
+            mine = ours[: theirs.shape[0]]
+            bad += int((mine[:, :width] != theirs).any(-1).sum())
+            bad += int((mine[:, width:] != -1).any(-1).sum())
+    return bad
+
+
 @torch.inference_mode()
 def compare_padded_decode(
     model: Any, prompt_lens: tuple[int, int] = PROMPT_LENS, steps: int = DECODE_STEPS
@@ -72,14 +86,16 @@ def compare_padded_decode(
     tokens = logits[ends].argmax(-1).tolist()
     _fill_garbage(states[1])
     buffers = DecodeBuffers(NUM_ROWS, BLOCKS_CAP, states[1], "cpu")
-    worst_logits, finite = 0.0, True
+    worst_logits, finite, mismatches = 0.0, True, 0
     for step in range(steps):
         positions = [n + step for n in prompt_lens]
         batch = sequential_batch([[t] for t in tokens], positions, [0, 1], table)
         assert can_pad(batch)
-        reference = model.forward_step(batch, states[0]).logits
+        records: tuple[dict, dict] = ({}, {})
+        reference = model.forward_step(batch, states[0], records[0]).logits
         buffers.fill(batch)
-        padded = model.forward_step(buffers.batch(), states[1]).logits
+        padded = model.forward_step(buffers.batch(), states[1], records[1]).logits
+        mismatches += _selection_mismatches(*records)
         finite &= bool(torch.isfinite(padded[:2]).all())
         worst_logits = max(worst_logits, _rel(padded[:2], reference))
         tokens = reference.argmax(-1).tolist()
@@ -94,13 +110,18 @@ def compare_padded_decode(
             worst_state = max(worst_state, float((ours != theirs).double().mean()))
         else:
             worst_state = max(worst_state, _rel(ours, theirs))
-    return {"logits": worst_logits, "state": worst_state, "finite": float(finite)}
+    return {
+        "logits": worst_logits,
+        "state": worst_state,
+        "finite": float(finite),
+        "selection_mismatches": mismatches,
+    }
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model_exact_kv", "tiny_model"])
 def test_padded_decode_matches_plain_decode(fixture: str, request: pytest.FixtureRequest) -> None:
     result = compare_padded_decode(request.getfixturevalue(fixture))
-    assert result["finite"] == 1.0
+    assert result["finite"] == 1.0 and result["selection_mismatches"] == 0, result
     assert result["logits"] < 1e-5, result
     assert result["state"] < 1e-5, result
 
@@ -114,13 +135,14 @@ print(json.dumps(compare_padded_decode(model, INTERPRETED_LENS, INTERPRETED_STEP
 """
 
 
+@pytest.mark.slow  # ~1 min of interpreted kernels
 @pytest.mark.parametrize("quantize", [True])
 def test_padded_decode_on_the_kernel_paths(tiny_checkpoint: Path, quantize: bool) -> None:
     code = _INTERPRETED.format(checkpoint=str(tiny_checkpoint), quantize=quantize)
     result = run_interpreted(code)
-    assert result["finite"] == 1.0
-    assert result["logits"] < 1e-5, result
-    assert result["state"] < 1e-5, result
+    assert result["finite"] == 1.0 and result["selection_mismatches"] == 0, result
+    assert result["logits"] < 1e-4, result  # measured 7e-6
+    assert result["state"] < 1e-4, result
 
 
 def test_padding_rows_need_a_scratch_slot(tiny_model) -> None:

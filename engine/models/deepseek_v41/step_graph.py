@@ -6,7 +6,7 @@ each layer's attention middle; its writes, selections and kernels still launch o
 decode step is host-bound. Here a decode step runs as a `PaddedDecodeBatch` (`decode_batch.py`:
 fixed shapes, no host reads) padded to a step shape
 
-    (rows, blocks) = (smallest row bucket ≥ sequences, next power of two ≥ table width)
+    (rows, blocks) = (smallest row bucket ≥ sequences, smallest 2^k or 3·2^k ≥ table width)
 
 whose graph is captured on first use (logged) and replayed with one launch after copying the
 step's metadata into its static buffers. A capture failure sends that shape to the caller's
@@ -47,8 +47,10 @@ DEFAULT_ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def blocks_bucket(width: int) -> int:
-    """Block-table columns of the step shape holding a table `width` blocks wide."""
-    return 1 << max(0, width - 1).bit_length()
+    """Block-table columns of the step shape holding a table `width` blocks wide: the
+    smallest 2^k or 3·2^k ≥ width (the indexer then scores at most 1.5× the keys it must)."""
+    power = 1 << max(0, width - 1).bit_length()
+    return power * 3 // 4 if power >= 4 and power * 3 // 4 >= width else power
 
 
 @dataclass
