@@ -756,16 +756,20 @@ def _uses_step_graphs(
 ) -> bool:
     """`cuda_graph_mode` step applies: CUDA graphs on, MXFP4 experts (the only capturable
     MoE), no speculation (its steps verify several rows), not batch-invariant and no host
-    Engram tables (`StepGraphs`)."""
-    return (
-        config.cuda_graph_mode == "step"
-        and config.cuda_graphs
-        and model.device.type == "cuda"
-        and model.quantized_experts
-        and not speculating
-        and not model.numerics.batch_invariant
-        and not model.host_engram_tables()
-    )
+    Engram tables (`StepGraphs`); otherwise a warning says why it runs `segments`."""
+    if config.cuda_graph_mode != "step":
+        return False
+    blockers = {
+        "CUDA graphs are off or not on CUDA": not config.cuda_graphs or model.device.type != "cuda",
+        "the routed experts are dequantised (not bfloat16)": not model.quantized_experts,
+        "speculative decoding is on": speculating,
+        "batch-invariant numerics": model.numerics.batch_invariant,
+        "the Engram tables are host-resident": bool(model.host_engram_tables()),
+    }
+    reasons = [why for why, applies in blockers.items() if applies]
+    if reasons:
+        logger.warning("--cuda-graph-mode step runs as segments: %s", "; ".join(reasons))
+    return not reasons
 
 
 def capture_graphs(model: DeepseekV41ForCausalLM, config: EngineConfig) -> None:
