@@ -42,10 +42,15 @@ def test_step_graphs_need_cuda(tiny_model) -> None:
 
 
 def _greedy_decode(
-    model, prompts: list[list[int]], schedule: list[list[int]], step_graphs: bool
+    model,
+    prompts: list[list[int]],
+    schedule: list[list[int]],
+    step_graphs: bool,
+    forced: list[list[int]] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor], StepGraphs | None]:
     """Prefill `prompts` eagerly, then decode the sequences of each schedule entry one token
-    each (greedy): their tokens per sequence, the logits per step and the step graphs."""
+    each (greedy, or the tokens of `forced`, another run's result): their tokens per sequence,
+    the logits per step and the step graphs."""
     blocks = [-(-(len(p) + len(schedule)) // 128) for p in prompts]
     table = torch.full((len(prompts), max(blocks)), -1, dtype=torch.long)
     first = 0
@@ -77,7 +82,7 @@ def _greedy_decode(
                 out = model.forward_step(batch, state).logits
             step_logits.append(out.float())
             for s, t in zip(seqs, out.argmax(-1).tolist(), strict=True):
-                tokens[s].append(t)
+                tokens[s].append(t if forced is None else forced[s][len(tokens[s])])
                 positions[s] += 1
     return tokens, step_logits, graphs
 
@@ -98,17 +103,22 @@ def test_step_graphs_decode_the_eager_greedy_tokens(tiny_checkpoint: Path, kv_qu
         quantized_experts=True,
         numerics=Numerics(kv_quantize=kv_quantize),
     )
+    # The graphed run is fed the eager run's tokens: padded rows change matmul shapes (equal to
+    # rounding), so its greedy pick may differ only where the eager one is a near-tie.
     prompts = [[0, *range(10, 9 + n)] for n in _PROMPT_LENS]
     eager, eager_logits, _ = _greedy_decode(model, prompts, _SCHEDULE, step_graphs=False)
-    graphed, graphed_logits, graphs = _greedy_decode(model, prompts, _SCHEDULE, step_graphs=True)
+    _, graphed_logits, graphs = _greedy_decode(
+        model, prompts, _SCHEDULE, step_graphs=True, forced=eager
+    )
     assert graphs.graph_failures() == {}
     assert graphs.replays == len(_SCHEDULE)
     assert sorted(graphs.graphs) == [(2, 1), (2, 2), (4, 1), (4, 2)]
-    assert graphed == eager
-    worst = max(
-        float((g - e).norm() / e.norm()) for g, e in zip(graphed_logits, eager_logits, strict=True)
-    )
-    assert worst < 2e-2, worst
+    for graphed_step, eager_step in zip(graphed_logits, eager_logits, strict=True):
+        assert float((graphed_step - eager_step).norm() / eager_step.norm()) < 2e-2
+        top2 = eager_step.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05
+        same = graphed_step.argmax(-1) == eager_step.argmax(-1)
+        assert bool(same[clear].all())
 
 
 @pytest.mark.gpu

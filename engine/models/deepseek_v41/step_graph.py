@@ -11,7 +11,8 @@ fixed shapes, no host reads) padded to a step shape
 whose graph is captured on first use (logged) and replayed with one launch after copying the
 step's metadata into its static buffers. A capture failure sends that shape to the caller's
 eager path from then on (`failures`). The logits of the real rows are returned as a fresh
-tensor (the graph's output buffer is overwritten by the next replay).
+tensor (the output buffer, shared by every shape's graph, is overwritten by the next replay).
+The graphs share one memory pool: they never run at once and keep no output of their own.
 
 Eligible steps (`StepGraphs.run` returns None for the others): CUDA, one new token per
 sequence, no prefix-cache replay, no decoder floors, logits for every row, not batch-invariant
@@ -57,7 +58,6 @@ def blocks_bucket(width: int) -> int:
 class _StepGraph:
     graph: torch.cuda.CUDAGraph
     buffers: DecodeBuffers
-    logits: Tensor  # [rows, vocab] fp32, the graph's output
 
 
 class StepGraphs:
@@ -84,8 +84,13 @@ class StepGraphs:
             raise ValueError(f"row buckets must be increasing positive counts, got {row_buckets}")
         self.model = model
         self.state = state
-        self.row_buckets = tuple(row_buckets)
+        # No more rows than the state has slots for (its last slot is the scratch slot).
+        top = bucket_for(state.num_slots - 1, row_buckets) or row_buckets[-1]
+        self.row_buckets = tuple(b for b in row_buckets if b <= top)
         self.pool = torch.cuda.graph_pool_handle()
+        # Every graph writes its logits here (a private output per shape would keep one
+        # [rows, vocab] buffer per shape alive); `run` copies them out before the next replay.
+        self._logits: Tensor | None = None
         self.graphs: dict[tuple[int, int], _StepGraph] = {}
         self.failures: dict[tuple[int, int], str] = {}
         self.replays = 0
@@ -117,14 +122,18 @@ class StepGraphs:
         step.buffers.fill(batch)
         step.graph.replay()
         self.replays += 1
-        return step.logits[: batch.num_seqs].clone()
+        return self._logits[: batch.num_seqs].clone()
 
     def _capture(self, shape: tuple[int, int], batch: StepBatch) -> _StepGraph | None:
         rows, blocks = shape
         start = time.perf_counter()
         model, state = self.model, self.state
-        buffers = DecodeBuffers(rows, blocks, state, batch.token_ids.device)
+        device = batch.token_ids.device
+        buffers = DecodeBuffers(rows, blocks, state, device)
         buffers.fill(batch)
+        if self._logits is None:
+            vocab = model.config.vocab_size
+            self._logits = torch.empty(self.row_buckets[-1], vocab, device=device)
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -133,7 +142,7 @@ class StepGraphs:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = model.forward_step(buffers.batch(), state).logits
+                self._logits[:rows].copy_(model.forward_step(buffers.batch(), state).logits)
         except RuntimeError as exc:
             self.failures[shape] = f"{type(exc).__name__}: {exc}"
             logger.warning(
@@ -144,7 +153,7 @@ class StepGraphs:
                 exc_info=len(self.failures) == 1,
             )
             return None
-        step = _StepGraph(graph, buffers, logits)
+        step = _StepGraph(graph, buffers)
         self.graphs[shape] = step
         logger.info(
             "step graph captured for %d rows × %d blocks in %.2f s",
