@@ -14,8 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from engine.models.deepseek_v41.decode_batch import DecodeBuffers, can_pad
+from engine.models.deepseek_v41.moe import MoE
 from engine.models.deepseek_v41.state import ModelState, sequential_batch
 from tests.kernels.interpreted import run_interpreted
 
@@ -149,3 +152,63 @@ def test_padding_rows_need_a_scratch_slot(tiny_model) -> None:
     state = tiny_model.allocate_state(2, 2)
     with pytest.raises(ValueError, match="scratch"):
         DecodeBuffers(2, 2, state, "cpu")
+
+
+class _OpTrace(TorchDispatchMode):
+    """Every aten op with the shapes of its tensor inputs and outputs, except while paused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            leaves = tree_leaves((args, kwargs, out))
+            shapes = tuple(tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor))
+            self.ops.append((str(func), shapes))
+        return out
+
+
+@torch.inference_mode()
+def _decode_ops(model: Any, positions: tuple[int, int], padded: bool) -> list[tuple[str, tuple]]:
+    """The op trace of one decode step of two sequences at `positions` (after their prefill).
+    The routed experts are left out: on the CPU they take the per-expert reference path,
+    whose shapes follow the routing (CUDA runs the grouped kernel, shape-stable)."""
+    state = model.allocate_state(2, 4, reserve_scratch=True)
+    table = torch.tensor([[0, 1], [2, 3]])
+    prefill = sequential_batch([[5] * positions[0], [7] * positions[1]], [0, 0], [0, 1], table)
+    model.forward_step(prefill, state)
+    batch = sequential_batch([[3], [4]], list(positions), [0, 1], table)
+    if padded:
+        buffers = DecodeBuffers(NUM_ROWS, BLOCKS_CAP, state, "cpu")
+        buffers.fill(batch)
+        batch = buffers.batch()
+    trace, hooks = _OpTrace(), []
+
+    def pause(*_: Any) -> None:
+        trace.paused += 1
+
+    def resume(*_: Any) -> None:
+        trace.paused -= 1
+
+    for module in model.modules():
+        if isinstance(module, MoE):
+            hooks += [module.register_forward_pre_hook(pause), module.register_forward_hook(resume)]
+    try:
+        with trace:
+            model.forward_step(batch, state)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return trace.ops
+
+
+def test_padded_decode_steps_repeat_one_op_sequence(tiny_model) -> None:
+    # What one captured graph replays: every padded step of a shape runs the same ops on the
+    # same shapes, whatever its contexts and position parities; plain steps do not (the
+    # indexer's key count grows, ratio-2 compressors pool only odd positions).
+    early, late = (20, 9), (21, 130)
+    assert _decode_ops(tiny_model, early, True) == _decode_ops(tiny_model, late, True)
+    assert _decode_ops(tiny_model, early, False) != _decode_ops(tiny_model, late, False)
