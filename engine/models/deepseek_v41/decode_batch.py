@@ -93,7 +93,11 @@ def is_padded_decode(batch: StepBatch) -> bool:
 
 def can_pad(batch: StepBatch) -> bool:
     """`batch` is a plain decode step a `PaddedDecodeBatch` reproduces: one new token per
-    sequence, no prefix-cache replay or decoder floors, logits for every row in order."""
+    sequence, no prefix-cache replay or decoder floors, logits for every row in order.
+
+    NOTE: `logits_indices` is only checked for its length (its values are on the device): a
+    decode step's full-length logit rows are its rows in order (`ModelRunner.build_batch`
+    lists each sampled chunk's last row, ascending)."""
     if batch.max_len != 1 or is_padded_decode(batch):
         return False
     if (batch.window_floors, batch.reuse_ends, batch.decoder_floors) != (None, None, None):
