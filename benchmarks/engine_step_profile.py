@@ -4,6 +4,7 @@
                                              [--async-scheduling on|off] [--requests 3]
                                              [--concurrency 1] [--prompt-len 512]
                                              [--output-len 128] [--top 35]
+                                             [--cuda-graph-mode segments|step]
 
 Builds the engine as the server does (`AsyncEngine.from_config`, the `default` model), sends
 `--requests` rounds of `--concurrency` greedy requests (distinct prompts), one round after the
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=35)
+    parser.add_argument("--cuda-graph-mode", choices=["segments", "step"], default="segments")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -46,6 +48,7 @@ def main() -> None:
         max_num_seqs=256,
         speculative=None if args.speculative == "default" else args.speculative,
         async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on",
+        cuda_graph_mode=args.cuda_graph_mode,
     )
     engine = AsyncEngine.from_config(config)
     core = engine.core
@@ -103,6 +106,12 @@ def main() -> None:
     if step_seconds:
         mean_ms = sum(step_seconds) / len(step_seconds) * 1e3
         print(f"profiled steps {len(step_seconds)}, mean {mean_ms:.2f} ms")
+    step_graphs = core.runner.step_graphs
+    if step_graphs is not None:
+        print(
+            f"step graphs: {step_graphs.replays} replays, shapes {sorted(step_graphs.graphs)}, "
+            f"failed captures {step_graphs.graph_failures() or 'none'}"
+        )
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(args.top)

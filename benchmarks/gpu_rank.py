@@ -2,7 +2,8 @@
 
     python3 benchmarks/gpu_rank.py [--prefill 4096 16384 32768] [--decode 16 64 256]
                                    [--context 8192] [--steps 5] [--profile] [--eager]
-                                   [--dense-gemm {bf16,fp8}] [--out DIR]
+                                   [--dense-gemm {bf16,fp8}] [--cuda-graph-mode {segments,step}]
+                                   [--out DIR]
     python3 benchmarks/gpu_rank.py --smoke            # the `tiny` preset on the CPU, seconds
     python3 benchmarks/gpu_rank.py --batch-invariant [--prefill ..] [--decode ..] [--smoke]
 
@@ -23,7 +24,8 @@ of one decode step and one prefill chunk: top kernels by GPU time (with the mode
 in), GPU time per model part, and the source lines where the step waits for the GPU. The
 blocks' pure parts (all but the attention's stateful middle) replay from CUDA graphs, as the
 engine runs them, unless `--eager`; graph replays run no Python, so the profile attributes
-their kernels to "other".
+their kernels to "other". `--cuda-graph-mode step` replays each decode step whole from one CUDA
+graph (`step_graph.py`, the engine's `--cuda-graph-mode step`); prefill is unchanged.
 Prints one table; writes `gpu_rank.json` (and `profile_*.txt`) under `--out` (default `$OUT`).
 
 `--batch-invariant` measures the cost of that mode instead (`Numerics.batch_invariant`): the
@@ -216,33 +218,48 @@ def prefill(model, chunk: int, device: torch.device, steps: int) -> float:
 
 
 @torch.inference_mode()
-def decode_state(model, seqs: int, context: int, device: torch.device):
-    """State for `seqs` sequences at `context` tokens: one real prefill, copied to every slot."""
+def decode_state(model, seqs: int, context: int, device: torch.device, scratch: bool = False):
+    """State for `seqs` sequences at `context` tokens: one real prefill, copied to every slot
+    (scratch: with the step graphs' scratch slot and trash block, left as they are)."""
     blocks = context // 128 + 1
-    state = model.allocate_state(seqs, seqs * blocks)
+    state = model.allocate_state(seqs, seqs * blocks, reserve_scratch=scratch)
     prefill_batch = synthetic_batch(WarmUpStep(1, context), model.config.vocab_size, device)
     model.forward_step(prefill_batch, state)
     for rings in (state.swa, state.draft_swa):
         for ring in rings:
-            ring[1:] = ring[0]
+            ring[1:seqs] = ring[0]
     for pending in state.pending.values():
-        pending[1:] = pending[0]
-    state.tokens[1:] = state.tokens[0]
+        pending[1:seqs] = pending[0]
+    state.tokens[1:seqs] = state.tokens[0]
     for pool in (*state.global_kv.values(), *state.index_keys.values()):
-        per_seq = pool.view(seqs, blocks, *pool.shape[1:])
+        per_seq = pool[: seqs * blocks].view(seqs, blocks, *pool.shape[1:])
         per_seq[1:] = per_seq[0]
     return state, blocks
 
 
-@torch.inference_mode()
-def decode(model, seqs: int, context: int, device: torch.device, steps: int) -> float:
-    state, blocks = decode_state(model, seqs, context, device)
-    batch = synthetic_batch(WarmUpStep(seqs, 1, context), model.config.vocab_size, device)
+def decode_step_fn(model, batch, state, step_graphs: bool):
+    """One decode step and its sampling's argmax: from the step graphs (`--cuda-graph-mode
+    step`; raises RuntimeError if the step runs eagerly instead) or `forward_step`."""
+    if not step_graphs:
+        return lambda: model.forward_step(batch, state).logits.argmax(-1)
+    graphs = model.enable_step_graphs(state)
 
     def step() -> None:
-        model.forward_step(batch, state).logits.argmax(-1)
+        logits = graphs.run(batch)
+        if logits is None:
+            raise RuntimeError(f"the step graph did not run: {graphs.graph_failures()}")
+        logits.argmax(-1)
 
-    return time_ms(step, device, 2, steps)
+    return step
+
+
+@torch.inference_mode()
+def decode(
+    model, seqs: int, context: int, device: torch.device, steps: int, step_graphs: bool = False
+) -> float:
+    state, blocks = decode_state(model, seqs, context, device, scratch=step_graphs)
+    batch = synthetic_batch(WarmUpStep(seqs, 1, context), model.config.vocab_size, device)
+    return time_ms(decode_step_fn(model, batch, state, step_graphs), device, 2, steps)
 
 
 def batch_invariant_cost(cfg: DeepseekV41Config, device: torch.device, dtype, args) -> None:
@@ -471,6 +488,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny preset on the CPU")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--cuda-graph-mode",
+        choices=["segments", "step"],
+        default="segments",
+        help="step: decode steps replay whole from one CUDA graph each (`step_graph.py`)",
+    )
     parser.add_argument("--dense-gemm", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--out", type=Path, default=envs.benchmark_out_dir())
     parser.add_argument(
@@ -497,6 +520,8 @@ def main() -> None:
     results["dense_gemm"] = args.dense_gemm
     model = random_model(cfg, device, dtype, quantized_experts=True, numerics=numerics)
     results["cuda_graphs"] = device.type == "cuda" and not args.eager
+    step_graphs = results["cuda_graphs"] and args.cuda_graph_mode == "step"
+    results["cuda_graph_mode"] = args.cuda_graph_mode if results["cuda_graphs"] else "eager"
     if results["cuda_graphs"]:
         model.enable_cuda_graphs()
     weights, experts = _weight_bytes(model)
@@ -533,7 +558,7 @@ def main() -> None:
         save()
     for seqs in args.decode:
         try:
-            ms = decode(model, seqs, args.context, device, args.steps)
+            ms = decode(model, seqs, args.context, device, args.steps, step_graphs)
         except torch.OutOfMemoryError:
             rows.append(("decode", seqs, None, None, None))
             torch.cuda.empty_cache()
@@ -557,24 +582,27 @@ def main() -> None:
         save()
     if args.profile:
         seqs = args.decode[len(args.decode) // 2] if args.decode else 16
-        state, blocks = decode_state(model, seqs, args.context, device)
+        state, blocks = decode_state(model, seqs, args.context, device, scratch=step_graphs)
         chunk = args.prefill[0] if args.prefill else 4096
         chunk_blocks = chunk // 128 + 1
+        decode_batch = synthetic_batch(WarmUpStep(seqs, 1, args.context), cfg.vocab_size, device)
+        prefill_state = model.allocate_state(1, chunk_blocks)
         cases = [
             (
                 f"decode {seqs} seqs",
-                synthetic_batch(WarmUpStep(seqs, 1, args.context), cfg.vocab_size, device),
-                state,
+                decode_step_fn(model, decode_batch, state, step_graphs),
             ),
             (
                 f"prefill {chunk}",
-                synthetic_batch(WarmUpStep(1, chunk), cfg.vocab_size, device),
-                model.allocate_state(1, chunk_blocks),
+                functools.partial(
+                    model.forward_step,
+                    synthetic_batch(WarmUpStep(1, chunk), cfg.vocab_size, device),
+                    prefill_state,
+                ),
             ),
         ]
-        for title, batch, case_state in cases:
+        for title, step in cases:
             with torch.inference_mode():
-                step = functools.partial(model.forward_step, batch, case_state)
                 print(profile(model, step, device, title, args.out))
                 if device.type == "cuda":
                     syncs = results.setdefault("host_syncs", {})[title] = host_syncs(step)

@@ -69,6 +69,7 @@ ACTIVATION_MEMORY_FRACTION = 0.5
 DEFAULT_RESUME_SLOT_MEMORY = 4 << 30
 KV_STORAGES = ("quantized", "exact")
 DENSE_GEMMS = ("bf16", "fp8")
+CUDA_GRAPH_MODES = ("segments", "step")
 
 
 class EngineClosedError(RuntimeError):
@@ -97,6 +98,10 @@ class EngineConfig:
     cuda_graphs: on CUDA, replay each block's pure parts from CUDA graphs in steps of up to 512
         tokens (`DeepseekV41ForCausalLM.enable_cuda_graphs`); False runs every step eagerly.
         Needs `quantized_experts` (bfloat16): otherwise a warning, and every step runs eagerly.
+    cuda_graph_mode: with `cuda_graphs`, `segments` replays only those pure parts; `step`
+        also replays every plain decode step whole from one CUDA graph per step shape, the
+        attention's stateful middle included (`step_graph.py`; not with speculation, the
+        batch-invariant mode or host Engram tables, which keep `segments`).
     target_step_ms: prefill chunks are sized so that a step's predicted time (a cost model
         fitted to the engine's own steps) stays within this; None = by device
         (`DEFAULT_TARGET_STEP_MS`).
@@ -173,6 +178,7 @@ class EngineConfig:
     max_model_len: int | None = None
     overlap_grammar_mask: bool | None = None
     cuda_graphs: bool = True
+    cuda_graph_mode: str = "segments"
     target_step_ms: float | None = None
     activation_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
@@ -209,6 +215,10 @@ class EngineConfig:
         self.speculative_config(on_cuda=True, has_drafter=True)  # ValueError for bad options
         if self.kv_storage not in KV_STORAGES:
             raise ValueError(f"kv_storage must be one of {KV_STORAGES}, not {self.kv_storage!r}")
+        if self.cuda_graph_mode not in CUDA_GRAPH_MODES:
+            raise ValueError(
+                f"cuda_graph_mode must be one of {CUDA_GRAPH_MODES}, not {self.cuda_graph_mode!r}"
+            )
         if self.swa_replay not in ("bounded", "exact"):
             raise ValueError(f"swa_replay must be bounded or exact, not {self.swa_replay!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -375,6 +385,7 @@ class AsyncEngine:
             speculative=speculative,
             draft_source=draft_source,
             draft_factory=draft_factory,
+            step_graphs=_uses_step_graphs(model, config, speculative.is_enabled),
         )
         step_budget = _step_budget(model, config)
         max_model_len = config.max_model_len or model.config.max_position_embeddings
@@ -738,6 +749,27 @@ def warm_up_kernels(model: DeepseekV41ForCausalLM, config: EngineConfig) -> None
     logger.info(
         "kernels warmed up for %d step shapes in %.1f s", len(steps), time.perf_counter() - start
     )
+
+
+def _uses_step_graphs(
+    model: DeepseekV41ForCausalLM, config: EngineConfig, speculating: bool
+) -> bool:
+    """`cuda_graph_mode` step applies: CUDA graphs on, MXFP4 experts (the only capturable
+    MoE), no speculation (its steps verify several rows), not batch-invariant and no host
+    Engram tables (`StepGraphs`); otherwise a warning says why it runs `segments`."""
+    if config.cuda_graph_mode != "step":
+        return False
+    blockers = {
+        "CUDA graphs are off or not on CUDA": not config.cuda_graphs or model.device.type != "cuda",
+        "the routed experts are dequantised (not bfloat16)": not model.quantized_experts,
+        "speculative decoding is on": speculating,
+        "batch-invariant numerics": model.numerics.batch_invariant,
+        "the Engram tables are host-resident": bool(model.host_engram_tables()),
+    }
+    reasons = [why for why, applies in blockers.items() if applies]
+    if reasons:
+        logger.warning("--cuda-graph-mode step runs as segments: %s", "; ".join(reasons))
+    return not reasons
 
 
 def capture_graphs(model: DeepseekV41ForCausalLM, config: EngineConfig) -> None:

@@ -317,15 +317,19 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         draft_source: DraftSource | None = None,
         draft_factory: DraftFactory | None = None,
+        step_graphs: bool = False,
     ) -> None:
         """overlap_grammar_mask: fill a step's grammar bitmask on a worker thread while the
         forward runs (False: fill it on the step's thread before the forward).
         speculative: with an enabled config every step runs `SpeculativeStep` (drafts from
         `draft_source`, else `draft_factory(model, state)` over this runner's state, by default
-        the model's DSpark drafter)."""
+        the model's DSpark drafter).
+        step_graphs: replay decode steps from one CUDA graph per step shape (`step_graph.py`;
+        the state reserves a scratch slot and block for their padding rows)."""
         self.model = model
         self.device = model.device
-        self.state = model.allocate_state(num_slots, num_blocks)
+        self.state = model.allocate_state(num_slots, num_blocks, reserve_scratch=step_graphs)
+        self.step_graphs = model.enable_step_graphs(self.state) if step_graphs else None
         self._block_tables = BlockTableRows(num_slots, self.device)
         self.sampler = Sampler()
         self._sampling_rows = SamplingRowCache()
@@ -473,7 +477,7 @@ class ModelRunner:
         self.restore_resume_slots(output)
         self.restore_token_history(output)
         with step.timed():
-            step.logits = self.model.forward_step(batch, self.state).logits
+            step.logits = self.forward(batch)
         if not step.needs_host_tokens:
             self.sample(step)
         return step
@@ -488,6 +492,12 @@ class ModelRunner:
             eos_token_id=self.model.config.eos_token_id,
             rows_cache=self._sampling_rows,
         )
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """The step's logits: replayed from its step graph when it has one, else
+        `forward_step`."""
+        logits = None if self.step_graphs is None else self.step_graphs.run(batch)
+        return self.model.forward_step(batch, self.state).logits if logits is None else logits
 
     @torch.inference_mode()
     def sample(

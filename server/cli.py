@@ -20,6 +20,7 @@ import torch
 
 from engine.async_engine import (
     AUTO_DTYPE,
+    CUDA_GRAPH_MODES,
     DENSE_GEMMS,
     ENGRAM_PLACEMENTS,
     KV_STORAGES,
@@ -141,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager",
         action="store_true",
         help="on CUDA, run every step eagerly (no CUDA graphs)",
+    )
+    add(
+        "--cuda-graph-mode",
+        choices=list(CUDA_GRAPH_MODES),
+        default=_ENGINE_DEFAULTS.cuda_graph_mode,
+        help="segments: replay each block's pure parts from CUDA graphs; step: also replay "
+        "every plain decode step whole from one graph per step shape",
     )
     add(
         "--async-scheduling",
@@ -435,6 +443,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_cache_tokens=args.kv_cache_tokens,
         max_model_len=args.max_model_len,
         cuda_graphs=not args.enforce_eager,
+        cuda_graph_mode=args.cuda_graph_mode,
         target_step_ms=args.target_step_ms,
         enable_prefix_caching=args.enable_prefix_caching,
         swa_replay=args.swa_replay,

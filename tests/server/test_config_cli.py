@@ -328,3 +328,21 @@ def test_cli_dtype_defaults_to_bfloat16_on_cuda_and_float32_on_the_cpu():
     assert EngineConfig(device="cuda").dtype == "bfloat16" and EngineConfig().dtype == "float32"
     with pytest.raises(SystemExit):
         engine("--dtype", "float64")
+
+
+def test_cli_cuda_graph_mode(tiny_model, caplog: pytest.LogCaptureFixture) -> None:
+    def engine(*argv: str) -> EngineConfig:
+        return config_from_args(build_parser().parse_args(list(argv))).engine
+
+    assert engine().cuda_graph_mode == "segments"
+    assert engine("--cuda-graph-mode", "step").cuda_graph_mode == "step"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--cuda-graph-mode", "whole"])
+    with pytest.raises(ValueError, match="cuda_graph_mode must be one of"):
+        EngineConfig(cuda_graph_mode="whole")
+    # Off CUDA the step graphs cannot run: the engine says why and keeps the plain steps.
+    with caplog.at_level(logging.WARNING, logger="engine.async_engine"):
+        cpu = AsyncEngine.from_model(tiny_model, EngineConfig(cuda_graph_mode="step"))
+    assert cpu.core.runner.step_graphs is None
+    assert "--cuda-graph-mode step runs as segments: CUDA graphs are off" in caplog.text
+    assert cpu.core.runner.state.scratch_slot is None

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.decode_batch import PaddedDecodeBatch, is_padded_decode
 from engine.models.deepseek_v41.dense import (
     Linear,
     bf16_mm_to_fp32_runs,
@@ -183,6 +184,8 @@ class Compressor(nn.Module):
         k = self.wkv.forward_fp32(x)
         g = self.wgate.forward_fp32(x)
         pending = ctx.state.pending[source_id]
+        if is_padded_decode(batch):
+            return self._pool_every_row(k, g, pending, batch, x.dtype)
         pairs = batch.shared("compressor pairs", lambda: _TokenPairs.of(batch))
         odd = pairs.odd
         carried = pending[pairs.odd_slot, pairs.odd_ring_row]  # [G, 2, D]
@@ -196,6 +199,23 @@ class Compressor(nn.Module):
         keep = pairs.kept_even
         pending[pairs.kept_slot, pairs.kept_ring_row] = torch.stack((k[keep], g[keep]), 1)
         return lat, pairs.group_position, odd
+
+    def _pool_every_row(
+        self, k: Tensor, g: Tensor, pending: Tensor, batch: PaddedDecodeBatch, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward`'s ratio-2 pooling for a padded decode step, over every row: an odd
+        position pools with its even partner from the pending ring (a decode row's partner is
+        never in the step), an even one only stores its (k, gate) there. Latents of even rows
+        are garbage (`write_source` sends them to the trash block); group position p − 1."""
+        pos, slot = batch.positions, batch.slots
+        carried = pending[slot, torch.div(pos - 1, 2, rounding_mode="floor") % PAIR_RING]
+        weights = pair_softmax(carried[:, 1], g, self.batch_invariant)
+        lat = self.norm((weights[0] * carried[:, 0] + weights[1] * k).to(dtype))
+        ring_row = torch.div(pos, 2, rounding_mode="floor") % PAIR_RING
+        is_even = (pos % 2 == 0)[:, None, None]
+        kept = torch.where(is_even, torch.stack((k, g), 1), pending[slot, ring_row])
+        pending[slot, ring_row] = kept
+        return lat, pos - 1, torch.arange(pos.numel(), device=pos.device)
 
 
 class Indexer(nn.Module):
@@ -489,11 +509,17 @@ class Attention(nn.Module):
             lat, group_pos, token_idx = lat[writes], group_pos[writes], token_idx[writes]
         if lat.shape[0] == 0:
             return
+        emits = None
+        if is_padded_decode(batch):  # every row pooled; only rows closing a group write
+            emits = batch.positions % self.ratio == self.ratio - 1
+            group_pos = group_pos.clamp(min=0)
         kv = apply_rope(lat, group_pos, self.freqs)
         ik = self.indexer.k_norm(self.indexer.wk(lat))
         ik = apply_rope(ik, group_pos, self.freqs)
         seq = batch.seq_of_token[token_idx]
         block, row = _global_row_address(batch, seq, group_pos // self.ratio, self.ratio)
+        if emits is not None:
+            block = torch.where(emits, block, batch.trash_block)
         ctx.state.global_kv[self.layer_id][block, row] = ctx.codecs.global_kv.encode(kv)
         ctx.state.index_keys[self.layer_id][block, row] = ctx.codecs.index.encode(ik)
 
@@ -507,8 +533,10 @@ class Attention(nn.Module):
         iq = apply_rope(iq, batch.positions, self.freqs)
         iq = ctx.codecs.index.round_trip(iq)
         hw = self.indexer.weights_proj.forward_fp32(x) * (dim**-0.5 * heads**-0.5)
-        ends = batch.end_positions()
-        num_visible_max = max((e + 1) // r for e in ends)
+        if is_padded_decode(batch):  # fixed shapes: the block tables' key capacity
+            num_visible_max = batch.key_capacity(r)
+        else:
+            num_visible_max = max((e + 1) // r for e in batch.end_positions())
 
         def visibility() -> tuple[Tensor, Tensor]:
             return batch.shared(

@@ -19,7 +19,7 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,7 @@ from engine.models.deepseek_v41.attention import (
 )
 from engine.models.deepseek_v41.block_layout import LAYOUT_NAME
 from engine.models.deepseek_v41.config import DeepseekV41Config
+from engine.models.deepseek_v41.decode_batch import is_padded_decode
 from engine.models.deepseek_v41.dense import Linear, keep_dense_fp8
 from engine.models.deepseek_v41.dspark import DraftOutput, DSpark
 from engine.models.deepseek_v41.engram import Engram, HostEngramTable
@@ -61,6 +62,9 @@ from engine.models.deepseek_v41.state import (
     sequential_batch,
 )
 from engine.models.graphed import DEFAULT_BUCKETS, GraphedSegment
+
+if TYPE_CHECKING:
+    from engine.models.deepseek_v41.step_graph import StepGraphs
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,8 @@ class Block(nn.Module):
         `pre`, runs eagerly).
         """
         graphs = self.graphs if mixer is None and ctx.record is None else None
+        if is_padded_decode(ctx.batch):  # what a step graph captures whole (`step_graph.py`)
+            graphs = None
         if graphs is None:
             pre_a, post_a, comb_a = self.triplet("attn", residual)
             x_attn = self.attn_norm.of_combination(residual, pre_prev)
@@ -348,6 +354,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             elif isinstance(module, switched):
                 module.batch_invariant = numerics.batch_invariant
         self.engram_tables: dict[int, EngramHashTables] = {t.layer_id: t for t in hash_tables}
+        self.step_graphs: StepGraphs | None = None  # set by `enable_step_graphs`
         # Raw id → compressed id; set from the tokenizer by the loader (`set_engram_token_map`).
         self.register_buffer("engram_token_map", token_map, persistent=False)
 
@@ -410,13 +417,22 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.engram_token_map.copy_(token_map.to(torch.long))
 
     def allocate_state(
-        self, num_slots: int, num_blocks: int, ring_len: int | None = None
+        self,
+        num_slots: int,
+        num_blocks: int,
+        ring_len: int | None = None,
+        reserve_scratch: bool = False,
     ) -> ModelState:
         """Zeroed state for `num_slots` sequences and `num_blocks` 128-token global-KV blocks.
 
         ring_len defaults to window + DSpark block size + 1 (134 for the released config:
         the anchor and five drafts may be written ahead of the committed position).
+        reserve_scratch: one more slot and block (`scratch_slot` = num_slots, `trash_block` =
+        num_blocks) for the padding rows of padded decode steps (`decode_batch.py`).
         """
+        if reserve_scratch:
+            state = self.allocate_state(num_slots + 1, num_blocks + 1, ring_len)
+            return dataclasses.replace(state, scratch_slot=num_slots, trash_block=num_blocks)
         cfg, dev, codecs = self.config, self.device, self.codecs
         ring_len = ring_len or cfg.sliding_window + cfg.dspark_block_size + 1
         if ring_len < cfg.sliding_window:
@@ -635,9 +651,20 @@ class DeepseekV41ForCausalLM(nn.Module):
             if bucket >= max_tokens:
                 break
 
+    def enable_step_graphs(self, state: ModelState) -> StepGraphs:
+        """Decode steps over `state` (allocated with `reserve_scratch`) replayed from one CUDA
+        graph per step shape (`step_graph.py`): the runner passes eligible steps to the
+        returned `StepGraphs.run`. Raises ValueError where `StepGraphs` cannot run."""
+        from engine.models.deepseek_v41.step_graph import StepGraphs
+
+        self.step_graphs = StepGraphs(self, state)
+        return self.step_graphs
+
     def graph_failures(self) -> dict[str, str]:
-        """Why a bucket of a block's part runs eagerly (empty when every capture succeeded)."""
-        return {
+        """Why a bucket of a block's part, or a step shape of the step graphs, runs eagerly
+        (empty when every capture succeeded)."""
+        steps = self.step_graphs.graph_failures() if self.step_graphs is not None else {}
+        return steps | {
             f"layers.{block.layer_id}.{name}[{bucket}]": reason
             for block in self.layers
             if block.graphs is not None

@@ -44,6 +44,10 @@ class ModelState:
     pending: dict[int, Tensor]
     tokens: Tensor
     draft_swa: list[Tensor] = field(default_factory=list)  # DSpark context rings, one per stage
+    # Reserved for the padding rows of padded decode steps (`decode_batch.py`); no request owns
+    # them and nothing reads them as real data. None when the state reserves none.
+    scratch_slot: int | None = None
+    trash_block: int | None = None
 
     @property
     def num_slots(self) -> int:
