@@ -122,15 +122,26 @@ def test_step_graphs_decode_the_eager_greedy_tokens(tiny_checkpoint: Path, kv_qu
 
 
 @pytest.mark.gpu
-def test_a_failed_capture_falls_back_to_eager_steps(tiny_checkpoint: Path) -> None:
-    # float32 dequantises the routed experts, whose per-expert path reads expert counts on the
-    # host: the capture fails, is reported, and the steps run eagerly with the same tokens.
-    model = load_model(tiny_checkpoint, device="cuda", numerics=Numerics(kv_quantize=False))
+def test_a_failed_capture_falls_back_to_eager_steps(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A forward that raises while the stream captures (as an operation capture refuses does):
+    # the failure is reported once, and the steps of that shape run eagerly, same tokens.
+    model = load_model(tiny_checkpoint, device="cuda", dtype=torch.bfloat16, quantized_experts=True)
     prompts = [[0, *range(10, 30)], [0, 5, 6]]
     schedule = [[0, 1]] * 3
     eager, _, _ = _greedy_decode(model, prompts, schedule, step_graphs=False)
+    forward_step = model.forward_step
+
+    def refused_in_capture(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("operation not permitted when stream is capturing (test)")
+        return forward_step(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward_step", refused_in_capture)
     graphed, _, graphs = _greedy_decode(model, prompts, schedule, step_graphs=True)
     assert list(graphs.graph_failures()) == ["step[2x1]"]
+    assert "(test)" in graphs.graph_failures()["step[2x1]"]
     assert graphs.replays == 0
     assert graphed == eager
 

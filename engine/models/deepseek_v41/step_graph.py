@@ -70,10 +70,14 @@ class StepGraphs:
         row_buckets: tuple[int, ...] = DEFAULT_ROW_BUCKETS,
     ) -> None:
         """Raises ValueError off CUDA, for a state without a scratch slot
-        (`allocate_state(reserve_scratch=True)`), for host-resident Engram tables (their
-        per-step row gathers are host work) or for batch-invariant numerics."""
+        (`allocate_state(reserve_scratch=True)`), for routed experts off the grouped MXFP4
+        kernel (the per-expert path reads expert counts on the host: no capture could
+        succeed), for host-resident Engram tables (their per-step row gathers are host work)
+        or for batch-invariant numerics."""
         if model.device.type != "cuda":
             raise ValueError("step graphs need the model on a CUDA device")
+        if not (model.quantized_experts and model.dtype == torch.bfloat16):
+            raise ValueError("step graphs need bfloat16 with MXFP4 routed experts")
         if state.scratch_slot is None or state.trash_block is None:
             raise ValueError("step graphs need a state with a scratch slot (reserve_scratch)")
         if model.host_engram_tables():
