@@ -210,7 +210,7 @@ class Block(nn.Module):
         `pre`, runs eagerly).
         """
         graphs = self.graphs if mixer is None and ctx.record is None else None
-        if is_padded_decode(ctx.batch):  # what a step graph captures whole (`step_graph.py`)
+        if graphs is not None and is_padded_decode(ctx.batch):  # a step graph captures it whole
             graphs = None
         if graphs is None:
             pre_a, post_a, comb_a = self.triplet("attn", residual)
