@@ -21,6 +21,9 @@ from kernels import grouped_mxfp4_gemm as grouped
 EXPERTS, HIDDEN, WIDTH, TOP_K, LIMIT = 48, 5120, 2304, 6, 10.0
 DECODE_TILES = [(64, 4, 3), (64, 4, 3, 128), (64, 4, 4, 128), (64, 4, 2, 128), (64, 4, 3, 96),
                 (128, 4, 3), (128, 4, 3, 168), (128, 8, 3, 128)]  # fmt: skip
+# The prefill kernel's former autotuner candidates (BLOCK_N, BLOCK_K, warps, stages).
+PREFILL_TILES = [(32, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3),
+                 (64, 256, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4)]  # fmt: skip
 
 
 def copy_gbs() -> float:
@@ -56,8 +59,8 @@ def weights(generator: torch.Generator):
 
 
 def launch_tiles(x, blocks, codes, scales, gated, row_weight, tiles):
-    """One launch with explicit tiles (decode: BLOCK_N, warps, stages) or the tuned launcher
-    (tiles None)."""
+    """One launch with explicit tiles (decode: BLOCK_N, warps, stages[, register cap]; prefill:
+    BLOCK_N, BLOCK_K, warps, stages) or the launcher's own table (tiles None)."""
     n_weight = codes.shape[1]
     n = n_weight // 2 if gated else n_weight
     out_rows = blocks.num_positions if gated else blocks.num_pairs
@@ -68,11 +71,18 @@ def launch_tiles(x, blocks, codes, scales, gated, row_weight, tiles):
             x, blocks, codes, scales, gate_limit=gate_limit, row_weight=row_weight,
             out_dtype=out.dtype,
         )  # fmt: skip
+    if blocks.block_m > grouped.DECODE_MAX_BLOCK_M:
+        block_n, block_k, warps, stages = tiles
+        grouped._launch_prefill(
+            x, blocks, (codes, scales), out, gate_limit, row_weight, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return out
     block_n, warps, stages, *maxnreg = tiles
     extra = {"maxnreg": maxnreg[0]} if maxnreg else {}
     grouped._launch_decode(
         x, blocks, (codes, scales), out, gate_limit, row_weight, BLOCK_N=block_n,
-        num_warps=warps, num_stages=stages, **extra,
+        PREFETCH=False, num_warps=warps, num_stages=stages, **extra,
     )  # fmt: skip
     return out
 
@@ -123,9 +133,12 @@ def main() -> None:
                 n_w, half_k = codes.shape[1], codes.shape[2]
                 moved = used * n_w * (half_k + half_k * 2 // 32)
                 flops = 2 * num_tokens * TOP_K * n_w * half_k * 2
-                candidates = [] if args.no_tuned else [("new (tuned)", None)]
-                if block_m <= grouped.DECODE_MAX_BLOCK_M and not args.tuned_only:
-                    candidates += [("new " + str(t), t) for t in DECODE_TILES]
+                candidates = [] if args.no_tuned else [("new (table)", None)]
+                if not args.tuned_only:
+                    explicit = (
+                        DECODE_TILES if block_m <= grouped.DECODE_MAX_BLOCK_M else PREFILL_TILES
+                    )
+                    candidates += [("new " + str(t), t) for t in explicit]
                 if baseline is not None:
                     candidates.insert(0, ("baseline (autotuned)", None))
                 for name, tiles in candidates:

@@ -84,11 +84,11 @@ from kernels.fp8_block_gemm import (
 )
 from kernels.grouped_mxfp4_gemm import (
     DECODE_MAX_BLOCK_M,
-    _decode_kernel,
-    _prefill_kernel,
     align_to_experts,
+    decode_tiles,
     grouped_mxfp4_gemm,
     grouped_mxfp4_gemm_reference,
+    prefill_tiles,
 )
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_mix import mhc_mix, mhc_mix_reference
@@ -216,11 +216,10 @@ def grouped_rows(tokens: list[int], device: torch.device) -> list[dict]:
                 row = _row(f"grouped_mxfp4_gemm {use}", num_tokens, float("nan"), ms, moved,
                            flops, _relative(out, reference))  # fmt: skip
                 row["pct_copy"] = 100 * row["after_gbs"] / copy
-                tuned = _decode_kernel if blocks.block_m <= DECODE_MAX_BLOCK_M else _prefill_kernel
-                row["tiles"] = str(tuned.best_config)
-                print(
-                    f"grouped {use} tiles at {num_tokens} tokens: {tuned.best_config}", flush=True
-                )
+                choose = decode_tiles if blocks.block_m <= DECODE_MAX_BLOCK_M else prefill_tiles
+                tiles = choose(codes.shape[1], 2 * codes.shape[2], blocks.block_m, use == "gate/up")
+                row["tiles"] = str(tiles)
+                print(f"grouped {use} tiles at {num_tokens} tokens: {tiles}", flush=True)
                 row["block_m"] = blocks.block_m
                 row["copy_gbs"] = copy
                 rows.append(row)
@@ -584,7 +583,7 @@ def index_score_rows(sequences: list[int], device: torch.device) -> list[dict]:
     from engine.models.deepseek_v41.attention import Attention
     from engine.models.deepseek_v41.kv_formats import index_fp4_quantize, index_fp4_round_trip
     from kernels.fp4_rows import index_fp4_rows_dequantize
-    from kernels.index_scores import _index_scores_kernel, index_scores
+    from kernels.index_scores import CANDIDATES, TILES, index_scores
 
     heads, dim, ratio, num_j = 64, 128, 2, 2048
     per_block, context = 128 // ratio, num_j * ratio
@@ -618,6 +617,10 @@ def index_score_rows(sequences: list[int], device: torch.device) -> list[dict]:
 
         before_us = _bench_us(before)
         after_us = _bench_us(lambda a=args: index_scores(*a))
+        candidates_us = {
+            str(tiles): _bench_us(lambda a=args, t=tiles: index_scores(*a, tiles=t))
+            for tiles in CANDIDATES
+        }
         ours, theirs = index_scores(*args), before()
         finite = torch.isfinite(theirs)
         same_inf = bool(torch.equal(finite, torch.isfinite(ours)))
@@ -631,7 +634,8 @@ def index_score_rows(sequences: list[int], device: torch.device) -> list[dict]:
         print(
             f"{name} S={num_seqs} T={num_tokens}: before {before_us:.1f} µs "
             f"({moved / before_us / 1e3:.0f} GB/s), after {after_us:.1f} µs "
-            f"({moved / after_us / 1e3:.0f} GB/s); tiles {_index_scores_kernel.best_config}",
+            f"({moved / after_us / 1e3:.0f} GB/s) with TILES {TILES}; candidates µs "
+            + ", ".join(f"{name} {us:.1f}" for name, us in candidates_us.items()),
             flush=True,
         )
     return rows

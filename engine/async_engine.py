@@ -734,7 +734,7 @@ def warm_up_kernels(model: DeepseekV41ForCausalLM, config: EngineConfig) -> None
     speculative = config.speculative_config(on_cuda=True, has_drafter=has_drafter)
     drafts = config.num_speculative_tokens if speculative.method == "dspark" else 0
     steps = serving_warm_up_steps(config.max_num_batched_tokens, config.max_num_seqs, drafts)
-    warm_up(model, steps)
+    warm_up(model, steps, drafts=drafts > 0)
     logger.info(
         "kernels warmed up for %d step shapes in %.1f s", len(steps), time.perf_counter() - start
     )

@@ -51,7 +51,7 @@ def num_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs // block_m + min(num_experts, num_pairs)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])  # step-varying: one variant
 def _align_kernel(
     ids_ptr,
     pair_of_pos_ptr,

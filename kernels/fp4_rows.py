@@ -64,7 +64,7 @@ _GLOBAL_SCALE_MIN = 2.0**-9  # kv_formats.GLOBAL_SCALE_MIN
 _NAN_BYTE = 0x7F  # an e4m3 scale byte no finite scale <= 448 encodes to
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # step-varying: one variant
 def _fp4_quantize_kernel(
     x_ptr,
     out_ptr,
@@ -131,7 +131,7 @@ def _fp4_quantize_kernel(
         tl.store(out_ptr + scale_offsets, scale_byte.to(tl.uint8), mask=scale_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # step-varying: one variant
 def _index_fp4_dequantize_kernel(
     packed_ptr,
     out_ptr,
@@ -185,10 +185,11 @@ def _rows(x: Tensor, group: int, kernel: str) -> Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _tile(dim: int, num_rows: int) -> tuple[int, int]:
-    """(BLOCK_HALF, BLOCK_R) for rows of `dim` elements."""
+def _tile(dim: int) -> tuple[int, int]:
+    """(BLOCK_HALF, BLOCK_R) for rows of `dim` elements: a function of the width alone, so one
+    compiled variant serves every row count (few rows leave a tile's other rows masked)."""
     block_half = triton.next_power_of_2(dim // 2)
-    return block_half, max(1, min(_TILE_PAIRS // block_half, triton.next_power_of_2(num_rows)))
+    return block_half, max(1, _TILE_PAIRS // block_half)
 
 
 def _quantize(
@@ -202,7 +203,7 @@ def _quantize(
     else:
         out = torch.empty(x.shape, dtype=round_trip, device=x.device)
     if num_rows:
-        block_half, block_r = _tile(dim, num_rows)
+        block_half, block_r = _tile(dim)
         _fp4_quantize_kernel[(triton.cdiv(num_rows, block_r),)](
             _bits_if_bf16(rows),
             _bits_if_bf16(out),
@@ -258,7 +259,7 @@ def index_fp4_rows_dequantize(packed: Tensor, dtype: torch.dtype = torch.float32
     out = torch.empty((*packed.shape[:-1], dim), dtype=dtype, device=packed.device)
     num_rows = rows.shape[0]
     if num_rows:
-        block_half, block_r = _tile(dim, num_rows)
+        block_half, block_r = _tile(dim)
         _index_fp4_dequantize_kernel[(triton.cdiv(num_rows, block_r),)](
             rows,
             _bits_if_bf16(out),

@@ -107,7 +107,7 @@ def _scale_of(biased):
 # ---- activation quantization ------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # step-varying: one variant
 def _quantize_kernel(
     x_ptr, codes_ptr, scale_ptr, num_rows, width, BLOCK: tl.constexpr, ROWS: tl.constexpr
 ):
@@ -161,7 +161,7 @@ def quantize_activations_reference(x: Tensor, block: int = 32) -> tuple[Tensor, 
 # ---- GEMM -------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "blocks_per_split", "stride_os"])  # step-varying: one variant
 def _fp8_block_gemm_kernel(
     a_ptr,
     a_scale_ptr,

@@ -223,27 +223,18 @@ def _kernel_columns(device: torch.device) -> Tensor:
     return (8 * word + ((k >> 3) & 3) + 4 * (k & 1)).to(device)
 
 
-def _decode_configs() -> list[triton.Config]:
-    """(BLOCK_N, warps, stages, register cap): weight rows per program, mapped to the wgmma's M
-    (64 per warpgroup); the block's token rows are its N (BLOCK_M, 16 or 32); K steps by 128.
-    The cap of 128 registers lets four programs share an SM (measured on the H200,
-    `docs/performance.md`)."""
-    shapes = [(64, 4, 3, 128), (64, 4, 4, 128), (64, 4, 3, None), (128, 4, 3, 168),
-              (128, 8, 3, 128)]  # fmt: skip
-    configs = [
-        triton.Config({"BLOCK_N": n, "PREFETCH": False}, num_warps=w, num_stages=st, maxnreg=cap)
-        for n, w, st, cap in shapes
-    ]
-    # Register prefetch (64 rows, 4 warps only: `_operand_rows`), no shared-memory stages.
-    return configs + [
-        triton.Config({"BLOCK_N": 64, "PREFETCH": True}, num_warps=4, num_stages=1, maxnreg=cap)
-        for cap in (None, 128, 168)
-    ]
+def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
+    """The decode kernel's launch shape for an (N, K, block size, use), what the autotuner keyed
+    (a pure function of those, so nothing is tuned or compiled while serving). BLOCK_N weight
+    rows per program, mapped to the wgmma's M (64 per warpgroup); the block's token rows are its
+    N (BLOCK_M, 16 or 32); K steps by 128. THE CHOICE, from the H200 sweeps of 2026-12-01
+    (`docs/performance.md`, "decode tiles for the grouped MXFP4 GEMM": the tuned tiles at every
+    size were 64 rows, 4 warps, the register prefetch; `benchmarks/grouped_gemm_tiles.py`
+    times the alternatives): one row for every shape, its register cap 128 (four programs share
+    an SM)."""
+    return {"BLOCK_N": 64, "PREFETCH": True, "num_warps": 4, "num_stages": 1, "maxnreg": 128}
 
 
-# Tuned once per (N, K, block size, use) on first launch; the output is written, never
-# accumulated, so the tuner's repeated launches are harmless.
-@triton.autotune(configs=_decode_configs(), key=["N", "K", "BLOCK_M", "GATED"])
 @triton.jit
 def _decode_kernel(
     x_ptr,
@@ -379,26 +370,16 @@ def _dequantize_tile(
 _PREFILL_DOT = tl.constexpr(tl.float32 if interpreting() else tl.bfloat16)
 
 
-def _prefill_configs() -> list[triton.Config]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of the prefill kernel (token rows as the wgmma's M)."""
-    shapes = [(32, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3),
-              (64, 256, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4)]  # fmt: skip
-    return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-        for n, k, warps, stages in shapes
-    ]
+def prefill_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
+    """The prefill kernel's launch shape (BLOCK_N, BLOCK_K, warps, stages; token rows as the
+    wgmma's M) for an (N, K, block size, use), what the autotuner keyed. THE CHOICE: the fixed
+    tiles of batch-invariant mode (64 columns, the largest K step of 128, 64 or 32 dividing K,
+    4 warps, 3 stages) at every shape. NOTE: the autotuner's H200 choice among its seven
+    candidates was never recorded; `benchmarks/grouped_gemm_tiles.py --tokens 4096 --no-tuned`
+    times them (edit here after it)."""
+    return _fixed_tiles(k)
 
 
-def _keep_dividing(configs: list[triton.Config], named_args: dict, **_: object) -> list:
-    k = named_args["K"]
-    return [config for config in configs if k % config.kwargs["BLOCK_K"] == 0]
-
-
-@triton.autotune(
-    configs=_prefill_configs(),
-    key=["N", "K", "BLOCK_M", "GATED"],
-    prune_configs_by={"early_config_prune": _keep_dividing},
-)
 @triton.jit
 def _prefill_kernel(
     x_ptr,
@@ -512,9 +493,10 @@ def grouped_mxfp4_gemm(
     gate_limit L (gate/up): x is [T, K] (token rows), codes hold [W1; W3] (N_w = 2N); returns
         the clamped SwiGLU [num_positions, N] at positions (padding rows uninitialised).
     row_weight: fp32 [T·top_k] routing weights multiplied into each output row.
-    fixed_tiles: the prefill kernel with one tile config per K (no tuner; batch-invariant
-        mode): needs block_m > DECODE_MAX_BLOCK_M. Triton's CPU interpreter always runs these
-        tiles (the tuner needs a GPU; the decode tiles' inline PTX has no interpreter).
+    fixed_tiles: the prefill kernel with one tile config per K (batch-invariant mode): needs
+        block_m > DECODE_MAX_BLOCK_M. Triton's CPU interpreter always runs these tiles (the
+        decode tiles' inline PTX has no interpreter). Otherwise `decode_tiles` or
+        `prefill_tiles` by the block size.
 
     Raises:
         ValueError: a shape, dtype or stride the kernel does not take.
@@ -542,31 +524,29 @@ def grouped_mxfp4_gemm(
     weights = (codes, scales.view(torch.uint8))
     if interpreting() and blocks.block_m <= DECODE_MAX_BLOCK_M:
         raise ValueError("the decode tiles' inline PTX does not run in Triton's interpreter")
-    if fixed_tiles or interpreting():  # (the tuner needs a GPU)
+    if fixed_tiles or interpreting():
         if blocks.block_m <= DECODE_MAX_BLOCK_M:
             raise ValueError(f"fixed tiles need blocks of more than {DECODE_MAX_BLOCK_M} rows")
         _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **_fixed_tiles(k))
     elif blocks.block_m <= DECODE_MAX_BLOCK_M:
         # NOTE: the caller guarantees `decode_tiles_exact(scales)` for such blocks (`_block_m`).
-        _launch_decode(x, blocks, weights, out, gate_limit, row_weight)
+        tiles = decode_tiles(n, k, blocks.block_m, gated)
+        _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **tiles)
     else:
-        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight)
+        tiles = prefill_tiles(n, k, blocks.block_m, gated)
+        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles)
     return out
 
 
 def _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **tiles) -> None:
-    """`_decode_kernel` over `blocks`; `tiles` (BLOCK_N, num_warps, num_stages) bypass the tuner."""
+    """`_decode_kernel` over `blocks` with `tiles` (BLOCK_N, PREFETCH and launch options)."""
     codes, scales = weights
     k, n = x.shape[1], out.shape[1]
     even_k = k % 128 == 0
     if even_k:  # x's columns in the weights' K order, so the kernel reads contiguous runs
         x = x.view(x.shape[0], k // 128, 128)[:, :, _kernel_columns(x.device)].view(-1, k)
-    kernel = _decode_kernel.fn if tiles else _decode_kernel
-
-    def grid(meta: dict) -> tuple[int, int]:
-        return (blocks.block_expert.numel(), triton.cdiv(n, meta["BLOCK_N"]))
-
-    kernel[grid](
+    grid = (blocks.block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
+    _decode_kernel[grid](
         x,
         codes.view(torch.int32),
         scales,
@@ -600,16 +580,11 @@ def _fixed_tiles(k: int) -> dict[str, int]:
 
 
 def _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles) -> None:
-    """`_prefill_kernel` over `blocks`; `tiles` (BLOCK_N, BLOCK_K, num_warps, num_stages)
-    bypass the tuner."""
+    """`_prefill_kernel` over `blocks` with `tiles` (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     codes, scales = weights
     n = out.shape[1]
-    kernel = _prefill_kernel.fn if tiles else _prefill_kernel
-
-    def grid(meta: dict) -> tuple[int, int]:
-        return (blocks.block_expert.numel(), triton.cdiv(n, meta["BLOCK_N"]))
-
-    kernel[grid](
+    grid = (blocks.block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
+    _prefill_kernel[grid](
         x,
         codes,
         scales,

@@ -27,6 +27,8 @@ inside a dot, over heads in the weighted sum). In the interpreter the operands s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +38,7 @@ from kernels import check_runnable, interpreting
 from kernels.element_codes import e2m1_pairs_to_float, ue8m0_to_float
 from kernels.row_codes import e2m1_scaled
 
-__all__ = ["index_scores", "index_scores_reference"]
+__all__ = ["TILES", "IndexTiles", "block_t_for", "index_scores", "index_scores_reference"]
 
 _BLOCK_TOKENS = 128  # positions per block-table entry (`state.BLOCK_TOKENS`)
 _INTERPRETING = interpreting()
@@ -44,12 +46,28 @@ _INTERPRETING = interpreting()
 _DOT_DTYPE = tl.float32 if _INTERPRETING else tl.bfloat16
 # Rows of one dot: BLOCK_T tokens × BLOCK_H heads (decode: one token, all heads).
 _MAX_DOT_ROWS = 128
-_CONFIGS = [
-    triton.Config({"BLOCK_J": block_j}, num_warps=warps, num_stages=1)
-    for block_j, warps in ((64, 4), (64, 8), (128, 8))
-]
+
+
+@dataclass(frozen=True)
+class IndexTiles:
+    """One launch shape of `_index_scores_kernel`: block_j compressed positions per program."""
+
+    block_j: int
+    num_warps: int
+    num_stages: int = 1
+
+    def __str__(self) -> str:
+        return f"j{self.block_j} w{self.num_warps} s{self.num_stages}"
+
+
+# THE CHOICE (a pure function of the launch's shapes, so nothing is tuned or compiled while
+# serving): every launch takes `TILES`. It was the first of the autotuner's candidates below;
+# no H200 sweep of them is recorded (`benchmarks/kernel_speed.py --only index_scores` times
+# each candidate; edit here after it).
+TILES = IndexTiles(64, 4)
+CANDIDATES: tuple[IndexTiles, ...] = (IndexTiles(64, 4), IndexTiles(64, 8), IndexTiles(128, 8))
 if _INTERPRETING:
-    _CONFIGS = [triton.Config({"BLOCK_J": 16}, num_warps=4)]
+    TILES = IndexTiles(16, 4)
 
 
 @triton.jit
@@ -69,8 +87,13 @@ def _index_rows(pool_ptr, row_index, valid, D: tl.constexpr, BLOCK_J: tl.constex
     return tl.reshape(values, (BLOCK_J, D))
 
 
-@triton.autotune(configs=_CONFIGS, key=["num_heads", "D", "RATIO", "BLOCK_T"])
-@triton.jit
+# Integers that change from step to step are not specialised (a value of 1, divisibility by
+# 16), so one compiled variant per layer shape serves every step (`warm_up.py`).
+@triton.jit(
+    do_not_specialize=[
+        "max_len", "num_j", "stride_table", "stride_pad", "stride_ob", "stride_ot"
+    ]
+)  # fmt: skip
 def _index_scores_kernel(
     q_ptr,
     w_ptr,
@@ -159,6 +182,15 @@ def _check(iq: Tensor, hw: Tensor, pool: Tensor, ratio: int) -> None:
         raise ValueError(f"at most {_MAX_DOT_ROWS} heads, got {num_heads}")
 
 
+def block_t_for(num_heads: int, max_len: int) -> int:
+    """BLOCK_T (a constexpr: one compiled variant each) for steps of up to `max_len` new
+    tokens per sequence: the next power of two of max_len, at most 128 dot rows with the
+    heads; tl.dot needs 16 rows, so few heads take several tokens even in decode."""
+    block_h = triton.next_power_of_2(num_heads)
+    block_t = min(triton.next_power_of_2(max_len), max(1, _MAX_DOT_ROWS // block_h))
+    return max(block_t, -(-16 // block_h))
+
+
 def index_scores(
     iq: Tensor,
     hw: Tensor,
@@ -168,6 +200,8 @@ def index_scores(
     pad_index: Tensor,
     positions: Tensor,
     num_j: int,
+    *,
+    tiles: IndexTiles | None = None,
 ) -> Tensor:
     """fp32 [B, T_max, num_j] indexer scores, −inf where position j is not visible.
 
@@ -177,7 +211,7 @@ def index_scores(
     score −inf), covering positions below num_j · ratio.
     pad_index: int64 [B, T_max] flat token index of row t of sequence b, −1 for padding
     (`StepBatch.pad_index`). positions: int64 [T]. Token t sees j < (positions[t] + 1) // ratio;
-    padding rows see nothing.
+    padding rows see nothing. tiles: a launch shape of its own (benchmarks); default `TILES`.
 
     Raises:
         ValueError: a shape, dtype or layout the kernel does not take (D not a power of two
@@ -192,13 +226,9 @@ def index_scores(
         return out
     num_heads, dim = iq.shape[1:]
     block_h = triton.next_power_of_2(num_heads)
-    # tl.dot needs 16 rows: few heads take several tokens even in decode.
-    block_t = min(triton.next_power_of_2(max_len), max(1, _MAX_DOT_ROWS // block_h))
-    block_t = max(block_t, -(-16 // block_h))
-
-    def grid(meta):
-        return (num_seqs, triton.cdiv(max_len, block_t), triton.cdiv(num_j, meta["BLOCK_J"]))
-
+    block_t = block_t_for(num_heads, max_len)
+    tiles = tiles or TILES
+    grid = (num_seqs, triton.cdiv(max_len, block_t), triton.cdiv(num_j, tiles.block_j))
     _index_scores_kernel[grid](
         iq,
         hw,
@@ -224,6 +254,9 @@ def index_scores(
         BLOCK_H=block_h,
         BLOCK_T=block_t,
         DOT_DTYPE=_DOT_DTYPE,
+        BLOCK_J=tiles.block_j,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out
 

@@ -32,7 +32,7 @@ _NUM_WARPS, _NUM_STAGES = 4, 3
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # step-varying: one variant
 def _invariant_matmul_kernel(
     x_ptr,
     w_ptr,

@@ -60,7 +60,7 @@ def mix_and_store(
     tl.store(comb_ptr + cell_out, comb, mask=is_token[:, None, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # step-varying: one variant
 def _mhc_mix_kernel(
     logits_ptr,
     pre_ptr,

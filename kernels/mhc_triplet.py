@@ -131,7 +131,7 @@ def _chunk_dot(x, w, PRECISION: tl.constexpr, X_IS_BF16: tl.constexpr, BF16_DOTS
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # step-varying: one variant
 def _mhc_partials_kernel(
     x_ptr,
     fn_ptr,
@@ -172,7 +172,7 @@ def _mhc_partials_kernel(
     tl.store(part_ptr + out, dots, mask=is_token[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # step-varying: one variant
 def _mhc_finish_kernel(
     part_ptr,
     base_ptr,

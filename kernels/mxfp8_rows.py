@@ -38,7 +38,7 @@ _TILE_ELEMENTS = 4096
 _AMAX_FLOOR = 1e-4  # kv_formats.SWA_AMAX_FLOOR
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # step-varying: one variant
 def _mxfp8_quantize_kernel(
     x_ptr,
     out_ptr,
@@ -96,7 +96,8 @@ def mxfp8_rows_quantize(x: Tensor, *, nemo_floor: bool = False) -> Tensor:
     num_rows = rows.shape[0]
     if num_rows:
         block_d = triton.next_power_of_2(dim)
-        block_r = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(num_rows)))
+        # a function of the width alone: one compiled variant for every row count
+        block_r = max(1, _TILE_ELEMENTS // block_d)
         _mxfp8_quantize_kernel[(triton.cdiv(num_rows, block_r),)](
             rows.view(torch.int16) if rows.dtype == torch.bfloat16 else rows,
             out,

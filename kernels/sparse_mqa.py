@@ -227,7 +227,15 @@ def _window_tile(
     return rows, valid
 
 
-@triton.jit
+# Integers that change from step to step (token and selection counts, prefill window lengths,
+# block-table widths) are not specialised, so one compiled variant per `TILES` row, layer
+# kind and window source serves every step (`warm_up.py`).
+@triton.jit(
+    do_not_specialize=[
+        "num_tokens", "num_selected", "ring_len", "stride_window_seq", "stride_sel",
+        "stride_table",
+    ]
+)  # fmt: skip
 def _sparse_mqa_kernel(
     q_ptr,
     seq_ptr,
@@ -343,7 +351,7 @@ def _sparse_mqa_kernel(
         tl.store(acc_part_ptr + part[:, None] * D + out_d[None, :], acc, mask=is_head[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _combine_kernel(
     m_part_ptr,
     total_part_ptr,

@@ -126,7 +126,7 @@ def test_the_released_shape_compiles_to_tensor_core_dots() -> None:
 
     from kernels.index_scores import _index_scores_kernel
 
-    kernel = _index_scores_kernel.fn
+    kernel = _index_scores_kernel
     pointers = {"q": "fp32", "w": "fp32", "pool": "u8", "table": "i64", "pad": "i64"}
     types = {f"{name}_ptr": f"*{dtype}" for name, dtype in pointers.items()}
     types |= {"position_ptr": "*i64", "out_ptr": "*fp32"}
