@@ -86,7 +86,7 @@ model = load_model({checkpoint!r})
 with record_launch_keys() as warm:
     warm_up(model, [WarmUpStep(1, 9), WarmUpStep(1, 1, 40), WarmUpStep(2, 1, 40)])
 with record_launch_keys() as serving:
-    warm_up(model, [WarmUpStep(3, 1, 57), WarmUpStep(1, 12, 17), WarmUpStep(1, 1, 130)])
+    warm_up(model, [WarmUpStep(3, 1, 57), WarmUpStep(1, 16, 16), WarmUpStep(1, 1, 130)])
 print(json.dumps(describe_new_keys(serving - warm, warm)))
 """
 
