@@ -736,8 +736,8 @@ def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
 
 
 def warm_up_kernels(model: DeepseekV41ForCausalLM, config: EngineConfig) -> None:
-    """On CUDA, run the step shapes serving meets once now (`warm_up.py`: Triton compiles and
-    tunes on first use, which the first requests would otherwise wait for)."""
+    """On CUDA, run every launch shape serving meets once now (`warm_up.py`: Triton compiles
+    each kernel variant on first use; after this, serving compiles nothing)."""
     if model.device.type != "cuda":
         return
     start = time.perf_counter()

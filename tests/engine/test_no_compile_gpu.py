@@ -40,6 +40,7 @@ def recorded_compiles() -> Iterator[list[str]]:
         return None
 
     runtime = triton.knobs.runtime
+    assert hasattr(runtime, "jit_post_compile_hook"), f"Triton {triton.__version__}: no hook"
     previous = runtime.jit_post_compile_hook
     runtime.jit_post_compile_hook = hook
     try:
