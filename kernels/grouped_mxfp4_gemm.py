@@ -372,12 +372,18 @@ _PREFILL_DOT = tl.constexpr(tl.float32 if interpreting() else tl.bfloat16)
 
 def prefill_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
     """The prefill kernel's launch shape (BLOCK_N, BLOCK_K, warps, stages; token rows as the
-    wgmma's M) for an (N, K, block size, use), what the autotuner keyed. THE CHOICE: the fixed
-    tiles of batch-invariant mode (64 columns, the largest K step of 128, 64 or 32 dividing K,
-    4 warps, 3 stages) at every shape. NOTE: the autotuner's H200 choice among its seven
-    candidates was never recorded; `benchmarks/grouped_gemm_tiles.py --tokens 4096 --no-tuned`
-    times them (edit here after it)."""
-    return _fixed_tiles(k)
+    wgmma's M) for an (N, K, block size, use), what the autotuner keyed. THE CHOICE: the
+    fastest of the seven former autotuner candidates per (block size, use) at the released
+    width on the H200 (`benchmarks/grouped_gemm_tiles.py --tokens 4096 --no-tuned`,
+    docs/performance.md 2026-12-02): blocks of 128 rows gate/up 128 × 128 over 8 warps, down
+    128 × 64; smaller blocks gate/up 64 × 64, down 128 × 128. BLOCK_K falls to the largest of
+    128, 64, 32 dividing K and not above the choice."""
+    if block_m >= 128:
+        block_n, block_k, warps, stages = (128, 128, 8, 3) if gated else (128, 64, 4, 4)
+    else:
+        block_n, block_k, warps, stages = (64, 64, 4, 4) if gated else (128, 128, 8, 3)
+    block_k = next(b for b in (128, 64, 32) if b <= block_k and k % b == 0)
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
 
 
 @triton.jit

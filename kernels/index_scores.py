@@ -61,10 +61,11 @@ class IndexTiles:
 
 
 # THE CHOICE (a pure function of the launch's shapes, so nothing is tuned or compiled while
-# serving): every launch takes `TILES`. It was the first of the autotuner's candidates below;
-# no H200 sweep of them is recorded (`benchmarks/kernel_speed.py --only index_scores` times
-# each candidate; edit here after it).
-TILES = IndexTiles(64, 4)
+# serving): every launch takes `TILES`, the fastest candidate at decode on the H200
+# (`benchmarks/kernel_speed.py --only index_scores`, 2026-12-02: 16 / 64 / 256 sequences
+# 46.8 / 66.9 / 249.5 µs against 70.3 / 75.7 / 299.9 for j64 w4; a 1,024-token prefill 741 µs,
+# j128 w8 655).
+TILES = IndexTiles(64, 8)
 CANDIDATES: tuple[IndexTiles, ...] = (IndexTiles(64, 4), IndexTiles(64, 8), IndexTiles(128, 8))
 if _INTERPRETING:
     TILES = IndexTiles(16, 4)

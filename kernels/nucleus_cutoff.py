@@ -100,7 +100,7 @@ def _value(key):
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width", "row_stride"])
 def _nucleus_cutoff_kernel(
     x_ptr,
     top_k_ptr,
@@ -149,6 +149,12 @@ def _nucleus_cutoff_kernel(
     tl.store(out_ptr + row, _value(lo))
 
 
+def _aligned(t: Tensor) -> Tensor:
+    """`t`, copied when its data is not 16-byte aligned: Triton compiles one variant per
+    pointer alignment, and a row view of a cached tensor may start anywhere."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def nucleus_cutoffs(
     x: Tensor, top_k: Tensor, top_p: Tensor, num_thresholds: int = NUM_THRESHOLDS
 ) -> Tensor:
@@ -170,9 +176,9 @@ def nucleus_cutoffs(
     out = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows and x.shape[1]:
         _nucleus_cutoff_kernel[(rows,)](
-            x,
-            top_k.reshape(rows).to(torch.int64).contiguous(),
-            top_p.reshape(rows).to(torch.float32).contiguous(),
+            _aligned(x),
+            _aligned(top_k.reshape(rows).to(torch.int64).contiguous()),
+            _aligned(top_p.reshape(rows).to(torch.float32).contiguous()),
             out,
             x.shape[1],
             x.stride(0),

@@ -329,8 +329,14 @@ def _cuda_staging() -> PinnedStaging:
         event.record()
         return event
 
+    def allocate(numel: int) -> Tensor:
+        # A normal tensor, not an inference one: uploads run inside and outside inference
+        # mode, and an inference tensor takes no in-place copy outside it.
+        with torch.inference_mode(False):
+            return torch.empty(numel, dtype=torch.long, pin_memory=True)
+
     return PinnedStaging(
-        lambda numel: torch.empty(numel, dtype=torch.long, pin_memory=True),
+        allocate,
         lambda staged, device: staged.to(device, non_blocking=True),
         record,
     )
