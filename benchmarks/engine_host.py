@@ -65,7 +65,14 @@ class Bench:
             self.num_added += 1
             prompt = [1000 + i % 50000, *range(1000, 1000 + self.prompt_len - 1)]
             self.scheduler.add_request(
-                Request(f"r{i}", prompt, params, seed=i, arrival_time=time.monotonic())
+                Request(
+                    f"r{i}",
+                    prompt,
+                    params,
+                    seed=i,
+                    arrival_time=time.monotonic(),
+                    eos_token_id=self.runner.model.config.eos_token_id,
+                )
             )
 
     def step(self, times: dict[str, float] | None = None) -> int:
