@@ -19,7 +19,8 @@ processes on a shared machine count as little as they can. Rows:
 
     decode R       R running requests, each decoding one token per step
     mixed R+P      the same, plus P waiting prompts admitted as prefill chunks in the step
-    finish R       the step whose update finishes all R requests (length), resume slots taken
+    finish R       the step whose update finishes all R requests (all sample EOS at once),
+                   their resume slots taken
 
 `--profile R` prints a cProfile of the decode steps at R rows instead.
 """
@@ -44,7 +45,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_budget import CUDA_TIME_PRIOR, StepBudget, StepTimeModel
 
-TOKEN = 7  # every made-up sampled id: not EOS (ignore_eos anyway), inside every vocabulary
+TOKEN = 7  # the made-up sampled id: not EOS, inside every vocabulary
 PHASES = ("schedule", "update", "build_batch", "sampling")
 
 
@@ -55,15 +56,23 @@ class Bench:
     prompt_len: int
     num_added: int = 0
     in_flight: tuple[SchedulerOutput, StepInFlight] | None = None
+    token: int = TOKEN  # what every row "samples"
 
-    def add(self, num: int, max_tokens: int) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    def add(self, num: int, max_tokens: int, ignore_eos: bool = True) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         for _ in range(num):
             i = self.num_added
             self.num_added += 1
             prompt = [1000 + i % 50000, *range(1000, 1000 + self.prompt_len - 1)]
             self.scheduler.add_request(
-                Request(f"r{i}", prompt, params, seed=i, arrival_time=time.monotonic())
+                Request(
+                    f"r{i}",
+                    prompt,
+                    params,
+                    seed=i,
+                    arrival_time=time.monotonic(),
+                    eos_token_id=self.runner.model.config.eos_token_id,
+                )
             )
 
     def step(self, times: dict[str, float] | None = None) -> int:
@@ -77,11 +86,11 @@ class Bench:
         if not scheduled.is_empty:
             previous = None if self.in_flight is None else self.in_flight[1]
             self.runner.build_batch(scheduled, previous)
-            step.device_token_ids = torch.full((len(step.request_ids),), TOKEN)
+            step.device_token_ids = torch.full((len(step.request_ids),), self.token)
         t2 = clock()
         if self.in_flight is not None:
             done, _ = self.in_flight
-            sampled = {c.request_id: [TOKEN] for c in done.chunks if c.sampling is not None}
+            sampled = {c.request_id: [self.token] for c in done.chunks if c.sampling is not None}
             self.scheduler.update(done, ModelOutput(sampled=sampled, logprobs={}))
         t3 = clock()
         infos = [c.sampling for c in step.sampled_chunks]
@@ -168,17 +177,21 @@ def measure(
 
 
 def measure_finish(bench: Bench, rows: int) -> dict[str, float]:
-    """ms of the one step whose update finishes all `rows` requests (they started together)."""
-    bench.add(rows, max_tokens=4)
+    """ms of the one step whose update finishes all `rows` requests: they decode until every
+    one of them does, then all sample EOS in the same step."""
+    bench.add(rows, max_tokens=4096, ignore_eos=False)
     bench.until_decoding()
+    eos = bench.runner.model.config.eos_token_id
     times = dict.fromkeys(PHASES, 0.0)
     worst = dict.fromkeys(PHASES, 0.0)
+    bench.token = eos
     while bench.scheduler.num_running:
         for name in times:
             times[name] = 0.0
         bench.step(times)
         if times["update"] > worst["update"]:
             worst = dict(times)
+    bench.token = TOKEN
     bench.drain()
     return {name: seconds * 1e3 for name, seconds in worst.items()}
 

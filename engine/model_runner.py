@@ -366,7 +366,7 @@ class ModelRunner:
         chunks = output.chunks
         flat: list[int] = []
         starts = [0]
-        holes: list[int] = []  # flat indices of placeholders (always a chunk's last token)
+        holes: list[int] = []  # flat indices of placeholders (a chunk's last token)
         hole_requests: list[str] = []
         sampled_rows = []
         replaying = decoder_tail = False
@@ -375,9 +375,12 @@ class ModelRunner:
             flat.extend(token_ids)
             end = starts[-1] + len(token_ids)
             starts.append(end)
-            if token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                holes.append(end - 1)
-                hole_requests.append(c.request_id)
+            if PLACEHOLDER_TOKEN_ID in token_ids:
+                first = end - len(token_ids)
+                for i, token in enumerate(token_ids):
+                    if token == PLACEHOLDER_TOKEN_ID:
+                        holes.append(first + i)
+                        hole_requests.append(c.request_id)
             if c.sampling is not None:
                 sampled_rows.append(end - 1)
             if c.restore is not None:

@@ -426,22 +426,28 @@ def export_slot(state: ModelState, slot: int, tail_block: int | None) -> Tensor:
     """A sequence's private state as one flat uint8 host tensor (`cache.md` §3.2): the rows of
     `slot` in every per-sequence pool and pool block `tail_block`'s global KV and index keys.
 
-    On CUDA the tensor is pinned and filled by non-blocking copies queued on the current
+    On CUDA the tensor is pinned and filled by one non-blocking copy queued on the current
     stream (after every step already queued): read it only after a `torch.cuda.Event`
     recorded next. Rows keep the pools' storage formats, so `import_slot` is a plain copy.
     """
     parts = _slot_parts(state, slot, tail_block)
     offsets, total = _part_offsets(parts)
-    on_cuda = state.tokens.device.type == "cuda"
-    # Only the alignment gaps are zeroed: every other byte is copied (no memset of the whole
-    # pinned buffer per finished request).
-    out = torch.empty(total, dtype=torch.uint8, pin_memory=on_cuda)
-    ends = [*offsets[1:], total]
-    for part, offset, next_offset in zip(parts, offsets, ends, strict=True):
+    device = state.tokens.device
+    # One gather on the device and one copy to the host (not a copy per part): the alignment
+    # gaps are slices of one zero block.
+    zeros = torch.zeros(_SLOT_ALIGN, dtype=torch.uint8, device=device)
+    pieces, end = [], 0
+    for part, offset in zip(parts, offsets, strict=True):
+        if offset > end:
+            pieces.append(zeros[: offset - end])
         flat = part.contiguous().view(torch.uint8).reshape(-1)
-        out[offset : offset + flat.numel()].copy_(flat, non_blocking=on_cuda)
-        if offset + flat.numel() < next_offset:
-            out[offset + flat.numel() : next_offset].zero_()
+        pieces.append(flat)
+        end = offset + flat.numel()
+    if total > end:
+        pieces.append(zeros[: total - end])
+    on_cuda = device.type == "cuda"
+    out = torch.empty(total, dtype=torch.uint8, pin_memory=on_cuda)
+    out.copy_(torch.cat(pieces), non_blocking=on_cuda)
     return out
 
 
