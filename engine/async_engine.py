@@ -101,7 +101,8 @@ class EngineConfig:
     cuda_graph_mode: with `cuda_graphs`, `segments` replays only those pure parts; `step`
         also replays every plain decode step whole from one CUDA graph per step shape, the
         attention's stateful middle included (`step_graph.py`; not with speculation, the
-        batch-invariant mode or host Engram tables, which keep `segments`).
+        batch-invariant mode, host Engram tables or expert parallelism, which keep
+        `segments`, with a warning); None = `step` wherever it applies, else `segments`.
     target_step_ms: prefill chunks are sized so that a step's predicted time (a cost model
         fitted to the engine's own steps) stays within this; None = by device
         (`DEFAULT_TARGET_STEP_MS`).
@@ -178,7 +179,7 @@ class EngineConfig:
     max_model_len: int | None = None
     overlap_grammar_mask: bool | None = None
     cuda_graphs: bool = True
-    cuda_graph_mode: str = "segments"
+    cuda_graph_mode: str | None = None
     target_step_ms: float | None = None
     activation_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
@@ -215,7 +216,7 @@ class EngineConfig:
         self.speculative_config(on_cuda=True, has_drafter=True)  # ValueError for bad options
         if self.kv_storage not in KV_STORAGES:
             raise ValueError(f"kv_storage must be one of {KV_STORAGES}, not {self.kv_storage!r}")
-        if self.cuda_graph_mode not in CUDA_GRAPH_MODES:
+        if self.cuda_graph_mode is not None and self.cuda_graph_mode not in CUDA_GRAPH_MODES:
             raise ValueError(
                 f"cuda_graph_mode must be one of {CUDA_GRAPH_MODES}, not {self.cuda_graph_mode!r}"
             )
@@ -755,9 +756,10 @@ def _uses_step_graphs(
     model: DeepseekV41ForCausalLM, config: EngineConfig, speculating: bool
 ) -> bool:
     """`cuda_graph_mode` step applies: CUDA graphs on, MXFP4 experts (the only capturable
-    MoE), no speculation (its steps verify several rows), not batch-invariant and no host
-    Engram tables (`StepGraphs`); otherwise a warning says why it runs `segments`."""
-    if config.cuda_graph_mode != "step":
+    MoE), no speculation (its steps verify several rows), not batch-invariant, no host
+    Engram tables and one rank (`StepGraphs`; the EP collectives are not captured); asked
+    for explicitly and not applicable, a warning says why it runs `segments`."""
+    if config.cuda_graph_mode == "segments":
         return False
     blockers = {
         "CUDA graphs are off or not on CUDA": not config.cuda_graphs or model.device.type != "cuda",
@@ -765,9 +767,10 @@ def _uses_step_graphs(
         "speculative decoding is on": speculating,
         "batch-invariant numerics": model.numerics.batch_invariant,
         "the Engram tables are host-resident": bool(model.host_engram_tables()),
+        "expert parallelism": model.expert_parallel is not None,
     }
     reasons = [why for why, applies in blockers.items() if applies]
-    if reasons:
+    if reasons and config.cuda_graph_mode == "step":
         logger.warning("--cuda-graph-mode step runs as segments: %s", "; ".join(reasons))
     return not reasons
 

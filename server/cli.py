@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(CUDA_GRAPH_MODES),
         default=_ENGINE_DEFAULTS.cuda_graph_mode,
         help="segments: replay each block's pure parts from CUDA graphs; step: also replay "
-        "every plain decode step whole from one graph per step shape",
+        "every plain decode step whole from one graph per step shape (default: step where it "
+        "applies: CUDA, bfloat16, no speculation, not batch-invariant, one rank)",
     )
     add(
         "--async-scheduling",

@@ -34,6 +34,7 @@ def test_graphed_engine_generates_what_the_eager_engine_does(tiny_checkpoint: Pa
             kv_cache_tokens=4096,
             max_model_len=1024,
             cuda_graphs=graphs,
+            cuda_graph_mode="segments",  # the per-block graphs this test counts
             speculative="off",
         )
         engine = AsyncEngine.from_config(config)

@@ -96,6 +96,9 @@ def test_a_warmed_engine_compiles_no_kernel_while_it_serves(speculative: str) ->
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=max(EngineConfig().max_num_batched_tokens, MAX_NUM_SEQS),
         speculative=speculative,
+        # NOTE: the segment-graph path the warm-up was measured with on the H200; the step
+        # graphs (the default with speculation off) capture per shape on first use.
+        cuda_graph_mode="segments",
     )
     engine = AsyncEngine.from_config(config)  # captures the graphs, warms the kernels up
     vocab_size = engine.core.runner.model.config.vocab_size

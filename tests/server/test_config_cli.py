@@ -334,7 +334,8 @@ def test_cli_cuda_graph_mode(tiny_model, caplog: pytest.LogCaptureFixture) -> No
     def engine(*argv: str) -> EngineConfig:
         return config_from_args(build_parser().parse_args(list(argv))).engine
 
-    assert engine().cuda_graph_mode == "segments"
+    assert engine().cuda_graph_mode is None  # step wherever it applies
+    assert engine("--cuda-graph-mode", "segments").cuda_graph_mode == "segments"
     assert engine("--cuda-graph-mode", "step").cuda_graph_mode == "step"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--cuda-graph-mode", "whole"])
@@ -346,3 +347,9 @@ def test_cli_cuda_graph_mode(tiny_model, caplog: pytest.LogCaptureFixture) -> No
     assert cpu.core.runner.step_graphs is None
     assert "--cuda-graph-mode step runs as segments: CUDA graphs are off" in caplog.text
     assert cpu.core.runner.state.scratch_slot is None
+    # The default asks for nothing: off CUDA it keeps the plain steps without a warning.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.async_engine"):
+        default = AsyncEngine.from_model(tiny_model, EngineConfig())
+    assert default.core.runner.step_graphs is None
+    assert "--cuda-graph-mode step" not in caplog.text
