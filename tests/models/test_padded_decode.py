@@ -212,3 +212,46 @@ def test_padded_decode_steps_repeat_one_op_sequence(tiny_model) -> None:
     early, late = (20, 9), (21, 130)
     assert _decode_ops(tiny_model, early, True) == _decode_ops(tiny_model, late, True)
     assert _decode_ops(tiny_model, early, False) != _decode_ops(tiny_model, late, False)
+
+
+_STEP_SHAPES_ONE_VARIANT = """
+import json
+import torch
+from engine.models import load_model
+from engine.models.deepseek_v41.decode_batch import DecodeBuffers
+from engine.models.deepseek_v41.state import sequential_batch
+from tests.kernels.specializations import describe_new_keys, record_launch_keys
+model = load_model({checkpoint!r})
+state = model.allocate_state(8, 16, reserve_scratch=True)
+
+def decode_keys(num_rows, blocks_cap, prompt_lens, steps):
+    # Launch keys of padded decode steps only (the prefill before them is not recorded).
+    n = len(prompt_lens)
+    table = torch.arange(2 * n).view(n, 2)
+    prompts = [[5 + i] * length for i, length in enumerate(prompt_lens)]
+    with torch.inference_mode():
+        model.forward_step(sequential_batch(prompts, [0] * n, list(range(n)), table), state)
+        buffers = DecodeBuffers(num_rows, blocks_cap, state, "cpu")
+        keys = set()
+        for step in range(steps):
+            positions = [length + step for length in prompt_lens]
+            batch = sequential_batch([[3]] * n, positions, list(range(n)), table)
+            buffers.fill(batch)
+            with record_launch_keys() as launched:
+                model.forward_step(buffers.batch(), state)
+            keys |= launched
+    return keys
+
+first = decode_keys(4, 2, (5, 2), 2)
+other = decode_keys(8, 3, (9, 3, 17), 2) | decode_keys(2, 6, (33,), 1) | decode_keys(1, 2, (7,), 1)
+print(json.dumps(describe_new_keys(other - first, first)))
+"""
+
+
+@pytest.mark.slow  # ~1 min of interpreted kernels
+def test_padded_steps_of_other_shapes_launch_no_new_kernel_variant(tiny_checkpoint: Path) -> None:
+    # A step graph captures each (rows, block columns) shape on first use, after one eager run:
+    # if a new shape needed a new Triton variant, that run would compile while serving. The
+    # interpreter records each launch's specialisation key (`tests/kernels/specializations`).
+    new = run_interpreted(_STEP_SHAPES_ONE_VARIANT.format(checkpoint=str(tiny_checkpoint)))
+    assert new == [], new
