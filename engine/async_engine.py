@@ -36,7 +36,6 @@ from engine.models.deepseek_v41.config import preset_names
 from engine.models.deepseek_v41.engram_store import ENGRAM_PLACEMENTS as ENGRAM_PLACEMENTS
 from engine.models.deepseek_v41.engram_store import resolve_engram_placement
 from engine.models.deepseek_v41.state import ModelState, slot_payload_len
-from engine.models.deepseek_v41.step_graph import model_blockers
 from engine.models.deepseek_v41.warm_up import serving_warm_up_steps, warm_up
 from engine.models.embedded import resolve_model_source
 from engine.outputs import Delta
@@ -762,15 +761,15 @@ def _uses_step_graphs(
     for explicitly and not applicable, a warning says why it runs `segments`."""
     if config.cuda_graph_mode == "segments":
         return False
-    on_cuda = model.device.type == "cuda"
     blockers = {
-        "CUDA graphs are off or not on CUDA": not config.cuda_graphs or not on_cuda,
+        "CUDA graphs are off or not on CUDA": not config.cuda_graphs or model.device.type != "cuda",
+        "the routed experts are dequantised (not bfloat16)": not model.quantized_experts,
         "speculative decoding is on": speculating,
+        "batch-invariant numerics": model.numerics.batch_invariant,
+        "the Engram tables are host-resident": bool(model.host_engram_tables()),
         "expert parallelism": model.expert_parallel is not None,
     }
     reasons = [why for why, applies in blockers.items() if applies]
-    if on_cuda:  # the model's own blockers (`StepGraphs` refuses the same)
-        reasons += model_blockers(model)
     if reasons and config.cuda_graph_mode == "step":
         logger.warning("--cuda-graph-mode step runs as segments: %s", "; ".join(reasons))
     return not reasons

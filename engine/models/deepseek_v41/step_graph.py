@@ -54,22 +54,6 @@ def blocks_bucket(width: int) -> int:
     return power * 3 // 4 if power >= 4 and power * 3 // 4 >= width else power
 
 
-def model_blockers(model: DeepseekV41ForCausalLM) -> list[str]:
-    """Why `model`'s decode steps cannot run from step graphs (empty: they can): not on CUDA;
-    routed experts off the grouped MXFP4 kernel (the per-expert path reads expert counts on
-    the host: no capture could succeed); host-resident Engram tables (their per-step row
-    gathers are host work); batch-invariant numerics."""
-    blockers = {
-        "the model is not on a CUDA device": model.device.type != "cuda",
-        "the routed experts are not MXFP4 in bfloat16": not (
-            model.quantized_experts and model.dtype == torch.bfloat16
-        ),
-        "the Engram tables are host-resident": bool(model.host_engram_tables()),
-        "batch-invariant numerics": model.numerics.batch_invariant,
-    }
-    return [why for why, applies in blockers.items() if applies]
-
-
 @dataclass
 class _StepGraph:
     graph: torch.cuda.CUDAGraph
@@ -85,13 +69,21 @@ class StepGraphs:
         state: ModelState,
         row_buckets: tuple[int, ...] = DEFAULT_ROW_BUCKETS,
     ) -> None:
-        """Raises ValueError for a model `model_blockers` names, or a state without a
-        scratch slot (`allocate_state(reserve_scratch=True)`)."""
-        reasons = model_blockers(model)
-        if reasons:
-            raise ValueError(f"step graphs cannot run: {'; '.join(reasons)}")
+        """Raises ValueError off CUDA, for a state without a scratch slot
+        (`allocate_state(reserve_scratch=True)`), for routed experts off the grouped MXFP4
+        kernel (the per-expert path reads expert counts on the host: no capture could
+        succeed), for host-resident Engram tables (their per-step row gathers are host work)
+        or for batch-invariant numerics."""
+        if model.device.type != "cuda":
+            raise ValueError("step graphs need the model on a CUDA device")
+        if not (model.quantized_experts and model.dtype == torch.bfloat16):
+            raise ValueError("step graphs need bfloat16 with MXFP4 routed experts")
         if state.scratch_slot is None or state.trash_block is None:
             raise ValueError("step graphs need a state with a scratch slot (reserve_scratch)")
+        if model.host_engram_tables():
+            raise ValueError("step graphs cannot hold host-resident Engram gathers")
+        if model.numerics.batch_invariant:
+            raise ValueError("step graphs do not run batch-invariant numerics")
         if list(row_buckets) != sorted(set(row_buckets)) or not row_buckets or row_buckets[0] < 1:
             raise ValueError(f"row buckets must be increasing positive counts, got {row_buckets}")
         self.model = model
