@@ -268,6 +268,7 @@ def _sparse_mqa_kernel(
     RATIO: tl.constexpr,
     WINDOW: tl.constexpr,
     WINDOW_IN_RING: tl.constexpr,
+    WINDOW_SEQ_ALIGNED: tl.constexpr,
     D: tl.constexpr,
     Q_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -279,6 +280,8 @@ def _sparse_mqa_kernel(
     """grid (tokens, heads / BLOCK_H, SPLITS · D / BLOCK_D). With SPLITS = 1 the program
     writes its output columns; otherwise its split's running max and sum [SPLITS, T, H] and
     accumulator [SPLITS, T, H, D] for `_combine_kernel`."""
+    if WINDOW_SEQ_ALIGNED:  # the hint specialisation gave, so the window rows load in vectors
+        stride_window_seq = tl.multiple_of(stride_window_seq, 16)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2) // (D // BLOCK_D)
@@ -500,6 +503,7 @@ def sparse_mqa(
         RATIO=ratio,
         WINDOW=window,
         WINDOW_IN_RING=ring is not None,
+        WINDOW_SEQ_ALIGNED=rows.stride(0) % 16 == 0,
         D=dim,
         Q_SPLIT=q.dtype != torch.bfloat16,
         DOT_DTYPE=_DOT_DTYPE,
