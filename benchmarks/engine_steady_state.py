@@ -17,13 +17,17 @@ as the step budget sees it) and whether a step graph replayed it. Printed for th
 (from the first round's last completion to the last request's start): output tokens/s, TPOT,
 and per kind of step (decode replayed from a step graph, decode run otherwise, mixed) the count,
 share of the window and mean times. `--torch-profile N` then traces N steps of the window with
-`torch.profiler` and prints the kernels by device time per step.
+`torch.profiler` and prints the kernels by device time per step; `--cprofile TOP` profiles the
+window's `core.step` calls with cProfile (the engine thread's host work; the profiler slows them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
+import pstats
 import random
 import statistics
 import time
@@ -40,6 +44,8 @@ class StepRecord:
     decode_rows: int
     prefill_tokens: int
     replayed: bool
+    waiting: int  # requests waiting after the step was scheduled
+    free_blocks: int  # KV blocks an allocation could take then
     device_ms: float | None = None
 
     @property
@@ -61,7 +67,9 @@ def main() -> None:
     parser.add_argument("--speculative", default="off", choices=["default", "off", "dspark"])
     parser.add_argument("--async-scheduling", choices=["on", "off"], default=None)
     parser.add_argument("--cuda-graph-mode", choices=["segments", "step"], default=None)
+    parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--torch-profile", type=int, default=0, metavar="STEPS")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="TOP", help="host profile")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -72,6 +80,7 @@ def main() -> None:
         speculative=None if args.speculative == "default" else args.speculative,
         async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on",
         cuda_graph_mode=args.cuda_graph_mode,
+        **({"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}),
     )
     engine = AsyncEngine.from_config(config)
     core = engine.core
@@ -81,7 +90,8 @@ def main() -> None:
 
     records: list[StepRecord] = []
     device_ms: list[float] = []
-    scheduled_shape: list[tuple[int, int]] = []
+    scheduled_shape: list[tuple[int, int, int, int]] = []
+    scheduler = core.scheduler
     unrecorded_schedule, unrecorded_step = core.scheduler.schedule, core.step
     unrecorded_observe = core.scheduler.step_budget.observe
     window = {"start": None, "profile": None, "profiled": 0}
@@ -90,22 +100,31 @@ def main() -> None:
         out = unrecorded_schedule()
         decode = sum(1 for c in out.chunks if len(c.token_ids) == 1 and c.sampling is not None)
         prefill = sum(len(c.token_ids) for c in out.chunks) - decode
-        scheduled_shape.append((decode, prefill))
+        free = scheduler.kv_manager.num_free_blocks
+        scheduled_shape.append((decode, prefill, scheduler.num_waiting, free))
         return out
 
     def observe(shape, seconds):
         device_ms.append(seconds * 1e3)
         return unrecorded_observe(shape, seconds)
 
+    host_profile = cProfile.Profile()
+
     def step():
         replays = step_graphs.replays if step_graphs is not None else 0
+        profiling = args.cprofile and window["start"] is not None
         start = time.perf_counter()
         try:
+            if profiling:
+                host_profile.enable()
             return unrecorded_step()
         finally:
-            decode, prefill = scheduled_shape[-1] if scheduled_shape else (0, 0)
+            if profiling:
+                host_profile.disable()
+            shape = scheduled_shape[-1] if scheduled_shape else (0, 0, 0, 0)
             replayed = step_graphs is not None and step_graphs.replays > replays
-            records.append(StepRecord(start, time.perf_counter(), decode, prefill, replayed))
+            records.append(StepRecord(start, time.perf_counter(), shape[0], shape[1], replayed,
+                                      *shape[2:]))  # fmt: skip
             _profile_step(window, args.torch_profile)
 
     core.scheduler.schedule = schedule
@@ -147,12 +166,17 @@ def main() -> None:
     began = time.perf_counter()
     asyncio.run(run())
     print(f"{len(finished)} requests in {time.perf_counter() - began:.1f} s")
-    nonempty = [r for r, (d, p) in zip(records, scheduled_shape, strict=False) if d or p]
+    nonempty = [r for r, shape in zip(records, scheduled_shape, strict=False) if any(shape[:2])]
     for record, ms in zip(nonempty, device_ms, strict=False):
         record.device_ms = ms
     _report(records, finished, window["start"] or began, max(launches))
     if window["profile"] is not None:
         _print_profile(window["profile"], window["profiled"])
+    if args.cprofile:
+        text = io.StringIO()
+        pstats.Stats(host_profile, stream=text).sort_stats("tottime").print_stats(args.cprofile)
+        pstats.Stats(host_profile, stream=text).sort_stats("cumulative").print_stats(args.cprofile)
+        print(text.getvalue())
 
 
 def _profile_step(window: dict, steps: int) -> None:
@@ -185,8 +209,8 @@ def _report(records: list[StepRecord], finished: list, window_start: float, wind
           f"requests started in it {len(done)}: TTFT p50 {_p50(ttft):.1f} ms, "
           f"TPOT p50 {_p50(tpot):.2f} ms")  # fmt: skip
     print("| step kind | steps | share of window | period ms | host ms | device ms | "
-          "decode rows | prefill tokens |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "decode rows | prefill tokens | waiting | free KV blocks |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     kinds = sorted({r.kind for r in seen})
     for kind in kinds:
         mine = [(r, p) for r, p in zip(seen, periods, strict=False) if r.kind == kind]
@@ -201,7 +225,9 @@ def _report(records: list[StepRecord], finished: list, window_start: float, wind
             f"| {statistics.fmean(r.end - r.start for r in steps) * 1e3:.1f} "
             f"| {statistics.fmean(device) if device else float('nan'):.1f} "
             f"| {statistics.fmean(r.decode_rows for r in steps):.0f} "
-            f"| {statistics.fmean(r.prefill_tokens for r in steps):.0f} |"
+            f"| {statistics.fmean(r.prefill_tokens for r in steps):.0f} "
+            f"| {statistics.fmean(r.waiting for r in steps):.0f} "
+            f"| {statistics.fmean(r.free_blocks for r in steps):.0f} |"
         )
 
 

@@ -31,14 +31,22 @@ import kernels.sparse_mqa as sparse_mqa_module  # noqa: E402
 
 
 @contextlib.contextmanager
-def specialised(module, name: str):
-    """`module.name` (a JITFunction) replaced by a copy that specialises every integer."""
+def specialised(module, name: str, only: str | None = None):
+    """`module.name` (a JITFunction) replaced by a copy that specialises every integer, or only
+    the shipped unspecialised argument `only`."""
     shipped = getattr(module, name)
-    setattr(module, name, triton.jit(shipped.fn))
+    kept = unspecialised(shipped) if only else []
+    copy = triton.jit(shipped.fn, do_not_specialize=[n for n in kept if n != only])
+    setattr(module, name, copy)
     try:
         yield
     finally:
         setattr(module, name, shipped)
+
+
+def unspecialised(jit) -> list[str]:
+    """The names in a JITFunction's `do_not_specialize` (Triton keeps names or indices)."""
+    return [n if isinstance(n, str) else jit.arg_names[n] for n in jit.do_not_specialize]
 
 
 def index_inputs(num_seqs: int, device: torch.device) -> tuple:
@@ -86,6 +94,9 @@ def cases(sequences: list[int], device: torch.device):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument(
+        "--per-argument", action="store_true", help="also each unspecialised argument alone"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     print("| kernel | sequences | shipped µs | specialised µs | shipped / specialised | equal |")
@@ -102,6 +113,15 @@ def main() -> None:
             f"{shipped_us / specialised_us:.2f} | {equal} |",
             flush=True,
         )
+        if not args.per_argument:
+            continue
+        jit = getattr(module, name)
+        for only in unspecialised(jit):
+            with specialised(module, name, only):
+                launch()
+                only_us = _bench_us(launch)
+            print(f"|   only `{only}` specialised | {num_seqs} | {shipped_us:.1f} | "
+                  f"{only_us:.1f} | {shipped_us / only_us:.2f} | |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -470,7 +470,8 @@ class ModelRunner:
         step = StepInFlight(output, failed, on_cuda=self.device.type == "cuda")
         if output.is_empty:
             return step
-        batch = self.build_batch(output, previous)
+        parts = split_decode_rows(output) if self.step_graphs is not None else (output,)
+        batches = [self.build_batch(part, previous) for part in parts]
         for chunk in output.chunks:
             self.replay_rows = self.replay_rows.add(chunk)
         infos = [c.sampling for c in step.sampled_chunks]
@@ -480,7 +481,8 @@ class ModelRunner:
         self.restore_resume_slots(output)
         self.restore_token_history(output)
         with step.timed():
-            step.logits = self.forward(batch)
+            logits = [self.forward(batch) for batch in batches]
+            step.logits = logits[0] if len(logits) == 1 else torch.cat(logits)
         if not step.needs_host_tokens:
             self.sample(step)
         return step
@@ -696,6 +698,26 @@ def _to_host(result: SamplerOutput) -> SamplerOutput:
         copy(result.logprobs),
         copy(result.top_ids),
         copy(result.top_logprobs),
+    )
+
+
+def split_decode_rows(output: SchedulerOutput) -> tuple[SchedulerOutput, ...]:
+    """A step's work as the forwards that run it with step graphs: a step that mixes decode
+    rows (its leading chunks of one token) with longer chunks is two, the decode rows and the
+    rest, in that order (their sampled rows concatenate to the step's); any other step is one.
+
+    One forward of a mixed step pads every decode row to the longest chunk in the attention's
+    and the indexer's [sequences, longest chunk, ...] tensors and cannot replay a step graph;
+    apart, the decode rows replay their graph and the chunks pad only among themselves.
+    Sequences are independent, so the split changes no result beyond the rounding of other
+    matmul shapes."""
+    chunks = output.chunks
+    split = next((i for i, c in enumerate(chunks) if len(c.token_ids) != 1), len(chunks))
+    if split in (0, len(chunks)):
+        return (output,)
+    return (
+        dataclasses.replace(output, chunks=chunks[:split], num_tokens=split),
+        dataclasses.replace(output, chunks=chunks[split:], num_tokens=output.num_tokens - split),
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.kv_cache import CacheConfig, KVCacheManager
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, split_decode_rows
 from engine.models.deepseek_v41.state import PinnedStaging
 from engine.outputs import ModelOutput, SamplingInfo, ScheduledChunk, SchedulerOutput
 from engine.request import Request
@@ -230,3 +230,15 @@ def test_ints_to_device_through_reused_staging_keeps_every_copy() -> None:
     torch.cuda.synchronize()
     for i, out in enumerate(outs):
         assert out.tolist() == [i, i + 1, i + 2] * (1 + i % 50)
+
+
+def test_a_mixed_step_splits_into_its_decode_rows_then_the_rest() -> None:
+    def chunk(rid: str, n: int) -> ScheduledChunk:
+        return ScheduledChunk(rid, 0, (0,), 5, tuple(range(n)), None)
+
+    mixed = SchedulerOutput((chunk("a", 1), chunk("b", 1), chunk("c", 7), chunk("d", 1)), 10)
+    decode, rest = split_decode_rows(mixed)
+    assert [c.request_id for c in decode.chunks] == ["a", "b"] and decode.num_tokens == 2
+    assert [c.request_id for c in rest.chunks] == ["c", "d"] and rest.num_tokens == 8
+    for alone in (SchedulerOutput(mixed.chunks[:2], 2), SchedulerOutput(mixed.chunks[2:3], 7)):
+        assert split_decode_rows(alone) == (alone,)

@@ -182,3 +182,44 @@ def test_step_graphed_engine_generates_what_the_segment_graphed_engine_does(
         else:
             assert runner.step_graphs is None
     assert results["step"] == results["segments"]
+
+
+@pytest.mark.gpu
+def test_mixed_steps_replay_their_decode_rows_and_generate_the_segment_tokens(
+    default_checkpoint: Path,
+) -> None:
+    # A long prompt chunked 32 tokens at a time while two short ones decode: most steps mix
+    # decode rows with a prefill chunk. With step graphs those rows replay their graph (one
+    # replay per step that has any), and the tokens are the segment-graphed engine's.
+    from engine.async_engine import AsyncEngine, EngineConfig
+    from engine.sampling_params import SamplingParams
+    from tests.engine.engine_checks import assert_all_released
+    from tests.engine.test_engine_e2e import _run_all
+
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    jobs = [([0, 9, 8], greedy), ([0, *range(40, 75)], greedy), ([0, *range(20, 260)], greedy)]
+    results, steps = {}, {}
+    for mode in ("segments", "step"):
+        config = EngineConfig(
+            model=str(default_checkpoint),
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            kv_cache_tokens=8192,
+            max_model_len=1024,
+            speculative="off",
+            cuda_graph_mode=mode,
+        )
+        engine = AsyncEngine.from_config(config)
+        scheduler = engine.core.scheduler
+        schedule, outputs = scheduler.schedule, []
+        scheduler.schedule = lambda s=schedule, o=outputs: o.append(s()) or o[-1]
+        results[mode] = asyncio.run(_run_all(engine, jobs))
+        assert_all_released(engine)
+        steps[mode] = [sorted({len(c.token_ids) > 1 for c in o.chunks}) for o in outputs]
+        if mode == "step":
+            with_decode_rows = sum(False in kinds for kinds in steps[mode])
+            assert engine.core.runner.step_graphs.replays == with_decode_rows
+    assert steps["step"].count([False, True]) >= 3  # mixed steps ran
+    assert results["step"] == results["segments"]
