@@ -8,8 +8,9 @@
 The in-process engine (`AsyncEngine.from_config`, the `default` model) under the load test's
 fixed workload without HTTP: `--concurrency` workers each send greedy requests back to back
 (`ignore_eos`), every prompt the shared system prefix and its own random tokens, until
-`--requests` have been sent. So requests finish and arrive in the middle of decoding, as they
-do behind the server, and steps mix prefill chunks with decode rows.
+`--requests` have been sent; worker i starts `i · ramp / concurrency` seconds in. So requests
+finish and arrive in the middle of decoding, as they do behind the server, and steps mix
+prefill chunks with decode rows.
 
 Every `core.step` call is recorded: its scheduled decode rows and prefill tokens, its host time
 (the call itself), its period (to the next call's start), its device time (the runner's timer,
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--async-scheduling", choices=["on", "off"], default=None)
     parser.add_argument("--cuda-graph-mode", choices=["segments", "step"], default=None)
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument("--ramp-s", type=float, default=6.0, help="workers' start spread")
     parser.add_argument("--torch-profile", type=int, default=0, metavar="STEPS")
     parser.add_argument("--cprofile", type=int, default=0, metavar="TOP", help="host profile")
     args = parser.parse_args()
@@ -151,6 +153,7 @@ def main() -> None:
             window["start"] = time.perf_counter()
 
     async def worker(index: int, counter: list[int]) -> None:
+        await asyncio.sleep(index * args.ramp_s / args.concurrency)
         while counter[0] < args.requests:
             counter[0] += 1
             await one(f"steady-{index}-{counter[0]}")

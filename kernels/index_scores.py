@@ -46,7 +46,6 @@ _INTERPRETING = interpreting()
 _DOT_DTYPE = tl.float32 if _INTERPRETING else tl.bfloat16
 # Rows of one dot: BLOCK_T tokens × BLOCK_H heads (decode: one token, all heads).
 _MAX_DOT_ROWS = 128
-_OUT_ALIGN = 16  # output row width: a multiple of this many columns (vector stores)
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ def _index_rows(pool_ptr, row_index, valid, D: tl.constexpr, BLOCK_J: tl.constex
 # 16), so one compiled variant per layer shape serves every step (`warm_up.py`).
 @triton.jit(
     do_not_specialize=[
-        "max_len", "out_width", "stride_table", "stride_pad", "stride_ob", "stride_ot"
+        "max_len", "num_j", "stride_table", "stride_pad", "stride_ob", "stride_ot"
     ]
 )  # fmt: skip
 def _index_scores_kernel(
@@ -106,7 +105,7 @@ def _index_scores_kernel(
     out_ptr,
     num_heads,
     max_len,
-    out_width,
+    num_j,
     stride_qt,
     stride_qh,
     stride_wt,
@@ -123,11 +122,6 @@ def _index_scores_kernel(
     DOT_DTYPE: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
-    # The launcher pads the output rows to a multiple of 16 columns: the hints specialisation
-    # gave, so the scores store in vectors.
-    out_width = tl.multiple_of(out_width, 16)
-    stride_ob = tl.multiple_of(stride_ob, 16)
-    stride_ot = tl.multiple_of(stride_ot, 16)
     seq = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     j0 = tl.program_id(2) * BLOCK_J
@@ -167,7 +161,7 @@ def _index_scores_kernel(
         visible = (j[None, :] < num_visible[:, None]) & is_row[None, :]
         scores = tl.where(visible, total, float("-inf"))
     out_ptrs = out_ptr + seq * stride_ob + t.to(tl.int64)[:, None] * stride_ot + j[None, :]
-    tl.store(out_ptrs, scores, mask=(t < max_len)[:, None] & (j < out_width)[None, :])
+    tl.store(out_ptrs, scores, mask=(t < max_len)[:, None] & (j < num_j)[None, :])
 
 
 def _check(iq: Tensor, hw: Tensor, pool: Tensor, ratio: int) -> None:
@@ -210,8 +204,7 @@ def index_scores(
     *,
     tiles: IndexTiles | None = None,
 ) -> Tensor:
-    """fp32 [B, T_max, num_j] indexer scores, −inf where position j is not visible (a view
-    of rows padded to a multiple of 16 columns).
+    """fp32 [B, T_max, num_j] indexer scores, −inf where position j is not visible.
 
     iq: [T, H, D] fp32 or bf16 queries whose values are exact in bf16 (the FP4 round trip).
     hw: fp32 [T, H] head weights (scale included). pool: uint8 [blocks, 128 / ratio, 17·D/32]
@@ -229,15 +222,14 @@ def index_scores(
     _check(iq, hw, pool, ratio)
     check_runnable(iq, "index_scores")
     num_seqs, max_len = pad_index.shape
-    width = -(-num_j // _OUT_ALIGN) * _OUT_ALIGN
-    out = torch.empty(num_seqs, max_len, width, dtype=torch.float32, device=iq.device)
+    out = torch.empty(num_seqs, max_len, num_j, dtype=torch.float32, device=iq.device)
     if not out.numel():
-        return out[..., :num_j]
+        return out
     num_heads, dim = iq.shape[1:]
     block_h = triton.next_power_of_2(num_heads)
     block_t = block_t_for(num_heads, max_len)
     tiles = tiles or TILES
-    grid = (num_seqs, triton.cdiv(max_len, block_t), triton.cdiv(width, tiles.block_j))
+    grid = (num_seqs, triton.cdiv(max_len, block_t), triton.cdiv(num_j, tiles.block_j))
     _index_scores_kernel[grid](
         iq,
         hw,
@@ -248,7 +240,7 @@ def index_scores(
         out,
         num_heads,
         max_len,
-        width,
+        num_j,
         iq.stride(0),
         iq.stride(1),
         hw.stride(0),
@@ -267,7 +259,7 @@ def index_scores(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return out[..., :num_j]
+    return out
 
 
 def index_scores_reference(

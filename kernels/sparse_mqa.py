@@ -280,8 +280,8 @@ def _sparse_mqa_kernel(
     """grid (tokens, heads / BLOCK_H, SPLITS · D / BLOCK_D). With SPLITS = 1 the program
     writes its output columns; otherwise its split's running max and sum [SPLITS, T, H] and
     accumulator [SPLITS, T, H, D] for `_combine_kernel`."""
-    if WINDOW_SEQ_ALIGNED:  # the hint specialisation gave, so the window rows load in vectors
-        stride_window_seq = tl.multiple_of(stride_window_seq, 16)
+    if WINDOW_SEQ_ALIGNED:  # the launcher passed stride / 16: the rows' base is known aligned
+        stride_window_seq = stride_window_seq * 16  # and they load in vectors
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2) // (D // BLOCK_D)
@@ -471,6 +471,11 @@ def sparse_mqa(
     else:
         m_part = total_part = acc_part = out
     grid = (num_tokens, triton.cdiv(num_heads, tiles.block_h), splits * (dim // block_d))
+    # The per-sequence stride of the window rows is a multiple of 16 elements for every model
+    # but the smallest (ring rows of 33·D/32 bytes, bf16 rows of D). It varies with the prefill
+    # window, so it is not specialised; the kernel learns its alignment from a constexpr (that
+    # alone is 1.2-1.7x of the decode launch, `benchmarks/kernel_specialisation.py`).
+    window_seq_aligned = rows.stride(0) % 16 == 0
     _sparse_mqa_kernel[grid](
         q,
         seq_of_token,
@@ -492,7 +497,7 @@ def sparse_mqa(
         softmax_scale,
         q.stride(0),
         q.stride(1),
-        rows.stride(0),
+        rows.stride(0) // 16 if window_seq_aligned else rows.stride(0),
         rows.stride(1),
         pool.stride(0),
         pool.stride(1),
@@ -503,7 +508,7 @@ def sparse_mqa(
         RATIO=ratio,
         WINDOW=window,
         WINDOW_IN_RING=ring is not None,
-        WINDOW_SEQ_ALIGNED=rows.stride(0) % 16 == 0,
+        WINDOW_SEQ_ALIGNED=window_seq_aligned,
         D=dim,
         Q_SPLIT=q.dtype != torch.bfloat16,
         DOT_DTYPE=_DOT_DTYPE,

@@ -131,7 +131,6 @@ def test_the_released_shape_compiles_to_tensor_core_dots() -> None:
     types = {f"{name}_ptr": f"*{dtype}" for name, dtype in pointers.items()}
     types |= {"position_ptr": "*i64", "out_ptr": "*fp32"}
     types |= {n: "i32" for n in kernel.arg_names if n.startswith(("num_", "max_", "stride_"))}
-    types["out_width"] = "i32"
     constexprs = {"RATIO": 2, "D": 128, "BLOCK_H": 64, "BLOCK_T": 1, "BLOCK_J": 128}
     constexprs["DOT_DTYPE"] = tl.bfloat16
     options = {"num_warps": 8, "num_stages": 1}
