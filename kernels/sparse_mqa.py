@@ -195,6 +195,7 @@ def _window_tile(
     window_index,
     seq,
     position,
+    floor,
     ring_len,
     stride_window_seq,
     stride_window_row,
@@ -209,7 +210,7 @@ def _window_tile(
     """Window rows w0 .. w0 + BLOCK_N (columns d0 .. d0 + BD) as bf16, and which are real."""
     offset = w0 + tl.arange(0, BLOCK_N)
     key_position = position - (WINDOW - 1) + offset
-    valid = (key_position >= 0) & (offset < WINDOW)
+    valid = (key_position >= floor) & (offset < WINDOW)
     if WINDOW_IN_RING:
         row_index = (tl.where(valid, key_position, 0) % ring_len) * stride_window_row
         rows = _swa_rows(
@@ -242,6 +243,7 @@ def _sparse_mqa_kernel(
     position_ptr,
     window_ptr,
     window_index_ptr,
+    window_floor_ptr,
     pool_ptr,
     selection_ptr,
     block_table_ptr,
@@ -269,6 +271,7 @@ def _sparse_mqa_kernel(
     WINDOW: tl.constexpr,
     WINDOW_IN_RING: tl.constexpr,
     WINDOW_SEQ_ALIGNED: tl.constexpr,
+    HAS_FLOOR: tl.constexpr,
     D: tl.constexpr,
     Q_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -300,6 +303,9 @@ def _sparse_mqa_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     seq = tl.load(seq_ptr + token)
     position = tl.load(position_ptr + token)
+    floor = 0  # the first visible window position
+    if HAS_FLOOR:
+        floor = tl.load(window_floor_ptr + seq)
     # Ring: the sequence's slot. Window rows: the token's first row in its sequence's rows.
     if WINDOW_IN_RING:
         window_index = tl.load(window_index_ptr + seq)
@@ -309,14 +315,14 @@ def _sparse_mqa_kernel(
     window_tiles: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
     for tile in range(split, window_tiles, SPLITS):
         rows, valid = _window_tile(
-            window_ptr, window_index, seq, position, ring_len, stride_window_seq,
+            window_ptr, window_index, seq, position, floor, ring_len, stride_window_seq,
             stride_window_row, tile * BLOCK_N, 0, WINDOW, WINDOW_IN_RING, D, D, BLOCK_N,
         )  # fmt: skip
         scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         if BLOCK_D != D:
             rows, valid = _window_tile(
-                window_ptr, window_index, seq, position, ring_len, stride_window_seq,
+                window_ptr, window_index, seq, position, floor, ring_len, stride_window_seq,
                 stride_window_row, tile * BLOCK_N, d0, WINDOW, WINDOW_IN_RING, D, BLOCK_D,
                 BLOCK_N,
             )  # fmt: skip
@@ -399,6 +405,7 @@ def sparse_mqa(
     ring: tuple[Tensor, Tensor] | None = None,
     window_rows: tuple[Tensor, Tensor] | None = None,
     global_rows: GlobalRows | None = None,
+    window_floor: Tensor | None = None,
     fixed_tiles: bool = False,
     tiles: MqaTiles | None = None,
 ) -> Tensor:
@@ -412,6 +419,8 @@ def sparse_mqa(
         window − 1 of its sequence, the last one being its own position.
     global_rows: (pool uint8 [blocks, 128/ratio, D/2 + D/16], selection int64 [T, K] with −1
     for none, block_tables int64 [B, max_blocks], ratio) for layers with a KV source.
+    window_floor: int64 [B], sequence b's window rows below position window_floor[b] are
+    invisible (a prefix-cache replay: the ring holds no rows before its floor).
     fixed_tiles: `FIXED_TILES` whatever the shapes (batch-invariant mode): a token's result
     is then the same whichever tokens share the launch, given the same rows in the same order
     (extra −1 selections past its own add nothing: their tiles fold in as exact no-ops).
@@ -446,6 +455,8 @@ def sparse_mqa(
             raise ValueError(f"window rows must be bf16 [B, L, {dim}] with a first row per token")
     if rows.stride(-1) != 1:
         raise ValueError("window rows need unit column stride")
+    if window_floor is not None and (window_floor.dtype != torch.long or window_floor.dim() != 1):
+        raise ValueError("window_floor must be int64 [sequences]")
     if tiles is None:
         tiles = FIXED_TILES if fixed_tiles else choose_tiles(num_tokens)
     block_d = min(tiles.block_d or dim, dim)
@@ -482,6 +493,7 @@ def sparse_mqa(
         positions,
         rows,
         window_index,
+        window_index if window_floor is None else window_floor,
         pool,
         selection,
         tables,
@@ -509,6 +521,7 @@ def sparse_mqa(
         WINDOW=window,
         WINDOW_IN_RING=ring is not None,
         WINDOW_SEQ_ALIGNED=window_seq_aligned,
+        HAS_FLOOR=window_floor is not None,
         D=dim,
         Q_SPLIT=q.dtype != torch.bfloat16,
         DOT_DTYPE=_DOT_DTYPE,
@@ -548,6 +561,7 @@ def sparse_mqa_reference(
     ring: tuple[Tensor, Tensor] | None = None,
     window_rows: tuple[Tensor, Tensor] | None = None,
     global_rows: GlobalRows | None = None,
+    window_floor: Tensor | None = None,
 ) -> Tensor:
     """`sparse_mqa` in plain torch: decode the rows, one softmax."""
     offsets = torch.arange(window, device=q.device)
@@ -560,7 +574,8 @@ def sparse_mqa_reference(
         stored, first = window_rows
         index = (first[:, None] + offsets[None, :]).clamp(max=stored.shape[1] - 1)
         rows = stored[seq_of_token[:, None], index].float()
-    masks = [key_positions >= 0]
+    floor = 0 if window_floor is None else window_floor[seq_of_token][:, None]
+    masks = [key_positions >= floor]
     if global_rows is not None:
         pool, selection, tables, ratio = global_rows
         j = selection.clamp(min=0)

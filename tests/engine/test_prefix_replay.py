@@ -412,13 +412,13 @@ def test_an_exact_mode_engine_never_reads_blocks_a_bounded_engine_wrote(
 
 @pytest.mark.gpu
 def test_replay_on_cuda_stays_close_to_a_full_prefill(tiny_checkpoint) -> None:
-    """On CUDA a full prefill attends in `kernels.sparse_mqa`, a replaying step in the torch
-    path (the kernel has no window floor): both read the same encoded rows."""
+    """On CUDA a full prefill and a replaying step (its window floor hiding the ring rows below
+    it) both attend in `kernels.sparse_mqa`, over the same encoded rows."""
     model = load_model(tiny_checkpoint, device="cuda", progress=False)
     rel, _, same = drift(model, _tokens(300, seed=1), 256, model.replay_tokens("exact"))
-    # NOTE: measured 3.6e-3 on the H200 (commit ace002e): two attention implementations over
-    # FP8/FP4-encoded rows sum in different orders and an encoded row's rounding can flip,
-    # the noise the encoded-KV decode tests bound statistically; the argmax agrees.
+    # NOTE: measured 3.6e-3 on the H200 (commit ace002e) when the replay attended in the torch
+    # path: attention over FP8/FP4-encoded rows in another summation order, and an encoded
+    # row's rounding can flip, the noise the encoded-KV decode tests bound statistically.
     assert rel < 1e-2 and same
     # Decoder bounded replay on CUDA (exact on tiny's reach; not yet run on the H200, the
     # bound is the one above).

@@ -96,6 +96,39 @@ def test_kernel_logic_matches_reference_in_the_triton_interpreter() -> None:
     assert len(errors) == 5 and max(errors) < TOLERANCE
 
 
+def _floors(positions, seq_of_token, window: int):
+    """A prefix-cache replay floor per sequence, a third of a window below its first token
+    (so part of that token's window is hidden)."""
+    first = torch.zeros(int(seq_of_token.max()) + 1, dtype=torch.long)
+    first = first.scatter_reduce(0, seq_of_token, positions, "amin", include_self=False)
+    return (first - window // 3).clamp(min=0)
+
+
+_INTERPRETED_FLOORS = """
+import json
+from tests.kernels.test_sparse_mqa import CASES, _floors, _inputs
+from kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
+errors, hidden = [], []
+for case in (CASES[0], CASES[4]):
+    args, sources = _inputs(case)
+    floor = _floors(args[2], args[1], args[4])
+    ours = sparse_mqa(*args, **sources, window_floor=floor)
+    reference = sparse_mqa_reference(*args, **sources, window_floor=floor)
+    errors.append(float((ours - reference).norm() / reference.norm()))
+    unfloored = sparse_mqa_reference(*args, **sources)
+    hidden.append(float((unfloored - reference).norm() / reference.norm()))
+print(json.dumps([errors, hidden]))
+"""
+
+
+def test_replay_floors_hide_the_window_rows_below_them_in_the_triton_interpreter() -> None:
+    # Decode (ring) and prefill (rows) launches whose sequences replay from a floor inside the
+    # window: the kernel drops the rows below it as the reference does, and those rows did
+    # change the result (the floor is not a no-op here).
+    errors, hidden = run_interpreted(_INTERPRETED_FLOORS)
+    assert max(errors) < TOLERANCE and min(hidden) > 1e-3
+
+
 # Interpreter-sized versions of the launch shapes the tables choose from: every head of a
 # small layer in one program, row splits (one more than there are window tiles, so selected
 # tiles start mid-deal), output columns split, and both at once.
@@ -185,6 +218,17 @@ def test_kernel_matches_reference_on_cuda(case, tiles) -> None:
     bf16 = (args[0].bfloat16(), *args[1:])  # the model's bf16 queries
     ours = sparse_mqa(*bf16, **sources, tiles=tiles)
     reference = sparse_mqa_reference(*bf16, **sources)
+    assert float((ours - reference).norm() / reference.norm()) < TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4], CASES[6]], ids=str)
+def test_replay_floors_match_reference_on_cuda(case) -> None:
+    args, sources = _inputs(case, "cuda")
+    floor = _floors(args[2].cpu(), args[1].cpu(), args[4]).cuda()
+    bf16 = (args[0].bfloat16(), *args[1:])
+    ours = sparse_mqa(*bf16, **sources, window_floor=floor)
+    reference = sparse_mqa_reference(*bf16, **sources, window_floor=floor)
     assert float((ours - reference).norm() / reference.norm()) < TOLERANCE
 
 

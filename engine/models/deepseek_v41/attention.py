@@ -443,12 +443,11 @@ class Attention(nn.Module):
 
     def _attends_in_kernel(self, q: Tensor, ctx: StepContext) -> bool:
         """`kernels.sparse_mqa` takes this step: CUDA, rows stored encoded (MXFP8 window, FP4
-        global), so that every row decodes exactly to bf16, and no prefix-cache replay floor
-        (the kernel knows no floor; replay steps take the torch path)."""
+        global), so that every row decodes exactly to bf16 (prefix-cache replay floors
+        included: the kernel hides the window rows below them)."""
         codecs = ctx.codecs
         return (
             runs_kernels(q)
-            and ctx.batch.window_floors is None
             and codecs.swa.storage_dtype == torch.uint8
             and (not self.ratio or codecs.global_kv.storage_dtype == torch.uint8)
         )
@@ -480,14 +479,15 @@ class Attention(nn.Module):
         # Batch-invariant mode reads every window from decoded rows: on the H200 the ring and
         # the rows compile to different MMA operand paths whose results differ in the last bit
         # (`test_sparse_mqa.py`), and a decode row meets both (alone, and beside a chunk).
+        sources = {"global_rows": global_rows, "window_floor": batch.window_floor_tensor}
         if batch.max_len == 1 and not fixed:
             self._write_window(window_rows, ctx)
             ring = (state.swa[self.layer_id], batch.slots)
-            return sparse_mqa(*args, ring=ring, global_rows=global_rows, fixed_tiles=fixed)
+            return sparse_mqa(*args, ring=ring, fixed_tiles=fixed, **sources)
         keys, _ = self._window_keys(window_rows, ctx)
         first = batch.positions - batch.start_position_tensor[batch.seq_of_token]
         rows = (keys.bfloat16(), first)
-        out = sparse_mqa(*args, window_rows=rows, global_rows=global_rows, fixed_tiles=fixed)
+        out = sparse_mqa(*args, window_rows=rows, fixed_tiles=fixed, **sources)
         self._write_window(window_rows, ctx)
         return out
 
