@@ -388,7 +388,7 @@ class AsyncEngine:
             draft_factory=draft_factory,
             step_graphs=_uses_step_graphs(model, config, speculative.is_enabled),
         )
-        step_budget = _step_budget(model, config)
+        step_budget = _step_budget(model, config, runner.step_graphs is not None)
         max_model_len = config.max_model_len or model.config.max_position_embeddings
         max_context = step_budget.max_context_len()
         if max_context is not None and max_context + 1 < max_model_len:
@@ -693,8 +693,11 @@ def _log_dir_tiers(tiers: DirTiersConfig | None) -> DirTiersConfig | None:
     return tiers
 
 
-def _step_budget(model: DeepseekV41ForCausalLM, config: EngineConfig) -> StepBudget:
-    """The memory budget and step-time target of `config` on `model`'s device."""
+def _step_budget(
+    model: DeepseekV41ForCausalLM, config: EngineConfig, decode_rows_apart: bool = False
+) -> StepBudget:
+    """The memory budget and step-time target of `config` on `model`'s device;
+    decode_rows_apart: the runner splits mixed steps (step graphs)."""
     cfg, device = model.config, model.device
     memory_bytes = config.activation_memory_bytes or int(
         ACTIVATION_MEMORY_FRACTION * free_memory_bytes(device)
@@ -711,7 +714,13 @@ def _step_budget(model: DeepseekV41ForCausalLM, config: EngineConfig) -> StepBud
         vocab_size=cfg.vocab_size,
     )
     prior = CUDA_TIME_PRIOR if device.type == "cuda" else CPU_TIME_PRIOR
-    return StepBudget(memory, memory_bytes, StepTimeModel(prior), target_ms / 1000.0)
+    return StepBudget(
+        memory,
+        memory_bytes,
+        StepTimeModel(prior),
+        target_ms / 1000.0,
+        decode_rows_apart=decode_rows_apart,
+    )
 
 
 def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:

@@ -103,11 +103,14 @@ class SchedulerOutput:
 
     @property
     def shape(self) -> StepShape:
-        """The padded shape the step budget prices (sequences, longest chunk, furthest end)."""
+        """The padded shape the step budget prices (sequences, longest chunk, furthest end,
+        leading one-token rows)."""
+        lengths = [len(c.token_ids) for c in self.chunks]
         return StepShape(
             len(self.chunks),
-            max((len(c.token_ids) for c in self.chunks), default=0),
+            max(lengths, default=0),
             max((c.start_position + len(c.token_ids) for c in self.chunks), default=0),
+            next((i for i, n in enumerate(lengths) if n != 1), len(lengths)),
         )
 
 

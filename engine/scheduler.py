@@ -128,6 +128,7 @@ class _StepPlan:
         self.num_preempted = 0
         self._max_new_tokens = 0
         self._max_end = 0
+        self._num_leading = 0  # leading one-token chunks (`StepShape.num_apart`)
         self._is_stale = False
 
     def chunk_len(self, request: Request, start: int | None = None) -> int:
@@ -141,14 +142,20 @@ class _StepPlan:
 
     def shape(self) -> StepShape:
         if self._is_stale:
-            self._max_new_tokens = max(self.num_new_tokens.values(), default=0)
+            lengths = list(self.num_new_tokens.values())
+            self._max_new_tokens = max(lengths, default=0)
             self._max_end = max(self.end_positions.values(), default=0)
+            self._num_leading = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
             self._is_stale = False
-        return StepShape(len(self.num_new_tokens), self._max_new_tokens, self._max_end)
+        return StepShape(
+            len(self.num_new_tokens), self._max_new_tokens, self._max_end, self._num_leading
+        )
 
     def add(self, request: Request, num_tokens: int, num_draft_slots: int = 0) -> None:
         rid = request.request_id
         end = request.num_computed_tokens + request.num_inflight_tokens + num_tokens
+        if num_tokens == 1 and self._num_leading == len(self.num_new_tokens):
+            self._num_leading += 1
         self.num_new_tokens[rid] = num_tokens
         self.end_positions[rid] = end
         self.budget_left -= num_tokens + num_draft_slots

@@ -6,11 +6,16 @@ its predicted time within the target step time. Both estimates are linear in the
 the step's *padded* shape, because the model pads each step to `[num_seqs, max_new_tokens]`
 and its indexer scores every padded row against every visible compressed position:
 
-    rows         = num_seqs * max_new_tokens         (padded query rows)
+    rows         = num_seqs * max_new_tokens         (padded query rows; decode rows that run
+                                                     apart, see below, count one each)
     pairs        = rows * max_context                 (indexer scores / masks [B, T_max, J])
     seq_context  = num_seqs * max_context             (gathered index keys [B, J, dim])
 
     cost(shape)  = c0 + c_seq * num_seqs + c_row * rows + c_pair * pairs + c_ctx * seq_context
+
+With step graphs the runner runs a mixed step's leading decode rows as a forward of their own
+(`model_runner.split_decode_rows`), so they are not padded to the longest chunk: a budget made
+with `decode_rows_apart` prices those `num_apart` rows as one row each.
 
 Memory uses fixed coefficients derived from the model's widths (`ActivationCost`); time uses
 coefficients fitted online from the engine's own steps (`StepTimeModel`), starting from a
@@ -25,6 +30,7 @@ step fits the memory budget (longer requests can never run).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -33,24 +39,28 @@ NUM_FEATURES = 5
 
 @dataclass(frozen=True)
 class StepShape:
-    """The padded shape of a step: sequences, longest new chunk, furthest end position."""
+    """The padded shape of a step: sequences, longest new chunk, furthest end position, and
+    how many of the sequences lead the step with one new token each (its decode rows)."""
 
     num_seqs: int = 0
     max_new_tokens: int = 0
     max_context: int = 0
+    num_apart: int = 0  # leading one-token rows (priced unpadded only where they run apart)
 
     def with_chunk(self, num_new: int, end_position: int) -> StepShape:
-        """This shape with one more sequence computing `num_new` positions up to
-        `end_position` (exclusive)."""
+        """This shape with one more sequence, after the others, computing `num_new` positions
+        up to `end_position` (exclusive)."""
+        leads = num_new == 1 and self.num_apart == self.num_seqs
         return StepShape(
             self.num_seqs + 1,
             max(self.max_new_tokens, num_new),
             max(self.max_context, end_position),
+            self.num_apart + leads,
         )
 
     def features(self) -> tuple[float, ...]:
         """(1, num_seqs, rows, pairs, seq_context), the terms every cost is linear in."""
-        rows = self.num_seqs * self.max_new_tokens
+        rows = self.num_apart + (self.num_seqs - self.num_apart) * self.max_new_tokens
         return (
             1.0,
             float(self.num_seqs),
@@ -216,6 +226,8 @@ class StepBudget:
 
     memory: bytes of activation of a step (None: no memory bound); memory_bytes: the budget.
     time_model: predicted step seconds (None: no time bound); target_step_s: the target.
+    decode_rows_apart: a step's leading decode rows run as a forward of their own (step
+    graphs), so `StepShape.num_apart` rows are priced unpadded; otherwise every row pads.
     """
 
     def __init__(
@@ -224,6 +236,8 @@ class StepBudget:
         memory_bytes: float | None = None,
         time_model: StepTimeModel | None = None,
         target_step_s: float | None = None,
+        *,
+        decode_rows_apart: bool = False,
     ) -> None:
         if (memory is None) != (memory_bytes is None):
             raise ValueError("give both memory and memory_bytes, or neither")
@@ -237,9 +251,17 @@ class StepBudget:
         self.memory_bytes = memory_bytes
         self.time_model = time_model
         self.target_step_s = target_step_s
+        self.decode_rows_apart = decode_rows_apart
+
+    def priced(self, shape: StepShape) -> StepShape:
+        """`shape` as this budget's costs see it: its apart rows padded unless they run apart."""
+        if self.decode_rows_apart or not shape.num_apart:
+            return shape
+        return dataclasses.replace(shape, num_apart=0)
 
     def fits(self, shape: StepShape) -> bool:
         """Whether a step of this shape is within both bounds. No mutation."""
+        shape = self.priced(shape)
         if self.memory is not None and self.memory(shape) > self.memory_bytes:
             return False
         return self.time_model is None or self.time_model.predict(shape) <= self.target_step_s
@@ -279,7 +301,7 @@ class StepBudget:
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Feed one executed step to the time model (no-op without one)."""
         if self.time_model is not None:
-            self.time_model.observe(shape, seconds)
+            self.time_model.observe(self.priced(shape), seconds)
 
     def describe(self) -> str:
         """One line for the startup log."""

@@ -881,6 +881,41 @@ def test_a_spent_step_budget_defers_a_second_chunk_but_never_a_decode_row() -> N
     assert budget.max_chunk(StepShape(num_seqs=1, max_new_tokens=10, max_context=10), 0, 30) == 0
 
 
+def test_decode_rows_that_run_apart_are_priced_unpadded() -> None:
+    # 100 decode rows and a prompt of 500: where they share one padded forward, each row pads
+    # to the chunk (101 rows of n <= 10,000 bytes: n = 99); where the decode rows run apart
+    # (step graphs), the chunk adds its own rows only.
+    memory = LinearCost((0.0, 0.0, 1.0, 0.0, 0.0))  # a byte per padded row
+    decode_rows = StepShape(num_seqs=100, max_new_tokens=1, max_context=50, num_apart=100)
+    assert StepBudget(memory, 10_000.0).max_chunk(decode_rows, 0, 500) == 99
+    apart = StepBudget(memory, 10_000.0, decode_rows_apart=True)
+    assert apart.max_chunk(decode_rows, 0, 500) == 500
+
+
+def test_a_step_reports_its_leading_decode_rows_to_the_step_budget() -> None:
+    # Three requests decode while a fourth prompt arrives: the mixed step's shape (what the
+    # budget prices and the time model observes) counts its three leading one-token rows, as
+    # does the plan the budget sized the chunk against.
+    seen: list[StepShape] = []
+
+    class Recording(StepBudget):
+        def max_chunk(self, shape, start_position, num_wanted):
+            seen.append(shape)
+            return super().max_chunk(shape, start_position, num_wanted)
+
+    h = Harness(budget=64, step_budget=Recording(decode_rows_apart=True))
+    for rid in ("a", "b", "c"):
+        h.add(rid, 5, max_tokens=6)
+    h.step()
+    h.add("d", 40, max_tokens=2)
+    seen.clear()
+    mixed = h.step()
+    assert [len(c.token_ids) for c in mixed.chunks] == [1, 1, 1, 40]
+    assert mixed.shape == StepShape(4, 40, mixed.shape.max_context, num_apart=3)
+    assert seen and seen[-1].num_apart == 3 and seen[-1].num_seqs == 3
+    h.run()
+
+
 def test_time_model_learns_the_step_cost_from_observed_steps() -> None:
     truth = LinearCost((0.05, 0.004, 5e-4, 6e-7, 1e-5))
     model = StepTimeModel(LinearCost((0.3, 0.02, 3e-3, 3e-6, 3e-5)))

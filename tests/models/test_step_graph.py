@@ -197,7 +197,7 @@ async def _run_with_logprobs(engine, jobs) -> list[list]:
         await engine.shutdown()
 
 
-def _assert_same_up_to_near_ties(ours: list, theirs: list, tie: float = 0.1) -> None:
+def _assert_same_up_to_near_ties(ours: list, theirs: list, tie: float = 0.3) -> None:
     """Same greedy tokens with logprobs within `tie`, up to a first difference (if any) where
     both runs' two best tokens were within `tie` of each other (a rounding-level near tie; the
     continuations differ after it)."""
