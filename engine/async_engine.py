@@ -350,7 +350,7 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        model = _load(config)
+        model = load_engine_model(config)
         return cls.from_model(model, config)
 
     @classmethod
@@ -723,7 +723,7 @@ def _step_budget(
     )
 
 
-def _load(config: EngineConfig) -> DeepseekV41ForCausalLM:
+def load_engine_model(config: EngineConfig) -> DeepseekV41ForCausalLM:
     """The configured model (`EngineConfig.quantized_experts` says how its routed experts are
     held); on CUDA the blocks' pure parts replay from CUDA graphs unless `cuda_graphs` is off.
     Raises `InsufficientMemoryError` before reading any tensor when the weights do not fit."""

@@ -348,14 +348,15 @@ def build_engine_client(
     on_failure: Callable[[str], None] | None = None,
 ) -> EngineClient:
     """The engine of `config`, loaded: in process for one rank, else a `MultiProcessEngine`
-    (spawns the ranks and waits until every rank has loaded its shard; blocking).
+    (spawns the ranks, or the one rank of `parallel.engine_process`, and waits until every rank
+    has loaded its shard; blocking).
 
     on_failure: called once, on the event loop, when the engine fails (the server exits).
 
     Logs the weights per rank (this checkpoint at its EP size, the released model at EP 8);
     raises ValueError when the EP size does not divide the routed experts, and
     `InsufficientMemoryError` when a rank's weights do not fit its device."""
-    if parallel is None or parallel.ep_size == 1:
+    if parallel is None or (parallel.ep_size == 1 and not parallel.engine_process):
         from engine.distributed.memory import log_weight_plans
         from engine.models.embedded import resolve_model_source
 

@@ -383,7 +383,14 @@ def _add_parallel_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_PARALLEL_DEFAULTS.ep_size,
         help="engine ranks, one process per device, all nodes together: routed experts split "
-        "across them, each owning its requests and KV; 1 runs the engine in the API process",
+        "across them, each owning its requests and KV; 1 runs the engine in the API process "
+        "(or, with --engine-process, in one process of its own)",
+    )
+    add(
+        "--engine-process",
+        action="store_true",
+        help="with --ep 1: run the engine in a process of its own, so that the HTTP event loop "
+        "and the engine's host work do not share one Python interpreter lock",
     )
     add(
         "--nnodes",
@@ -434,6 +441,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         master_addr=args.master_addr,
         master_port=args.master_port,
         timeout_s=args.dist_timeout,
+        engine_process=args.engine_process,
     )
     engine = EngineConfig(
         model=args.model,

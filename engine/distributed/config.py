@@ -19,6 +19,10 @@ class ParallelConfig:
         the API process listens for its ranks on `master_port + 1` (`engine_port`). None (one
         node only): free ports chosen at start.
     timeout_s: how long a collective waits for a missing rank before every rank gives up.
+    engine_process: with ep_size 1, run the one rank in a process of its own instead of the
+        API process (the in-process engine's choices: async scheduling, step graphs, warm-up;
+        no collectives), so the API's event loop and the engine's host work do not share
+        one interpreter lock.
     """
 
     ep_size: int = 1
@@ -27,8 +31,11 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
+        if self.engine_process and self.ep_size != 1:
+            raise ValueError("engine_process is for one rank (--ep 1); --ep N already runs N")
         if self.ep_size < 1 or self.nnodes < 1:
             raise ValueError(f"ep_size and nnodes must be >= 1, got {self.ep_size}, {self.nnodes}")
         if self.ep_size % self.nnodes:

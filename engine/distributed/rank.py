@@ -11,6 +11,11 @@
           core.step() if this rank has requests, else the idle step
           send `StepResult` (deltas + snapshot) when anything changed
 
+A rank alone (`--ep 1 --engine-process`) joins no group: it loads and builds the engine as the
+API process would (`load_engine_model`, `AsyncEngine.from_model`: async scheduling, step
+graphs, the start-up warm-up), steps its core with nothing to agree on, and waits for the
+API's next message when it has nothing to run.
+
 The rank owns its requests' scheduling, KV and sampling (attention DP); only routed experts
 cross ranks. It ignores SIGINT (Ctrl-C reaches the whole process group; the API process
 stops the ranks in order) and exits when the API's connection ends. On any failure it sends
@@ -32,11 +37,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.async_engine import AsyncEngine, EngineConfig, capture_graphs
+from engine.async_engine import AsyncEngine, EngineConfig, capture_graphs, load_engine_model
 from engine.client import engine_info, rank_snapshot
 from engine.distributed.coordinator import StepCoordinator, gloo_int_gather
 from engine.distributed.expert_parallel import ExpertParallel
-from engine.distributed.groups import RankConfig, RankGroups, init_groups
+from engine.distributed.groups import RankConfig, RankGroups, destroy_groups, init_groups
 from engine.distributed.lockstep import LockstepRunner
 from engine.distributed.memory import (
     check_plan,
@@ -66,6 +71,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 300.0  # how long a rank retries reaching the API process (node 0)
+# A rank alone with requests but nothing runnable (waiting for KV) checks its messages this
+# often instead of spinning.
+ALONE_WAIT_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -99,8 +107,12 @@ def run_rank(spec: RankSpec) -> None:
         setup = conn.recv()
         if not isinstance(setup, RankSetup):
             raise TypeError(f"expected RankSetup first, got {type(setup).__name__}")
-        groups = init_groups(spec.rank)
-        rank = RankEngine.build(spec, setup.engine, groups)
+        alone = spec.rank.world_size == 1
+        rank = (
+            RankEngine.build_alone(spec, setup.engine)
+            if alone
+            else RankEngine.build(spec, setup.engine, init_groups(spec.rank))
+        )
         conn.send(RankReady(spec.rank.rank, rank.info, rank.core.scheduler.limits, rank.snapshot()))
         rank.serve(conn)
     except BaseException:  # noqa: BLE001 (reported to the API process, then exit)
@@ -112,7 +124,7 @@ def run_rank(spec: RankSpec) -> None:
             pass
         os._exit(1)
     conn.close()
-    torch.distributed.destroy_process_group()
+    destroy_groups()
 
 
 def connect(address: tuple[str, int], authkey: bytes) -> Connection:
@@ -158,13 +170,27 @@ def load_rank_model(
 class RankEngine:
     """The core of one rank and the loop that feeds it (see the module docstring)."""
 
-    def __init__(self, rank: int, engine: AsyncEngine, runner: LockstepRunner, num_ranks: int):
+    def __init__(
+        self, rank: int, engine: AsyncEngine, runner: LockstepRunner | None, num_ranks: int
+    ):
+        """runner: the lockstep wrapper of the core's runner; None for a rank alone."""
         self.rank = rank
         self.core = engine.core
         self.eos_token_id = engine.eos_token_id
         self.runner = runner
         self.info = engine_info(self.core, num_ranks)
+        self.stop_requested = False  # a rank alone: told to stop (or the API is gone)
         self._tokenizer_info = None  # xgrammar.TokenizerInfo, from SetGrammarVocabulary
+
+    @classmethod
+    def build_alone(cls, spec: RankSpec, engine: EngineConfig) -> RankEngine:
+        """The only rank (`ParallelConfig.engine_process`): the in-process engine's model and
+        core on this rank's device, no groups and no lockstep."""
+        if spec.rank.device_type == "cuda":
+            torch.cuda.set_device(spec.rank.device)
+        config = dataclasses.replace(engine, device=str(spec.rank.device))
+        built = AsyncEngine.from_model(load_engine_model(config), config, draft_factory=spec.drafts)
+        return cls(0, built, None, 1)
 
     @classmethod
     def build(cls, spec: RankSpec, engine: EngineConfig, groups: RankGroups) -> RankEngine:
@@ -192,6 +218,8 @@ class RankEngine:
         return rank_snapshot(self.core, self.rank)
 
     def serve(self, conn: Connection) -> None:
+        if self.runner is None:
+            return self._serve_alone(conn)
         while not self.runner.stopped:
             received = self._receive(conn)
             deltas = self.core.step() if self.core.has_work() else None
@@ -202,6 +230,19 @@ class RankEngine:
             if deltas or received:
                 conn.send(StepResult(self.rank, tuple(deltas or ()), self.snapshot()))
 
+    def _serve_alone(self, conn: Connection) -> None:
+        """Step while there is work; otherwise block until the API's next message. Stops when
+        told to, once nothing is in flight (the API drains or aborts its requests first)."""
+        while not (self.stop_requested and not self.core.has_work()):
+            received = self._receive(conn)
+            deltas = self.core.step() if self.core.has_work() else None
+            if deltas or received:
+                conn.send(StepResult(self.rank, tuple(deltas or ()), self.snapshot()))
+            if deltas is None and not self.stop_requested:
+                conn.poll(None)  # idle: wait for work
+            elif not deltas and self.core.scheduler.num_running == 0:
+                conn.poll(ALONE_WAIT_S)  # only requests waiting for KV: do not spin
+
     def _receive(self, conn: Connection) -> bool:
         """Apply every message waiting on `conn`; True when there was one. The API's end
         closing counts as `Stop`."""
@@ -211,8 +252,14 @@ class RankEngine:
                 self._apply(conn.recv())
                 received = True
         except (EOFError, OSError):
-            self.runner.stop_requested = True
+            self._request_stop()
         return received
+
+    def _request_stop(self) -> None:
+        if self.runner is None:
+            self.stop_requested = True
+        else:
+            self.runner.stop_requested = True
 
     def _apply(self, message) -> None:
         if isinstance(message, AddRequests):
@@ -227,7 +274,7 @@ class RankEngine:
 
             self._tokenizer_info = xgr.TokenizerInfo.deserialize_json(message.tokenizer_info_json)
         elif isinstance(message, Stop):
-            self.runner.stop_requested = True
+            self._request_stop()
         else:
             raise TypeError(f"unknown message {type(message).__name__}")
 

@@ -182,6 +182,18 @@ def test_cli_async_scheduling_flag():
     assert parsed("--async-scheduling") is True
 
 
+def test_cli_engine_process_flag(capsys):
+    def parallel(*argv: str):
+        return config_from_args(build_parser().parse_args(list(argv))).parallel
+
+    assert parallel().engine_process is False  # the engine runs in the API process
+    assert parallel("--engine-process").engine_process is True
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--ep", "2", "--engine-process"])
+    assert exit_info.value.code == 2
+    assert "engine_process is for one rank" in capsys.readouterr().err
+
+
 def test_cli_batch_invariant_flag_reaches_the_model_numerics():
     def engine(*argv: str):
         return config_from_args(build_parser().parse_args(list(argv))).engine
