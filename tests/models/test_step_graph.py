@@ -146,12 +146,29 @@ def test_a_failed_capture_falls_back_to_eager_steps(
     assert graphed == eager
 
 
+def _cuda_engine(checkpoint: Path, cuda_graph_mode: str, **overrides):
+    """A small bf16 CUDA engine over `checkpoint`, speculation off."""
+    from engine.async_engine import AsyncEngine, EngineConfig
+
+    config = EngineConfig(
+        model=str(checkpoint),
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=4,
+        kv_cache_tokens=8192,
+        max_model_len=1024,
+        speculative="off",
+        cuda_graph_mode=cuda_graph_mode,
+        **overrides,
+    )
+    return AsyncEngine.from_config(config)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", "default_checkpoint"])
 def test_step_graphed_engine_generates_what_the_segment_graphed_engine_does(
     checkpoint: str, request: pytest.FixtureRequest
 ) -> None:
-    from engine.async_engine import AsyncEngine, EngineConfig
     from engine.sampling_params import SamplingParams
     from tests.engine.engine_checks import assert_all_released
     from tests.engine.test_engine_e2e import _run_all
@@ -161,17 +178,7 @@ def test_step_graphed_engine_generates_what_the_segment_graphed_engine_does(
     jobs = [([0, *range(20, 140)], greedy), ([0, 9, 8], greedy), ([0, *range(40, 75)], greedy)]
     results = {}
     for mode in ("segments", "step"):
-        config = EngineConfig(
-            model=str(path),
-            device="cuda",
-            dtype="bfloat16",
-            max_num_seqs=4,
-            kv_cache_tokens=8192,
-            max_model_len=1024,
-            speculative="off",
-            cuda_graph_mode=mode,
-        )
-        engine = AsyncEngine.from_config(config)
+        engine = _cuda_engine(path, mode)
         results[mode] = asyncio.run(_run_all(engine, jobs))
         assert_all_released(engine)
         runner = engine.core.runner
@@ -219,7 +226,6 @@ def test_mixed_steps_replay_their_decode_rows_and_generate_the_segment_tokens(
     # replay per step that has any) instead of riding in the chunk's padded forward, whose
     # window comes from decoded rows rather than the ring (equal up to the last bit): the
     # tokens are the segment-graphed engine's up to rounding-level near ties.
-    from engine.async_engine import AsyncEngine, EngineConfig
     from engine.sampling_params import SamplingParams
     from tests.engine.engine_checks import assert_all_released
 
@@ -229,18 +235,7 @@ def test_mixed_steps_replay_their_decode_rows_and_generate_the_segment_tokens(
     jobs = [([0, 9, 8], greedy), ([0, *range(40, 75)], greedy), ([0, *range(20, 260)], greedy)]
     results, steps = {}, {}
     for mode in ("segments", "step"):
-        config = EngineConfig(
-            model=str(default_checkpoint),
-            device="cuda",
-            dtype="bfloat16",
-            max_num_seqs=4,
-            max_num_batched_tokens=32,
-            kv_cache_tokens=8192,
-            max_model_len=1024,
-            speculative="off",
-            cuda_graph_mode=mode,
-        )
-        engine = AsyncEngine.from_config(config)
+        engine = _cuda_engine(default_checkpoint, mode, max_num_batched_tokens=32)
         scheduler = engine.core.scheduler
         schedule, outputs = scheduler.schedule, []
         scheduler.schedule = lambda s=schedule, o=outputs: o.append(s()) or o[-1]
