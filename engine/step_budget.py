@@ -30,7 +30,6 @@ step fits the memory budget (longer requests can never run).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -257,7 +256,7 @@ class StepBudget:
         """`shape` as this budget's costs see it: its apart rows padded unless they run apart."""
         if self.decode_rows_apart or not shape.num_apart:
             return shape
-        return dataclasses.replace(shape, num_apart=0)
+        return StepShape(shape.num_seqs, shape.max_new_tokens, shape.max_context)
 
     def fits(self, shape: StepShape) -> bool:
         """Whether a step of this shape is within both bounds. No mutation."""
