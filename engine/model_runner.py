@@ -51,6 +51,7 @@ from engine.outputs import (
     TokenLogprob,
 )
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRowCache
+from engine.step_budget import num_leading_rows
 
 if TYPE_CHECKING:
     from engine.speculative.config import SpeculativeConfig
@@ -712,7 +713,7 @@ def split_decode_rows(output: SchedulerOutput) -> tuple[SchedulerOutput, ...]:
     Sequences are independent, so the split changes no result beyond the rounding of other
     matmul shapes."""
     chunks = output.chunks
-    split = next((i for i, c in enumerate(chunks) if len(c.token_ids) != 1), len(chunks))
+    split = num_leading_rows(len(c.token_ids) for c in chunks)
     if split in (0, len(chunks)):
         return (output,)
     return (

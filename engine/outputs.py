@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.step_budget import StepShape
+from engine.step_budget import StepShape, num_leading_rows
 
 # A token id not yet known on the host: the output a step in flight samples (async scheduling).
 # It appears only in `ScheduledChunk.token_ids` and at the end of `SamplingInfo.history`; the
@@ -110,7 +110,7 @@ class SchedulerOutput:
             len(self.chunks),
             max(lengths, default=0),
             max((c.start_position + len(c.token_ids) for c in self.chunks), default=0),
-            next((i for i, n in enumerate(lengths) if n != 1), len(lengths)),
+            num_leading_rows(lengths),
         )
 
 

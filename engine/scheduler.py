@@ -77,7 +77,7 @@ from engine.outputs import (
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.speculative.planner import BudgetDecision
-from engine.step_budget import StepBudget, StepShape
+from engine.step_budget import StepBudget, StepShape, num_leading_rows
 
 if TYPE_CHECKING:
     from engine.speculative.scheduling import DraftScheduling
@@ -145,7 +145,7 @@ class _StepPlan:
             lengths = list(self.num_new_tokens.values())
             self._max_new_tokens = max(lengths, default=0)
             self._max_end = max(self.end_positions.values(), default=0)
-            self._num_leading = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
+            self._num_leading = num_leading_rows(lengths)
             self._is_stale = False
         return StepShape(
             len(self.num_new_tokens), self._max_new_tokens, self._max_end, self._num_leading

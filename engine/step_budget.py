@@ -31,9 +31,21 @@ step fits the memory budget (longer requests can never run).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 NUM_FEATURES = 5
+
+
+def num_leading_rows(lengths: Iterable[int]) -> int:
+    """How many of a step's chunk lengths, in batch order, are one token before the first
+    longer chunk: its decode rows (`StepShape.num_apart`, `split_decode_rows`)."""
+    count = 0
+    for length in lengths:
+        if length != 1:
+            break
+        count += 1
+    return count
 
 
 @dataclass(frozen=True)
