@@ -182,6 +182,9 @@ class DirBlockStore:
         self._counters = _Counters()
         self._used_bytes = 0
         self._num_blocks = 0
+        # path -> bytes of each block this process published while a GC pass scanned: the
+        # pass's totals replace the running ones, and its listing may have missed these.
+        self._published_during_gc: dict[str, int] | None = None
         self._deadlines: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         self._made_dirs: set[str] = set()
         self._free_checked_at = float("-inf")
@@ -327,6 +330,8 @@ class DirBlockStore:
                 self._counters.blocks_written += 1
                 self._used_bytes += len(data)
                 self._num_blocks += 1
+                if self._published_during_gc is not None:
+                    self._published_during_gc[final] = len(data)
                 over = self._used_bytes > self.config.high_watermark * self.config.max_bytes
             if over:
                 self.on_gc_needed()
@@ -352,6 +357,8 @@ class DirBlockStore:
         )
         if not lease.acquire():
             return GcReport(ran=False)
+        with self._lock:
+            self._published_during_gc = {}
         try:
             now = self.clock()
             entries, temps = scan(self.ops, self.directory)
@@ -390,6 +397,12 @@ class DirBlockStore:
                         self._forget_path(entry.path)
             num_blocks = len(alive) - num_evicted
             with self._lock:
+                listed = {entry.path for entry in entries}
+                for path, size in self._published_during_gc.items():
+                    if path not in listed:
+                        used += size
+                        num_blocks += 1
+                self._published_during_gc = None
                 c = self._counters
                 c.gc_runs += 1
                 c.expired += num_expired
@@ -402,6 +415,8 @@ class DirBlockStore:
                 tuple(depths),
             )  # fmt: skip
         finally:
+            with self._lock:
+                self._published_during_gc = None
             lease.release()
 
     # ---------------------------------------------------------------- stats, integrity

@@ -21,6 +21,7 @@ class FaultyOps(FileOps):
     before_read(path): runs after the lookup, before the open (delete the file, race a GC).
     crash_before_link: raise SimulatedCrash between the temp write and the link.
     after_link(path): runs right after a block file is linked into place (race a GC).
+    after_listdir(path): runs right after a directory is listed (write while a GC scans).
     calls: method name -> count.
     """
 
@@ -30,6 +31,7 @@ class FaultyOps(FileOps):
         self.fail: dict[str, int] = {}
         self.crash_before_link = False
         self.after_link: Callable[[str], None] | None = None
+        self.after_listdir: Callable[[str], None] | None = None
         self.calls: dict[str, int] = {}
 
     def _enter(self, name: str, path: str) -> None:
@@ -58,6 +60,12 @@ class FaultyOps(FileOps):
         super().link(src, dst)
         if self.after_link is not None and dst.endswith(".kvb"):
             self.after_link(dst)
+
+    def listdir(self, path: str) -> list[str]:
+        names = super().listdir(path)
+        if self.after_listdir is not None:
+            self.after_listdir(path)
+        return names
 
     def utime(self, path: str, atime: float, mtime: float) -> None:
         self._enter("utime", path)

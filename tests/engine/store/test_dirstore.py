@@ -359,6 +359,30 @@ def test_gc_evicts_earliest_deadline_first(tmp_path) -> None:
     assert store.read(old[0]) is None and store.read(new[1]) is not None
 
 
+def test_blocks_written_while_gc_scans_stay_counted(tmp_path) -> None:
+    """A pass's totals replace the store's running ones; a block published after the pass
+    listed the directory must still count, or the store reports itself under budget while
+    the files are on disk (a background worker then sleeps past the high watermark)."""
+    file_bytes = fmt.file_size(PAYLOAD)
+    ops = FaultyOps()
+    store = make_store(tmp_path, ops=ops, max_bytes=100 * file_bytes)
+    early, late = chain(3, "early"), chain(2, "late")
+    write_chain(store, early)
+
+    def write_late(path: str) -> None:
+        if path == store.directory:  # the top level is listed: the pass sees no later folder
+            ops.after_listdir = None
+            write_chain(store, late)
+
+    ops.after_listdir = write_late
+    report = store.gc_once()
+    stats = store.stats()
+    assert report.ran and report.num_blocks == stats.num_blocks == 5
+    assert report.used_bytes == stats.used_bytes == 5 * file_bytes
+    report = store.gc_once()  # the next pass lists them all: the same totals
+    assert report.num_blocks == store.stats().num_blocks == 5
+
+
 def test_one_gc_runner_at_a_time_and_a_crashed_lease_expires(tmp_path) -> None:
     clock = Clock()
     a, b = make_store(tmp_path, clock), make_store(tmp_path, clock)
