@@ -17,6 +17,14 @@ not. Scripts (real ids of the V4.1 tokenizer):
 * `reason+tool`: reasoning text, `</think>`, a short answer, one DSML tool call with two
   arguments, EOS (`stop`), 128 tokens in all, with the request's `tools`.
 
+With `--step-ms P` the replay runs on an engine's clock instead: a thread makes one step
+every P ms, a token for every open stream, and hands the step's deltas to the loop with one
+`call_soon_threadsafe` (as `MultiProcessEngine`'s reader thread does with a rank's step);
+each stream reads them through the engines' own `engine.choices.stream_choices`. The loop then
+has P ms per step for every stream's token: where it needs more, deltas queue up, and the row's
+tok/s falls below `streams × 1000 / P` (its ceiling, printed). This is the API process of
+`--engine-process` under 256 streams, the engine replaced by its step clock.
+
 A row streams batches of 64 requests (`concurrency` at a time) and shows the best batch of
 `--rounds` (the least disturbed by other processes: the number is for comparisons on one
 machine) and the best wall-clock output tokens/s. Each row also prints a digest of the bytes
@@ -26,6 +34,7 @@ API path can be checked to leave every response byte unchanged: same digest befo
     python benchmarks/api_stream_host.py                 # the table (a few minutes)
     python benchmarks/api_stream_host.py --protocols chat --concurrency 64 --rounds 5
     python benchmarks/api_stream_host.py --gil-thread    # with an engine-like GIL holder
+    python benchmarks/api_stream_host.py --step-ms 14.5 --concurrency 256 --protocols chat
 
 The server runs in a child process (`--serve PORT`, started by the benchmark itself).
 """
@@ -40,6 +49,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -134,6 +144,73 @@ class ReplayEngine:
             )
 
 
+class SteppedReplayEngine(ReplayEngine):
+    """A `ReplayEngine` on an engine's clock: every `step_s` a thread appends the next script
+    token of every open stream to one step and hands the step to the loop at once."""
+
+    def __init__(self, checkpoint_path: str, step_s: float) -> None:
+        super().__init__(checkpoint_path)
+        self.step_s = step_s
+        self._streams: dict[str, tuple[asyncio.Queue, list[int]]] = {}
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._clock, name="replay-steps", daemon=True).start()
+
+    async def generate(
+        self, prompt_token_ids, params, request_id, constraint=None, **_
+    ) -> AsyncIterator:
+        from engine.choices import Choice, stream_choices
+
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[request_id] = (queue, [len(prompt_token_ids), 0])
+
+        def release() -> None:
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+        choices = (Choice(request_id, 0, 0),)
+        async for delta in stream_choices(choices, queue, lambda _: None, release):
+            yield delta
+
+    def _clock(self) -> None:
+        next_step = time.perf_counter()
+        while True:
+            next_step += self.step_s
+            time.sleep(max(0.0, next_step - time.perf_counter()))
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._deliver, self._step())
+
+    def _step(self) -> list:
+        from engine.outputs import Delta
+        from engine.request import FinishReason
+
+        script = self.script
+        step = []
+        with self._lock:
+            if not self._streams:
+                return step
+            eos = script[-1] == self.info.eos_token_id
+            finish = FinishReason.STOP if eos else FinishReason.LENGTH
+            for request_id, (queue, counts) in list(self._streams.items()):
+                num_prompt, done = counts
+                if done == len(script):
+                    continue
+                counts[1] = done + 1
+                ending = finish if done + 1 == len(script) else None
+                delta = Delta(request_id, 0, [script[done]], None, num_prompt, done + 1, ending)
+                step.append((queue, delta))
+        return step
+
+    @staticmethod
+    def _deliver(step: list) -> None:
+        for queue, delta in step:
+            queue.put_nowait(delta)
+
+
 def _hold_the_gil() -> None:
     """Pure-Python work forever: the engine thread's scheduling and launches, which hold the
     GIL except where a native call releases it."""
@@ -142,11 +219,12 @@ def _hold_the_gil() -> None:
         count += 1
 
 
-def serve(port: int, gil_thread: bool, switch_interval_s: float | None) -> None:
-    """The child: the real app over `ReplayEngine`, plus `/_bench/{kind}`, which selects the
-    script and answers the loop thread's CPU seconds so far."""
-    import threading
-
+def serve(
+    port: int, gil_thread: bool, switch_interval_s: float | None, step_ms: float | None
+) -> None:
+    """The child: the real app over `ReplayEngine` (`SteppedReplayEngine` with a step time),
+    plus `/_bench/{kind}`, which selects the script and answers the loop thread's CPU seconds
+    so far."""
     import uvicorn
 
     if switch_interval_s is not None:
@@ -162,7 +240,11 @@ def serve(port: int, gil_thread: bool, switch_interval_s: float | None) -> None:
     folder = Path(tempfile.mkdtemp(prefix="api_stream_host_"))
     write_v41_tokenizer(folder)
     scripts = _scripts(load_tokenizer(folder))
-    engine = ReplayEngine(str(folder))
+    engine = (
+        ReplayEngine(str(folder))
+        if step_ms is None
+        else SteppedReplayEngine(str(folder), step_ms / 1000)
+    )
     app = create_app(ServerConfig(default_thinking=False), engine=engine)
 
     @app.get("/_bench/{kind}")
@@ -288,14 +370,20 @@ def main() -> None:
     parser.add_argument(
         "--switch-interval", type=float, help="the server's sys.setswitchinterval (seconds)"
     )
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        help="deliver one token per open stream every STEP_MS, from a thread (an engine's clock)",
+    )
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--base", help="measure a server already started with --serve PORT")
     args = parser.parse_args()
     if args.serve is not None:
-        serve(args.serve, args.gil_thread, args.switch_interval)
+        serve(args.serve, args.gil_thread, args.switch_interval, args.step_ms)
         return
     if args.base is not None:
-        _print(asyncio.run(measure(args.base, args.concurrency, args.rounds, args.protocols)))
+        rows = asyncio.run(measure(args.base, args.concurrency, args.rounds, args.protocols))
+        _print(rows, args.step_ms)
         return
     from engine.distributed.groups import free_port
 
@@ -306,6 +394,8 @@ def main() -> None:
         command.append("--gil-thread")
     if args.switch_interval is not None:
         command += ["--switch-interval", str(args.switch_interval)]
+    if args.step_ms is not None:
+        command += ["--step-ms", str(args.step_ms)]
     process = subprocess.Popen(command)
     try:
         _wait_ready(base + "/health", process)
@@ -313,17 +403,21 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
-    _print(rows)
+    _print(rows, args.step_ms)
 
 
-def _print(rows: list[tuple]) -> None:
+def _print(rows: list[tuple], step_ms: float | None) -> None:
+    """The table; with a step clock, each row's ceiling (every stream a token every step) and
+    no digest (how many steps a stream's events merge depends on the loop's lag)."""
     print(f"\nevent-loop CPU per streamed output token ({NUM_OUTPUT_TOKENS} tokens per stream)")
+    last = "digest" if step_ms is None else f"ceiling at {step_ms:g} ms/step"
     print(
         f"{'protocol':<10} {'stream':<12} {'streams':>7} {'us/token':>9} {'tok/s':>7} "
-        f"{'events':>7}  digest"
+        f"{'events':>7}  {last}"
     )
     for protocol, kind, n, us, rate, events, digest in rows:
-        print(f"{protocol:<10} {kind:<12} {n:>7} {us:>9.1f} {rate:>7.0f} {events:>7.0f}  {digest}")
+        tail = digest if step_ms is None else f"{n * 1000 / step_ms:.0f}"
+        print(f"{protocol:<10} {kind:<12} {n:>7} {us:>9.1f} {rate:>7.0f} {events:>7.0f}  {tail}")
 
 
 if __name__ == "__main__":
