@@ -27,11 +27,11 @@ from server.admission import AdmissionController
 from server.dependencies import (
     ServerState,
     get_admission,
-    get_config,
     get_engine,
     get_metrics,
     get_state,
     resolve_model_name,
+    state_of,
 )
 from server.disconnect import run_until_disconnect
 from server.errors import APIError, ErrorKind
@@ -51,7 +51,7 @@ router = APIRouter()
 _ID_PREFIX = {Protocol.CHAT: "chatcmpl-", Protocol.RESPONSES: "resp_", Protocol.MESSAGES: "msg_"}
 
 
-def get_recipe(state: Annotated[ServerState, Depends(get_state)]) -> Recipe:
+async def get_recipe(state: Annotated[ServerState, Depends(get_state)]) -> Recipe:
     if state.recipe is None:
         raise APIError(ErrorKind.UNAVAILABLE, "the protocol layer is not loaded")
     return state.recipe
@@ -115,7 +115,7 @@ def _check_model(request: Request, body: Any) -> None:
     """404 `model_not_found` for a model this server does not serve (before the package's 400
     for names it does not know)."""
     if isinstance(body, dict) and isinstance(body.get("model"), str):
-        resolve_model_name(get_config(request), body["model"])
+        resolve_model_name(state_of(request).config, body["model"])
 
 
 class _Call:
@@ -193,7 +193,7 @@ async def _serve(
     metrics: ServerMetrics,
 ):
     prepared = await _prepare(request, recipe, protocol)
-    constraint = await _compile_constraint(prepared, get_state(request))
+    constraint = await _compile_constraint(prepared, state_of(request))
     try:
         engine.check_request(prepared.prompt_token_ids, prepared.sampling_params, constraint)
     except RequestRejectedError as exc:
