@@ -10,8 +10,9 @@ tokens/s, TTFT / ITL / TPOT p50, and the server's CPU time per output token (fro
         --modes async sync
 
 Modes: `default` (the server's defaults), `async` / `sync` (`--[no-]async-scheduling`),
-`spec-off` (`--speculative off`), `invariant` (`--batch-invariant`); `--server-arg` adds
-arguments to every mode. The JSON of every run goes to `--out` (default `$OUT`).
+`process` (async, `--engine-process`), `spec-off` (`--speculative off`), `invariant`
+(`--batch-invariant`); `--server-arg` adds arguments to every mode. The JSON of every run
+goes to `--out` (default `$OUT`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ MODES = {
     "default": [],
     "async": ["--async-scheduling"],
     "sync": ["--no-async-scheduling"],
+    "process": ["--async-scheduling", "--engine-process"],
     "spec-off": ["--speculative", "off"],
     "invariant": ["--batch-invariant"],
 }

@@ -78,7 +78,9 @@ class RankSnapshot:
     """One rank's queues and KV pools at a moment (plain data).
 
     kv_usage: fraction of pool blocks referenced by requests, in [0, 1];
-    num_kv_tokens: KV tokens held by running requests (the placement's load).
+    num_kv_tokens: KV tokens held by running requests (the placement's load);
+    process_cpu_s: CPU seconds of the rank's own process so far (`time.process_time()`); None
+    for an engine inside the API process, whose CPU the server's `process_*` metrics count.
     """
 
     rank: int
@@ -93,6 +95,7 @@ class RankSnapshot:
     prefix_cache: PrefixCacheSnapshot | None = None
     speculative: SpeculativeMetrics | None = None  # a copy; None with speculation off
     planner: PlannerMetrics | None = None  # the verification planner's counters (a copy)
+    process_cpu_s: float | None = None
 
     @property
     def is_idle(self) -> bool:

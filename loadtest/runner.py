@@ -26,8 +26,8 @@ class RunConfig:
     run at once, each starting its next request when the last one ends.
     The run issues at most `num_requests` requests and none after `duration_s`; requests still
     running `grace_s` after that are cancelled (counted, not timed). The server's process CPU
-    time is read from its `/metrics` (`process_cpu_seconds_total`) before and after, when
-    published.
+    time is read from its `/metrics` (`process_cpu_seconds_total`, plus deepinfer's engine
+    processes) before and after, when published.
     """
 
     base_url: str = "http://127.0.0.1:8000"
@@ -135,16 +135,25 @@ async def run_load(run: RunConfig, workload: WorkloadConfig) -> RunResult:
 
 
 _PROCESS_CPU = re.compile(r"^process_cpu_seconds_total(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+_ENGINE_CPU = re.compile(r"^deepinfer:engine_process_cpu_seconds\{[^}]*\} (\S+)$", re.MULTILINE)
 
 
 async def _server_cpu_seconds(client: httpx.AsyncClient, base_url: str) -> float | None:
-    """`process_cpu_seconds_total` from the server's Prometheus `/metrics`, when it has one."""
     try:
         response = await client.get(base_url.rstrip("/") + "/metrics", timeout=10.0)
     except httpx.HTTPError:
         return None
-    match = _PROCESS_CPU.search(response.text) if response.status_code == 200 else None
-    return float(match.group(1)) if match else None
+    return server_cpu_seconds(response.text) if response.status_code == 200 else None
+
+
+def server_cpu_seconds(metrics_text: str) -> float | None:
+    """The server's CPU seconds from its Prometheus text: `process_cpu_seconds_total` plus the
+    CPU of engine ranks in processes of their own (deepinfer's `engine_process_cpu_seconds`
+    gauges), so that the figure covers the whole server. None without the process metric."""
+    match = _PROCESS_CPU.search(metrics_text)
+    if match is None:
+        return None
+    return float(match.group(1)) + sum(float(v) for v in _ENGINE_CPU.findall(metrics_text))
 
 
 async def _open_loop(run: RunConfig, budget: _Budget, one_session) -> None:

@@ -106,6 +106,10 @@ class ServerMetrics:
         self.num_requests_running = rank_gauge("num_requests_running", "Requests running.")
         self.num_requests_waiting = rank_gauge("num_requests_waiting", "Requests waiting.")
         self.kv_cache_usage = rank_gauge("kv_cache_usage_perc", "Global-KV blocks in use (0..1).")
+        self.engine_process_cpu = rank_gauge(
+            "engine_process_cpu_seconds",
+            "CPU seconds of an engine rank's own process (absent for an in-process engine).",
+        )
         self.num_requests_in_flight = gauge("num_requests_in_flight", "Requests in the server.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -239,6 +243,8 @@ class ServerMetrics:
             self.num_requests_running.labels(self._model, rank).set(snap.num_running)
             self.num_requests_waiting.labels(self._model, rank).set(snap.num_waiting)
             self.kv_cache_usage.labels(self._model, rank).set(snap.kv_usage)
+            if snap.process_cpu_s is not None:
+                self.engine_process_cpu.labels(self._model, rank).set(snap.process_cpu_s)
         caches = [snap.prefix_cache for snap in ranks if snap.prefix_cache is not None]
         if caches:
             totals = {

@@ -215,7 +215,8 @@ class RankEngine:
         return cls(groups.rank, engine, runner, groups.world_size)
 
     def snapshot(self):
-        return rank_snapshot(self.core, self.rank)
+        snapshot = rank_snapshot(self.core, self.rank)
+        return dataclasses.replace(snapshot, process_cpu_s=time.process_time())
 
     def serve(self, conn: Connection) -> None:
         if self.runner is None:

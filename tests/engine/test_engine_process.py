@@ -59,7 +59,9 @@ def _scenario(engine) -> tuple[list[list[int]], list[int]]:
 
 @pytest.mark.slow
 def test_an_engine_process_gives_the_in_process_tokens_and_leaves_nothing_behind() -> None:
-    expected, _ = _scenario(InProcessEngine.from_config(ENGINE))
+    in_process = InProcessEngine.from_config(ENGINE)
+    expected, _ = _scenario(in_process)
+    assert in_process.snapshot().ranks[0].process_cpu_s is None  # the API process's own CPU
     engine = MultiProcessEngine(ENGINE, ParallelConfig(ep_size=1, engine_process=True))
     assert engine.info.num_ranks == 1
     got, left = _scenario(engine)
@@ -67,6 +69,7 @@ def test_an_engine_process_gives_the_in_process_tokens_and_leaves_nothing_behind
     assert all(len(tokens) == GREEDY.max_tokens for tokens in got)
     assert left == expected[1][: len(left)] and len(left) >= 2
     assert engine.snapshot().ranks[0].is_idle  # no block or slot left held in the process
+    assert engine.snapshot().ranks[0].process_cpu_s > 0  # the rank's process reports its CPU
     assert not any(proc.is_alive() for proc in engine._procs)
 
 

@@ -20,6 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.runner import server_cpu_seconds
 from tests.server.conftest import DEFAULT_ENGINE, free_port
 from tests.server.ep_servers import launch, logged_pids, stop, wait_gone, wait_healthy
 
@@ -117,10 +118,25 @@ def test_metrics_per_rank_and_cancel_frees_every_rank(ep_server) -> None:
         stream.close()
     busy = {r for (name, r), v in running.items() if name.endswith("num_requests_running") and v}
     assert busy == {"0", "1"}, running  # placement spread the requests over both ranks
+    # Each rank process publishes its own CPU time, which loadtest adds to the API process's.
+    cpu = {r: v for (name, r), v in running.items() if name.endswith("engine_process_cpu_seconds")}
+    assert set(cpu) == {"0", "1"} and min(cpu.values()) > 0, running
+    text = httpx.get(ep_server.url + "/metrics", timeout=10).text
+    api_cpu = next(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "process_cpu_seconds_total"
+    )
+    assert server_cpu_seconds(text) >= api_cpu + sum(cpu.values())  # later values only grow
     deadline = time.monotonic() + 20
     while True:
         values = ep_server.metrics()
-        gauges = {k: v for k, v in values.items() if not k[0].endswith("_created")}
+        gauges = {
+            k: v
+            for k, v in values.items()
+            if not k[0].endswith(("_created", "engine_process_cpu_seconds"))
+        }
         if not any(gauges.values()):
             break
         assert time.monotonic() < deadline, f"ranks still hold work after cancelling: {gauges}"
