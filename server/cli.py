@@ -383,14 +383,16 @@ def _add_parallel_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_PARALLEL_DEFAULTS.ep_size,
         help="engine ranks, one process per device, all nodes together: routed experts split "
-        "across them, each owning its requests and KV; 1 runs the engine in the API process "
-        "(or, with --engine-process, in one process of its own)",
+        "across them, each owning its requests and KV; 1 runs one engine (in a process of its "
+        "own on CUDA: see --engine-process)",
     )
     add(
         "--engine-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="with --ep 1: run the engine in a process of its own, so that the HTTP event loop "
-        "and the engine's host work do not share one Python interpreter lock",
+        "and the engine's host work do not share one Python interpreter lock (default: on "
+        "with --ep 1 on CUDA, where it streams 2.3x the tokens at 256 streams; off on the CPU)",
     )
     add(
         "--nnodes",
@@ -431,9 +433,18 @@ def _own_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def _engine_process(requested: bool | None, ep_size: int, device: str) -> bool:
+    """`--[no-]engine-process` as given; by default a process of its own for the one rank on
+    CUDA (the CPU keeps the engine in the API process: one process to start and debug)."""
+    if requested is not None:
+        return requested
+    return ep_size == 1 and torch.device(device).type == "cuda"
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Build the configs; invalid combinations raise ValueError from their `__post_init__`."""
     max_num_seqs = args.max_num_seqs
+    device = resolve_device(args.device)
     parallel = ParallelConfig(
         ep_size=args.ep,
         nnodes=args.nnodes,
@@ -441,11 +452,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         master_addr=args.master_addr,
         master_port=args.master_port,
         timeout_s=args.dist_timeout,
-        engine_process=args.engine_process,
+        engine_process=_engine_process(args.engine_process, args.ep, device),
     )
     engine = EngineConfig(
         model=args.model,
-        device=resolve_device(args.device),
+        device=device,
         dtype=args.dtype,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(_ENGINE_DEFAULTS.max_num_batched_tokens, max_num_seqs),

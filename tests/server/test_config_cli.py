@@ -186,8 +186,12 @@ def test_cli_engine_process_flag(capsys):
     def parallel(*argv: str):
         return config_from_args(build_parser().parse_args(list(argv))).parallel
 
-    assert parallel().engine_process is False  # the engine runs in the API process
-    assert parallel("--engine-process").engine_process is True
+    assert parallel("--device", "cpu").engine_process is False  # in the API process
+    assert parallel("--device", "cpu", "--engine-process").engine_process is True
+    # on CUDA the one rank runs in a process of its own unless told otherwise
+    assert parallel("--device", "cuda").engine_process is True
+    assert parallel("--device", "cuda:1", "--no-engine-process").engine_process is False
+    assert parallel("--device", "cuda", "--ep", "2").engine_process is False  # N ranks already
     with pytest.raises(SystemExit) as exit_info:
         main(["--ep", "2", "--engine-process"])
     assert exit_info.value.code == 2
