@@ -3,8 +3,8 @@
 Each mode starts its own `python -m server` on a free port (a fresh process: no state carried
 between modes), waits for `/health`, runs `python -m loadtest` (closed loop, `fixed` workload)
 once per concurrency, and stops it. The table has one row per (mode, concurrency): output
-tokens/s, TTFT / ITL / TPOT p50, and the server's CPU time per output token (from its
-`/metrics`).
+tokens/s, TTFT / ITL / TPOT p50, the server's CPU time per output token (from its
+`/metrics`, engine processes included) and the load generator's CPU seconds per second.
 
     python3 benchmarks/serve_compare.py --device cuda --concurrency 1 256 --requests 8 512 \
         --modes async sync
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -64,10 +65,17 @@ def _loadtest(base_url: str, args: argparse.Namespace, concurrency: int, request
     # loadtest exits 1 when a request failed, or was cancelled at the end of the run: the
     # summary counts those (the table's ok/req column), and the other modes still run
     out.unlink(missing_ok=True)
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     done = subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
+    after, wall_s = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - start
     if done.returncode not in (0, 1) or not out.exists():
         raise RuntimeError(f"loadtest exited with {done.returncode} ({' '.join(command)})")
-    return json.loads(out.read_text())["runs"][0]["summary"]
+    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    client_cpu_s = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
+    # the client's own CPU per second of its life (start-up included): near 1.0 the load
+    # generator, not the server, is the bound (it is one asyncio process)
+    summary["client_cpu_per_s"] = client_cpu_s / wall_s
+    return summary
 
 
 def run_mode(mode: str, args: argparse.Namespace, out_dir: Path) -> list[dict]:
@@ -108,13 +116,14 @@ def _row(r: dict) -> str:
     return (
         f"{r['mode']:<10} {r['concurrency']:>5} {r['succeeded']:>4}/{r['requests']:<4} "
         f"{r['output_tokens_per_s']:>10.1f} {ms(p50['ttft_ms']):>10} {ms(p50['itl_ms']):>8} "
-        f"{ms(p50['tpot_ms']):>8} {ms(r.get('server_cpu_ms_per_output_token')):>12}"
+        f"{ms(p50['tpot_ms']):>8} {ms(r.get('server_cpu_ms_per_output_token')):>12} "
+        f"{r.get('client_cpu_per_s', 0.0):>11.2f}"
     )
 
 
 HEADER = (
     f"{'mode':<10} {'conc':>5} {'ok/req':>9} {'out tok/s':>10} {'TTFT p50':>10} {'ITL p50':>8} "
-    f"{'TPOT p50':>8} {'CPU ms/tok':>12}"
+    f"{'TPOT p50':>8} {'CPU ms/tok':>12} {'client CPU':>11}"
 )
 
 
