@@ -61,6 +61,7 @@ def _loadtest(base_url: str, args: argparse.Namespace, concurrency: int, request
         "--input-tokens", str(args.input_tokens), "--output-tokens", str(args.output_tokens),
         "--mode", "closed", "--concurrency", str(concurrency), "--num-requests", str(requests),
         "--duration", str(args.duration), "--no-progress", "--out", str(out),
+        "--processes", str(args.client_processes),
     ]  # fmt: skip
     # loadtest exits 1 when a request failed, or was cancelled at the end of the run: the
     # summary counts those (the table's ok/req column), and the other modes still run
@@ -72,8 +73,8 @@ def _loadtest(base_url: str, args: argparse.Namespace, concurrency: int, request
         raise RuntimeError(f"loadtest exited with {done.returncode} ({' '.join(command)})")
     summary = json.loads(out.read_text())["runs"][0]["summary"]
     client_cpu_s = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
-    # the client's own CPU per second of its life (start-up included): near 1.0 the load
-    # generator, not the server, is the bound (it is one asyncio process)
+    # the clients' CPU per second of their life (start-up included): near 1.0 per client
+    # process the load generator, not the server, is the bound
     summary["client_cpu_per_s"] = client_cpu_s / wall_s
     return summary
 
@@ -139,6 +140,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=120.0, help="loadtest seconds per run")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--server-arg", action="append", default=[], help="to every mode")
+    parser.add_argument("--client-processes", type=int, default=1, help="loadtest --processes")
     parser.add_argument("--out", type=Path, default=envs.benchmark_out_dir())
     args = parser.parse_args()
     if len(args.requests) != len(args.concurrency):

@@ -79,6 +79,12 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("--grace", type=float, default=30.0, help="seconds for stragglers")
     load.add_argument("--timeout", type=float, default=300.0, help="per request")
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="client processes sharing the load (one streams ~5,000 tok/s at most)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="JSON result file")
     out.add_argument("--plot", type=Path, default=None, help="PNG: latency vs throughput")
@@ -113,6 +119,7 @@ def configs(args: argparse.Namespace) -> tuple[WorkloadConfig, list[RunConfig]]:
         "api_key": args.api_key,
         "progress": not args.no_progress,
         "seed": args.seed,
+        "processes": args.processes,
     }
     if args.mode == "open":
         runs = [RunConfig(rate=rate, **common) for rate in args.rates]

@@ -97,6 +97,37 @@ def test_agent_sessions_resend_a_growing_history_turn_by_turn(default_server) ->
             assert later.prompt_tokens > earlier.prompt_tokens + 16  # history + tool result
 
 
+def test_client_processes_share_the_sessions_and_add_up(default_server) -> None:
+    url = default_server[0]
+    workload = WorkloadConfig(
+        kind="agent",
+        turns=2,
+        input_tokens=16,
+        system_tokens=32,
+        tool_result_tokens=8,
+        output_tokens=6,
+        model=MODEL,
+        extra_body=NO_THINKING,
+    )
+    generated_before = _counter(url, "generation_tokens_total")
+    result = _run(
+        url, workload, mode="closed", concurrency=2, num_requests=4, duration_s=120, processes=2
+    )
+    records = result.records
+    assert len(records) == 4 and result.cancelled == 0 and all(r.ok for r in records)
+    # one session each (sessions 0, 2, 4... in one process, 1, 3, 5... in the other), its
+    # turns in order
+    sessions = sorted({r.session for r in records})
+    assert sessions == [0, 1]
+    for index in sessions:
+        assert [r.turn for r in records if r.session == index] == [0, 1]
+    summary = summarize(result)
+    assert summary["output_tokens"] == _counter(url, "generation_tokens_total") - generated_before
+    first, last = min(r.start for r in records), max(r.end for r in records)
+    assert result.started_at <= first and last - result.started_at <= result.wall_s + 1e-6
+    assert summary["server_cpu_s"] > 0
+
+
 def test_open_loop_stops_by_itself_and_cancelled_requests_free_the_server(default_server) -> None:
     url = default_server[0]
     workload = WorkloadConfig(
