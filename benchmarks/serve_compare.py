@@ -10,7 +10,7 @@ tokens/s, TTFT / ITL / TPOT p50, the server's CPU time per output token (from it
         --modes async sync
 
 Modes: `default` (the server's defaults), `async` / `sync` (`--[no-]async-scheduling`),
-`process` (async, `--engine-process`), `spec-off` (`--speculative off`), `invariant`
+`process` / `in-process` (async, `--[no-]engine-process`), `spec-off` (`--speculative off`), `invariant`
 (`--batch-invariant`); `--server-arg` adds arguments to every mode. The JSON of every run
 goes to `--out` (default `$OUT`).
 """
@@ -34,6 +34,7 @@ MODES = {
     "async": ["--async-scheduling"],
     "sync": ["--no-async-scheduling"],
     "process": ["--async-scheduling", "--engine-process"],
+    "in-process": ["--async-scheduling", "--no-engine-process"],
     "spec-off": ["--speculative", "off"],
     "invariant": ["--batch-invariant"],
 }
