@@ -10,9 +10,9 @@ tokens/s, TTFT / ITL / TPOT p50, the server's CPU time per output token (from it
         --modes async sync
 
 Modes: `default` (the server's defaults), `async` / `sync` (`--[no-]async-scheduling`),
-`process` / `in-process` (async, `--[no-]engine-process`), `spec-off` (`--speculative off`), `invariant`
-(`--batch-invariant`); `--server-arg` adds arguments to every mode. The JSON of every run
-goes to `--out` (default `$OUT`).
+`process` / `in-process` (async, `--[no-]engine-process`), `spec-off` (`--speculative off`),
+`invariant` (`--batch-invariant`); `--server-arg` adds arguments to every mode. The JSON of
+every run goes to `--out` (default `$OUT`).
 """
 
 from __future__ import annotations
