@@ -342,13 +342,17 @@ def test_the_sorted_rule_without_top_k_moves_only_within_rounding() -> None:
     probs = logits.double().softmax(-1).sort(dim=-1, descending=True).values
     before = probs.cumsum(-1) - probs
     exact = (before < top_p.double()).sum(-1)
+    checked = 0
     for row in range(24):
         near = before[row, exact[row] - 1 : exact[row] + 1] - top_p[row].item()
         if near.abs().min() > 1e-6:
             assert new[row] == exact[row], row
+            checked += 1
         if new[row] != old[row]:
             assert near.abs().min() < 1e-4, row
-    assert (new == old).float().mean() > 0.5
+    # How many rows the two float32 rules agree on depends on the CPU's summation width (AVX2
+    # and AVX-512 differ); that most rows are held to the float64 rule does not.
+    assert checked >= 18, checked
 
 
 @pytest.mark.gpu

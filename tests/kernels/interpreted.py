@@ -3,6 +3,9 @@
 `run_interpreted` runs a snippet under Triton's CPU interpreter (`TRITON_INTERPRET=1` must be set
 before Triton compiles anything, hence a fresh process). The kernels' own code runs there, fp32
 dots included (its bf16 `tl.dot` is not trustworthy), so their logic is tested without a GPU.
+The interpreter's `tl.dot` is numpy's matmul; OpenBLAS's AVX2 kernels round a row differently
+by its place in the block (the AVX-512 ones do not), so a test of row invariance asks for
+`rows_alone`: each row of a dot is then multiplied on its own, as the GPU's MMA does.
 `ulps` measures a kernel's distance to its reference in units of the last place.
 `compile_for_hopper` compiles a kernel for sm90 without a GPU (what the interpreter cannot show).
 """
@@ -21,10 +24,25 @@ import torch
 REPO = Path(__file__).parents[2]
 
 
-def run_interpreted(code: str, timeout_s: float = 600) -> Any:
-    """Run `code` (which prints one JSON value last) in the interpreter; return that value."""
+_ROWS_ALONE = """
+import numpy
+_blocked_matmul = numpy.matmul
+def _rows_alone(a, b, **kwargs):
+    if a.ndim != 2:
+        return _blocked_matmul(a, b, **kwargs)
+    rows = [_blocked_matmul(row[None], b, **kwargs) for row in a]
+    return numpy.concatenate(rows) if rows else _blocked_matmul(a, b, **kwargs)
+numpy.matmul = _rows_alone
+"""
+
+
+def run_interpreted(code: str, timeout_s: float = 600, rows_alone: bool = False) -> Any:
+    """Run `code` (which prints one JSON value last) in the interpreter; return that value.
+
+    `rows_alone`: multiply each row of the interpreter's dots on its own (see the module note).
+    """
     result = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", (_ROWS_ALONE if rows_alone else "") + code],
         capture_output=True,
         text=True,
         timeout=timeout_s,
