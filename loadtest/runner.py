@@ -114,7 +114,7 @@ async def _run_shard(
     """The run in this process; with a `barrier` (one shard of several), it starts when every
     shard's process is ready and leaves the server's CPU to the parent."""
     result = RunResult(run=run, workload=workload)
-    alone = shard.count == 1
+    alone = barrier is None
     in_flight = 0
     headers = {"Authorization": f"Bearer {run.api_key}"} if run.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -123,7 +123,7 @@ async def _run_shard(
     bar = tqdm(total=run.num_requests, desc=run.label, unit="req", disable=not run.progress or None)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
         cpu_before = await _server_cpu_seconds(client, run.base_url) if alone else None
-        if barrier is not None:
+        if not alone:
             await asyncio.to_thread(barrier.wait)
         budget = _Budget(run)
         start = result.started_at = time.monotonic()
