@@ -365,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds in-flight requests get to finish before they are ended",
     )
     add(
+        "--keep-alive-timeout",
+        type=float,
+        default=_SERVER_DEFAULTS.keep_alive_timeout_s,
+        help="seconds an idle HTTP connection stays open (above the clients' 5 s idle expiry)",
+    )
+    add(
         "--default-thinking",
         choices=["on", "off"],
         default="on" if _SERVER_DEFAULTS.default_thinking else "off",
@@ -499,6 +505,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         reasoning_key_file=args.reasoning_key_file,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
         default_thinking=args.default_thinking == "on",
         engine=engine,
         parallel=parallel,
@@ -554,7 +561,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     app = create_app(config, on_engine_failure=on_engine_failure)
     server = DrainingServer(
         # The timeout is a backstop: the drain has ended every request by then.
-        uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(STOP_GRACE_S) + 1),
+        uvicorn.Config(
+            app,
+            log_level="info",
+            timeout_graceful_shutdown=int(STOP_GRACE_S) + 1,
+            timeout_keep_alive=config.keep_alive_timeout_s,
+        ),
         app.state.drain,
         config.shutdown_timeout_s,
     )

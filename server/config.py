@@ -29,6 +29,10 @@ class ServerConfig:
     max_request_bytes: largest request body accepted; a larger one is answered 413.
     shutdown_timeout_s: on SIGTERM, how long in-flight requests get to finish before the rest
         are ended with an error (`server.drain`).
+    keep_alive_timeout_s: how long an idle HTTP connection stays open for the client's next
+        request. Longer than the clients' own idle expiry (httpx, so the OpenAI and Anthropic
+        SDKs: 5 s; load balancers: 60 s), so the client closes first: a server closing at the
+        same moment races a request the client is sending on it, which fails with no response.
     default_thinking: Chat and Responses requests that do not say think (True) or not;
         Messages requests without `thinking` never think (Anthropic's rule).
     engine: the engine's config, used when the app builds its own engine.
@@ -46,6 +50,7 @@ class ServerConfig:
     reasoning_key_file: str | None = None
     max_request_bytes: int = 8 * 1024 * 1024
     shutdown_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 65.0
     default_thinking: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -63,6 +68,8 @@ class ServerConfig:
             raise ValueError("max_request_bytes must be >= 1024")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
+        if not self.keep_alive_timeout_s > 0:
+            raise ValueError("keep_alive_timeout_s must be > 0")
         if self.max_queued_requests < 1:
             raise ValueError("max_queued_requests must be >= 1")
         if not self.served_model_names or not all(self.served_model_names):

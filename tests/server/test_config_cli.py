@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -369,3 +370,14 @@ def test_cli_cuda_graph_mode(tiny_model, caplog: pytest.LogCaptureFixture) -> No
         default = AsyncEngine.from_model(tiny_model, EngineConfig())
     assert default.core.runner.step_graphs is None
     assert "--cuda-graph-mode step" not in caplog.text
+
+
+def test_the_default_keep_alive_outlasts_the_clients_idle_expiry():
+    # The SDKs' httpx pools drop a connection idle for 5 s; the server must keep it longer, or
+    # it closes one as the client sends a request on it (the request fails with no response).
+    defaults = config_from_args(build_parser().parse_args([]))
+    assert defaults.keep_alive_timeout_s > httpx.Limits().keepalive_expiry
+    args = build_parser().parse_args(["--keep-alive-timeout", "90"])
+    assert config_from_args(args).keep_alive_timeout_s == 90.0
+    with pytest.raises(ValueError, match="keep_alive"):
+        ServerConfig(keep_alive_timeout_s=0)

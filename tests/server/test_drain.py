@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from .conftest import free_port
 MODEL = "DeepSeek-V4.1-Flash"
 USER = [{"role": "user", "content": "Hi"}]
 SHUTDOWN_TIMEOUT_S = 8.0
+KEEP_ALIVE_TIMEOUT_S = 2.0
 LONG = 3000  # tokens: far more than the drain lets a stream generate
 SHORT = 4  # tokens: done well within the timeout
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +37,7 @@ def server_process():
     args = [sys.executable, "-m", "server", "--model", "default", "--port", str(port)]
     args += ["--max-model-len", "4096", "--kv-cache-tokens", "16384"]
     args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    args += ["--keep-alive-timeout", str(KEEP_ALIVE_TIMEOUT_S)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(
         args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -94,6 +97,29 @@ class Stream(threading.Thread):
 
 
 @pytest.mark.slow  # starts a server process (~25 s on the CPU)
+def _get_health(sock: socket.socket) -> bytes:
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    reply = b""
+    while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        reply += chunk
+    return reply
+
+
+def test_an_idle_connection_stays_open_for_the_keep_alive_timeout(server_process):
+    _, url = server_process
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        assert _get_health(sock).startswith(b"HTTP/1.1 200")
+        # idle for most of the timeout (uvicorn's own default, 5 s, would be past it too)
+        time.sleep(KEEP_ALIVE_TIMEOUT_S * 0.6)
+        assert _get_health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(KEEP_ALIVE_TIMEOUT_S + 1.0)
+        assert sock.recv(4096) == b""  # closed by the server once idle past the timeout
+
+
 def test_sigterm_drains_then_ends_streams_with_error_events(server_process):
     process, url = server_process
     streams = [Stream(name, url) for name in ("chat", "responses", "messages")]
