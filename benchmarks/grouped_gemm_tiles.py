@@ -2,6 +2,11 @@
 5120, expert width 2304): each (tokens, use, tiles) timed alone, against the copy bandwidth.
 
     python3 benchmarks/grouped_gemm_tiles.py [--tokens 16 64 256 4096] [--baseline MODULE]
+        [--decode-rows 64]
+
+`--decode-rows BM`: blocks of BM rows also run through the decode kernel (the launcher gives
+blocks above `DECODE_MAX_BLOCK_M` rows to the prefill kernel), with its table's tiles under
+several register caps, with and without the prefetch.
 
 GB/s counts the codes and scales of the experts that got rows (each read once); "% copy" is that
 over a device-to-device copy's bandwidth (bytes read + written) measured in the same run.
@@ -58,14 +63,29 @@ def weights(generator: torch.Generator):
     }
 
 
+def forced_decode_tiles(n_weight: int, k: int, block_m: int, gated: bool) -> list[tuple]:
+    """(name, tiles dict) of the decode kernel for blocks the launcher gives to prefill."""
+    n = n_weight // 2 if gated else n_weight
+    table = grouped.decode_tiles(n, k, block_m, gated)
+    out = []
+    for prefetch, maxnreg in ((True, 128), (True, 168), (True, 232), (False, 168)):
+        tiles = {**table, "PREFETCH": prefetch, "maxnreg": maxnreg}
+        out.append((f"decode p{int(prefetch)} r{maxnreg}", tiles))
+    return out
+
+
 def launch_tiles(x, blocks, codes, scales, gated, row_weight, tiles):
     """One launch with explicit tiles (decode: BLOCK_N, warps, stages[, register cap]; prefill:
-    BLOCK_N, BLOCK_K, warps, stages) or the launcher's own table (tiles None)."""
+    BLOCK_N, BLOCK_K, warps, stages), the decode kernel's launch options as a dict (whatever
+    the block size), or the launcher's own table (tiles None)."""
     n_weight = codes.shape[1]
     n = n_weight // 2 if gated else n_weight
     out_rows = blocks.num_positions if gated else blocks.num_pairs
     out = torch.empty(out_rows, n, dtype=torch.bfloat16 if gated else torch.float32, device="cuda")
     gate_limit = LIMIT if gated else None
+    if isinstance(tiles, dict):
+        grouped._launch_decode(x, blocks, (codes, scales), out, gate_limit, row_weight, **tiles)
+        return out
     if tiles is None:
         return grouped.grouped_mxfp4_gemm(
             x, blocks, codes, scales, gate_limit=gate_limit, row_weight=row_weight,
@@ -99,6 +119,7 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="module with an older launcher")
     parser.add_argument("--no-tuned", action="store_true", help="explicit tiles only")
     parser.add_argument("--tuned-only", action="store_true", help="no explicit tiles")
+    parser.add_argument("--decode-rows", type=int, nargs="*", default=[], help="see the docstring")
     args = parser.parse_args()
     baseline = importlib.import_module(args.baseline) if args.baseline else None
     copy = copy_gbs()
@@ -112,7 +133,7 @@ def main() -> None:
         used = int(torch.unique(ids).numel())
         x = torch.randn(num_tokens, HIDDEN, generator=generator, device="cuda").bfloat16()
         pair_weight = torch.rand(num_tokens * TOP_K, generator=generator, device="cuda")
-        for block_m in block_m_of(num_tokens):
+        for block_m in sorted({*block_m_of(num_tokens), *args.decode_rows}):
             blocks = grouped.align_to_experts(ids, EXPERTS, block_m)
             is_pos = blocks.pair_of_pos >= 0
             codes, scales = w["gate_up"]
@@ -133,8 +154,11 @@ def main() -> None:
                 n_w, half_k = codes.shape[1], codes.shape[2]
                 moved = used * n_w * (half_k + half_k * 2 // 32)
                 flops = 2 * num_tokens * TOP_K * n_w * half_k * 2
+                forced = block_m in args.decode_rows and block_m > grouped.DECODE_MAX_BLOCK_M
                 candidates = [] if args.no_tuned else [("new (table)", None)]
-                if not args.tuned_only:
+                if forced:
+                    candidates += forced_decode_tiles(n_w, half_k * 2, block_m, gated)
+                elif not args.tuned_only:
                     explicit = (
                         DECODE_TILES if block_m <= grouped.DECODE_MAX_BLOCK_M else PREFILL_TILES
                     )
