@@ -63,6 +63,13 @@ class MqaTiles:
     block_d: output columns per program (D / block_d programs per head block, each computing
     the full-D scores, accumulating its columns only: a smaller accumulator); None (or more
     than D) = all D.
+    two_pass: scores first, then values (`_mqa_scores_kernel`, `_mqa_values_kernel`): one
+    program per head block decodes every row at full D once and writes the token's scores
+    [H, rows] with their softmax max and sum; then D / block_d programs each decode only their
+    columns and sum exp(score − max) · row. Where block_d < D, the one-pass kernel decodes
+    the rows and computes the scores D / block_d times over (once per column program); this
+    trades that for the scores' round trip through memory (fp32, 4 bytes per head and row:
+    meant for decode steps). No row splits with it.
     """
 
     block_h: int
@@ -71,10 +78,12 @@ class MqaTiles:
     block_d: int | None = None
     num_warps: int = 8
     num_stages: int = 1
+    two_pass: bool = False
 
     def __str__(self) -> str:
         d = self.block_d or "D"
-        return f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}"
+        passes = " 2p" if self.two_pass else ""
+        return f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}{passes}"
 
 
 # THE CHOICE (edit here after `benchmarks/kernel_speed.py --only attention`): per launch, the
@@ -107,6 +116,10 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(64, 32, splits=4, block_d=128, num_warps=4),
     MqaTiles(64, 32, splits=8, block_d=128, num_warps=4),
     MqaTiles(64, 32, splits=4, block_d=256),
+    MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True),
+    MqaTiles(64, 32, block_d=128, num_warps=8, two_pass=True),
+    MqaTiles(64, 64, block_d=128, num_warps=8, two_pass=True),
+    MqaTiles(64, 32, block_d=256, num_warps=8, two_pass=True),
 )
 if _INTERPRETING:
     TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4)),)
@@ -228,6 +241,37 @@ def _window_tile(
     return rows, valid
 
 
+@triton.jit
+def _selected_tile(
+    selection_ptr, block_table_ptr, token, seq, tile, num_selected, stride_sel, stride_table,
+    stride_pool_block, stride_pool_row, RATIO: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Byte offsets in the pool of the selected tile's rows [BLOCK_N], and which are real."""
+    k = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.load(selection_ptr + token * stride_sel + k, mask=k < num_selected, other=-1)
+    valid = j >= 0
+    j = tl.where(valid, j, 0)
+    block = tl.load(block_table_ptr + seq * stride_table + (j * RATIO) // 128)
+    rows_per_block: tl.constexpr = 128 // RATIO
+    return block * stride_pool_block + (j % rows_per_block) * stride_pool_row, valid
+
+
+@triton.jit
+def _token_rows(seq_ptr, position_ptr, window_index_ptr, window_floor_ptr, token,
+                WINDOW_IN_RING: tl.constexpr, HAS_FLOOR: tl.constexpr):  # fmt: skip
+    """(sequence, position, first visible window position, window index) of a token."""
+    seq = tl.load(seq_ptr + token)
+    position = tl.load(position_ptr + token)
+    floor = 0
+    if HAS_FLOOR:
+        floor = tl.load(window_floor_ptr + seq)
+    if WINDOW_IN_RING:  # the sequence's slot
+        window_index = tl.load(window_index_ptr + seq)
+    else:  # the token's first row in its sequence's rows
+        window_index = tl.load(window_index_ptr + token)
+    return seq, position, floor, window_index
+
+
 # Integers that change from step to step (token and selection counts, prefill window lengths,
 # block-table widths) are not specialised, so one compiled variant per `TILES` row, layer
 # kind and window source serves every step (`warm_up.py`).
@@ -301,16 +345,10 @@ def _sparse_mqa_kernel(
     m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    seq = tl.load(seq_ptr + token)
-    position = tl.load(position_ptr + token)
-    floor = 0  # the first visible window position
-    if HAS_FLOOR:
-        floor = tl.load(window_floor_ptr + seq)
-    # Ring: the sequence's slot. Window rows: the token's first row in its sequence's rows.
-    if WINDOW_IN_RING:
-        window_index = tl.load(window_index_ptr + seq)
-    else:
-        window_index = tl.load(window_index_ptr + token)
+    seq, position, floor, window_index = _token_rows(
+        seq_ptr, position_ptr, window_index_ptr, window_floor_ptr, token, WINDOW_IN_RING,
+        HAS_FLOOR,
+    )  # fmt: skip
     # Tile i of the token's rows (window tiles, then selected tiles) belongs to split i % SPLITS.
     window_tiles: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
     for tile in range(split, window_tiles, SPLITS):
@@ -328,15 +366,12 @@ def _sparse_mqa_kernel(
             )  # fmt: skip
         m, total, acc = _online_update(m, total, acc, scores, rows, DOT_DTYPE)
     if RATIO > 0:
-        rows_per_block: tl.constexpr = 128 // RATIO
         first_tile = (split + (SPLITS - window_tiles % SPLITS)) % SPLITS
         for tile in range(first_tile, tl.cdiv(num_selected, BLOCK_N), SPLITS):
-            k = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            j = tl.load(selection_ptr + token * stride_sel + k, mask=k < num_selected, other=-1)
-            valid = j >= 0
-            j = tl.where(valid, j, 0)
-            block = tl.load(block_table_ptr + seq * stride_table + (j * RATIO) // 128)
-            row_index = block * stride_pool_block + (j % rows_per_block) * stride_pool_row
+            row_index, valid = _selected_tile(
+                selection_ptr, block_table_ptr, token, seq, tile, num_selected, stride_sel,
+                stride_table, stride_pool_block, stride_pool_row, RATIO, BLOCK_N,
+            )  # fmt: skip
             rows = _global_rows(pool_ptr, row_index, valid, 0, D, D, BLOCK_N)
             scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -389,6 +424,195 @@ def _combine_kernel(
     acc = tl.load(acc_part_ptr + part[:, None] * D + d[None, :])
     out = tl.sum(acc * weight[:, None], axis=0) / denominator
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "num_selected", "ring_len", "stride_window_seq", "stride_sel", "stride_table",
+        "stride_st", "stride_sh",
+    ]
+)  # fmt: skip
+def _mqa_scores_kernel(
+    q_ptr,
+    seq_ptr,
+    position_ptr,
+    window_ptr,
+    window_index_ptr,
+    window_floor_ptr,
+    pool_ptr,
+    selection_ptr,
+    block_table_ptr,
+    sink_ptr,
+    scores_ptr,
+    m_ptr,
+    total_ptr,
+    num_heads,
+    num_selected,
+    ring_len,
+    softmax_scale,
+    stride_qt,
+    stride_qh,
+    stride_window_seq,
+    stride_window_row,
+    stride_pool_block,
+    stride_pool_row,
+    stride_sel,
+    stride_table,
+    stride_st,
+    stride_sh,
+    RATIO: tl.constexpr,
+    WINDOW: tl.constexpr,
+    WINDOW_IN_RING: tl.constexpr,
+    WINDOW_SEQ_ALIGNED: tl.constexpr,
+    HAS_FLOOR: tl.constexpr,
+    D: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Pass one of `MqaTiles.two_pass`, grid (tokens, heads / BLOCK_H): the scaled scores of
+    the token's rows (window tiles, then selected tiles; −inf where a row is not real) into
+    scores [T, H, columns] at column tile · BLOCK_N, and per head the max and the sum of
+    exp(score − max) over them and the sink."""
+    if WINDOW_SEQ_ALIGNED:
+        stride_window_seq = stride_window_seq * 16
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    is_head = heads < num_heads
+    d = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=is_head[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    q_head = q.to(tl.bfloat16)
+    q_rest = (q - q_head.to(tl.float32)).to(tl.bfloat16).to(DOT_DTYPE)
+    q_head = q_head.to(DOT_DTYPE)
+    m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
+    total = tl.zeros((BLOCK_H,), tl.float32)
+    seq, position, floor, window_index = _token_rows(
+        seq_ptr, position_ptr, window_index_ptr, window_floor_ptr, token, WINDOW_IN_RING,
+        HAS_FLOOR,
+    )  # fmt: skip
+    score_ptrs = scores_ptr + token * stride_st + heads[:, None] * stride_sh
+    score_ptrs += tl.arange(0, BLOCK_N)[None, :]
+    window_tiles: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
+    for tile in range(window_tiles):
+        rows, valid = _window_tile(
+            window_ptr, window_index, seq, position, floor, ring_len, stride_window_seq,
+            stride_window_row, tile * BLOCK_N, 0, WINDOW, WINDOW_IN_RING, D, D, BLOCK_N,
+        )  # fmt: skip
+        scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        tl.store(score_ptrs + tile * BLOCK_N, scores, mask=is_head[:, None])
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(scores - m_new[:, None]), axis=1)
+        m = m_new
+    if RATIO > 0:
+        for tile in range(tl.cdiv(num_selected, BLOCK_N)):
+            row_index, valid = _selected_tile(
+                selection_ptr, block_table_ptr, token, seq, tile, num_selected, stride_sel,
+                stride_table, stride_pool_block, stride_pool_row, RATIO, BLOCK_N,
+            )  # fmt: skip
+            rows = _global_rows(pool_ptr, row_index, valid, 0, D, D, BLOCK_N)
+            scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            tl.store(score_ptrs + (window_tiles + tile) * BLOCK_N, scores, mask=is_head[:, None])
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(scores - m_new[:, None]), axis=1)
+            m = m_new
+    sink = tl.load(sink_ptr + heads, mask=is_head, other=0.0)
+    m_new = tl.maximum(m, sink)
+    total = total * tl.exp(m - m_new) + tl.exp(sink - m_new)
+    tl.store(m_ptr + token * num_heads + heads, m_new, mask=is_head)
+    tl.store(total_ptr + token * num_heads + heads, total, mask=is_head)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "num_selected", "ring_len", "stride_window_seq", "stride_sel", "stride_table",
+        "stride_st", "stride_sh",
+    ]
+)  # fmt: skip
+def _mqa_values_kernel(
+    seq_ptr,
+    position_ptr,
+    window_ptr,
+    window_index_ptr,
+    window_floor_ptr,
+    pool_ptr,
+    selection_ptr,
+    block_table_ptr,
+    scores_ptr,
+    m_ptr,
+    total_ptr,
+    out_ptr,
+    num_heads,
+    num_selected,
+    ring_len,
+    stride_window_seq,
+    stride_window_row,
+    stride_pool_block,
+    stride_pool_row,
+    stride_sel,
+    stride_table,
+    stride_st,
+    stride_sh,
+    stride_ot,
+    stride_oh,
+    RATIO: tl.constexpr,
+    WINDOW: tl.constexpr,
+    WINDOW_IN_RING: tl.constexpr,
+    WINDOW_SEQ_ALIGNED: tl.constexpr,
+    HAS_FLOOR: tl.constexpr,
+    D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Pass two of `MqaTiles.two_pass`, grid (tokens, heads / BLOCK_H, D / BLOCK_D): the
+    output columns d0 .. d0 + BLOCK_D, Σ exp(score − max) · row / sum, over the same tiles."""
+    if WINDOW_SEQ_ALIGNED:
+        stride_window_seq = stride_window_seq * 16
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d0 = tl.program_id(2) * BLOCK_D
+    is_head = heads < num_heads
+    m = tl.load(m_ptr + token * num_heads + heads, mask=is_head, other=0.0)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    seq, position, floor, window_index = _token_rows(
+        seq_ptr, position_ptr, window_index_ptr, window_floor_ptr, token, WINDOW_IN_RING,
+        HAS_FLOOR,
+    )  # fmt: skip
+    score_ptrs = scores_ptr + token * stride_st + heads[:, None] * stride_sh
+    score_ptrs += tl.arange(0, BLOCK_N)[None, :]
+    window_tiles: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
+    for tile in range(window_tiles):
+        rows, valid = _window_tile(
+            window_ptr, window_index, seq, position, floor, ring_len, stride_window_seq,
+            stride_window_row, tile * BLOCK_N, d0, WINDOW, WINDOW_IN_RING, D, BLOCK_D, BLOCK_N,
+        )  # fmt: skip
+        scores = tl.load(score_ptrs + tile * BLOCK_N, mask=is_head[:, None], other=float("-inf"))
+        acc += _split_dot(tl.exp(scores - m[:, None]), rows, DOT_DTYPE)
+    if RATIO > 0:
+        for tile in range(tl.cdiv(num_selected, BLOCK_N)):
+            row_index, valid = _selected_tile(
+                selection_ptr, block_table_ptr, token, seq, tile, num_selected, stride_sel,
+                stride_table, stride_pool_block, stride_pool_row, RATIO, BLOCK_N,
+            )  # fmt: skip
+            rows = _global_rows(pool_ptr, row_index, valid, d0, D, BLOCK_D, BLOCK_N)
+            scores = tl.load(
+                score_ptrs + (window_tiles + tile) * BLOCK_N,
+                mask=is_head[:, None],
+                other=float("-inf"),
+            )
+            acc += _split_dot(tl.exp(scores - m[:, None]), rows, DOT_DTYPE)
+    total = tl.load(total_ptr + token * num_heads + heads, mask=is_head, other=1.0)
+    out_d = d0 + tl.arange(0, BLOCK_D)
+    out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + out_d[None, :]
+    tl.store(out_ptrs, acc / total[:, None], mask=is_head[:, None])
 
 
 GlobalRows = tuple[Tensor, Tensor, Tensor, int]
@@ -462,6 +686,8 @@ def sparse_mqa(
     block_d = min(tiles.block_d or dim, dim)
     if block_d < 32 or dim % block_d or tiles.splits & (tiles.splits - 1):
         raise ValueError(f"tiles {tiles} need 32 <= block_d | {dim} and power-of-two splits")
+    if tiles.two_pass and tiles.splits != 1:
+        raise ValueError(f"tiles {tiles}: two passes take no row splits")
     check_runnable(q, "sparse_mqa")
     out = torch.empty(num_tokens, num_heads, dim, dtype=torch.float32, device=q.device)
     if global_rows is None:
@@ -474,6 +700,60 @@ def sparse_mqa(
             raise ValueError("the selection needs one row per token")
     if not num_tokens:
         return out
+    # The per-sequence stride of the window rows is a multiple of 16 elements for every model
+    # but the smallest (ring rows of 33·D/32 bytes, bf16 rows of D). It varies with the prefill
+    # window, so it is not specialised; the kernel learns its alignment from a constexpr (that
+    # alone is 1.2-1.7x of the decode launch, `benchmarks/kernel_specialisation.py`).
+    window_seq_aligned = rows.stride(0) % 16 == 0
+    common = {
+        "RATIO": ratio,
+        "WINDOW": window,
+        "WINDOW_IN_RING": ring is not None,
+        "WINDOW_SEQ_ALIGNED": window_seq_aligned,
+        "HAS_FLOOR": window_floor is not None,
+        "D": dim,
+        "DOT_DTYPE": _DOT_DTYPE,
+        "BLOCK_H": tiles.block_h,
+        "BLOCK_N": tiles.block_n,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
+    }
+    sources = (
+        rows,
+        window_index,
+        window_index if window_floor is None else window_floor,
+        pool,
+        selection,
+        tables,
+    )
+    num_selected = selection.shape[1] if ratio else 0
+    row_strides = (
+        rows.stride(0) // 16 if window_seq_aligned else rows.stride(0),
+        rows.stride(1),
+        pool.stride(0),
+        pool.stride(1),
+        selection.stride(0),
+        tables.stride(0),
+    )
+    if tiles.two_pass:
+        window_tiles = -(-window // tiles.block_n)
+        columns = (window_tiles + -(-num_selected // tiles.block_n)) * tiles.block_n
+        scores = torch.empty(num_tokens, num_heads, columns, device=q.device)
+        m_all = torch.empty(num_tokens, num_heads, device=q.device)
+        total_all = torch.empty_like(m_all)
+        score_strides = (scores.stride(0), scores.stride(1))
+        head_blocks = triton.cdiv(num_heads, tiles.block_h)
+        _mqa_scores_kernel[(num_tokens, head_blocks)](
+            q, seq_of_token, positions, *sources, sink, scores, m_all, total_all, num_heads,
+            num_selected, rows.shape[1], softmax_scale, q.stride(0), q.stride(1),
+            *row_strides, *score_strides, Q_SPLIT=q.dtype != torch.bfloat16, **common,
+        )  # fmt: skip
+        _mqa_values_kernel[(num_tokens, head_blocks, dim // block_d)](
+            seq_of_token, positions, *sources, scores, m_all, total_all, out, num_heads,
+            num_selected, rows.shape[1], *row_strides, *score_strides, out.stride(0),
+            out.stride(1), BLOCK_D=block_d, **common,
+        )  # fmt: skip
+        return out
     splits = tiles.splits
     if splits > 1:
         m_part = torch.empty(splits, num_tokens, num_heads, device=q.device)
@@ -482,56 +762,12 @@ def sparse_mqa(
     else:
         m_part = total_part = acc_part = out
     grid = (num_tokens, triton.cdiv(num_heads, tiles.block_h), splits * (dim // block_d))
-    # The per-sequence stride of the window rows is a multiple of 16 elements for every model
-    # but the smallest (ring rows of 33·D/32 bytes, bf16 rows of D). It varies with the prefill
-    # window, so it is not specialised; the kernel learns its alignment from a constexpr (that
-    # alone is 1.2-1.7x of the decode launch, `benchmarks/kernel_specialisation.py`).
-    window_seq_aligned = rows.stride(0) % 16 == 0
     _sparse_mqa_kernel[grid](
-        q,
-        seq_of_token,
-        positions,
-        rows,
-        window_index,
-        window_index if window_floor is None else window_floor,
-        pool,
-        selection,
-        tables,
-        sink,
-        out,
-        m_part,
-        total_part,
-        acc_part,
-        num_tokens,
-        num_heads,
-        selection.shape[1] if ratio else 0,
-        rows.shape[1],
-        softmax_scale,
-        q.stride(0),
-        q.stride(1),
-        rows.stride(0) // 16 if window_seq_aligned else rows.stride(0),
-        rows.stride(1),
-        pool.stride(0),
-        pool.stride(1),
-        selection.stride(0),
-        tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        RATIO=ratio,
-        WINDOW=window,
-        WINDOW_IN_RING=ring is not None,
-        WINDOW_SEQ_ALIGNED=window_seq_aligned,
-        HAS_FLOOR=window_floor is not None,
-        D=dim,
-        Q_SPLIT=q.dtype != torch.bfloat16,
-        DOT_DTYPE=_DOT_DTYPE,
-        BLOCK_H=tiles.block_h,
-        BLOCK_N=tiles.block_n,
-        BLOCK_D=block_d,
-        SPLITS=splits,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+        q, seq_of_token, positions, *sources, sink, out, m_part, total_part, acc_part,
+        num_tokens, num_heads, num_selected, rows.shape[1], softmax_scale, q.stride(0),
+        q.stride(1), *row_strides, out.stride(0), out.stride(1),
+        Q_SPLIT=q.dtype != torch.bfloat16, BLOCK_D=block_d, SPLITS=splits, **common,
+    )  # fmt: skip
     if splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
             m_part,

@@ -106,15 +106,16 @@ def _floors(positions, seq_of_token, window: int):
 
 _INTERPRETED_FLOORS = """
 import json
-from tests.kernels.test_sparse_mqa import CASES, _floors, _inputs
+from tests.kernels.test_sparse_mqa import CASES, TWO_PASS, _floors, _inputs
 from kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
 errors, hidden = [], []
 for case in (CASES[0], CASES[4]):
     args, sources = _inputs(case)
     floor = _floors(args[2], args[1], args[4])
-    ours = sparse_mqa(*args, **sources, window_floor=floor)
     reference = sparse_mqa_reference(*args, **sources, window_floor=floor)
-    errors.append(float((ours - reference).norm() / reference.norm()))
+    for tiles in (None, TWO_PASS):
+        ours = sparse_mqa(*args, **sources, window_floor=floor, tiles=tiles)
+        errors.append(float((ours - reference).norm() / reference.norm()))
     unfloored = sparse_mqa_reference(*args, **sources)
     hidden.append(float((unfloored - reference).norm() / reference.norm()))
 print(json.dumps([errors, hidden]))
@@ -126,17 +127,21 @@ def test_replay_floors_hide_the_window_rows_below_them_in_the_triton_interpreter
     # window: the kernel drops the rows below it as the reference does, and those rows did
     # change the result (the floor is not a no-op here).
     errors, hidden = run_interpreted(_INTERPRETED_FLOORS)
-    assert max(errors) < TOLERANCE and min(hidden) > 1e-3
+    assert len(errors) == 4 and max(errors) < TOLERANCE and min(hidden) > 1e-3
 
 
 # Interpreter-sized versions of the launch shapes the tables choose from: every head of a
 # small layer in one program, row splits (one more than there are window tiles, so selected
-# tiles start mid-deal), output columns split, and both at once.
+# tiles start mid-deal), output columns split, both at once, and the two passes (scores, then
+# values) with all columns and with split columns.
+TWO_PASS = MqaTiles(16, 16, block_d=32, num_warps=4, two_pass=True)
 INTERPRETED_TILES = [
     MqaTiles(32, 16, num_warps=4),
     MqaTiles(16, 16, splits=4, num_warps=4),
     MqaTiles(16, 16, block_d=32, num_warps=4),
     MqaTiles(32, 16, splits=2, block_d=32, num_warps=4),
+    MqaTiles(32, 16, num_warps=4, two_pass=True),
+    TWO_PASS,
 ]
 
 _INTERPRETED_TILES = """
