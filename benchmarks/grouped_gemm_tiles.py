@@ -68,7 +68,7 @@ def forced_decode_tiles(n_weight: int, k: int, block_m: int, gated: bool) -> lis
     n = n_weight // 2 if gated else n_weight
     table = grouped.decode_tiles(n, k, block_m, gated)
     out = []
-    for prefetch, maxnreg in ((True, 128), (True, 168), (True, 232), (False, 168)):
+    for prefetch, maxnreg in ((True, 128), (True, 168), (True, 232)):
         tiles = {**table, "PREFETCH": prefetch, "maxnreg": maxnreg}
         out.append((f"decode p{int(prefetch)} r{maxnreg}", tiles))
     return out
