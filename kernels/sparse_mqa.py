@@ -91,10 +91,12 @@ class MqaTiles:
 # (2026-12-02, one layer of the released shape, 8K context; docs/performance.md): at 16 tokens
 # two row splits 54 µs (one: 85 µs); at 64 and 256 every head in one program with 128 output
 # columns 138 / 549 µs (16 heads: 162 / 653 µs); prefill 4,096 tokens 32 heads 5.7 ms (64 heads
-# with 128 columns: 6.8 ms).
+# with 128 columns: 6.8 ms). 2026-12-03 (`benchmarks/attention_passes.py`): the same shape in two
+# passes 138 / 325 µs at 64 / 256 (one pass 136 / 545).
 TILES: tuple[tuple[int, MqaTiles], ...] = (
     (16, MqaTiles(16, 64, splits=2)),
-    (256, MqaTiles(64, 32, block_d=128, num_warps=4)),
+    (64, MqaTiles(64, 32, block_d=128, num_warps=4)),
+    (256, MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True)),
     (1 << 62, MqaTiles(32, 64)),
 )
 # `fixed_tiles` (batch-invariant mode): one shape whatever the launch, so a token's reduction
