@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
 from engine.client import EngineClient, as_client, build_engine_client
-from engine.structured import GrammarCompiler
+from engine.structured import DSML_MARKER, GrammarCompiler
 from recipe.convert import Recipe, RecipeConfig
 from recipe.errors import RecipeError
 from recipe.sealing import ReasoningSealer
@@ -77,9 +77,15 @@ def build_recipe(engine: EngineClient, config: ServerConfig) -> Recipe:
 
 
 def build_grammar_compiler(engine: EngineClient, recipe: Recipe) -> GrammarCompiler:
-    """The grammar compiler for the model's vocabulary (logits width) with EOS as the stop."""
+    """The grammar compiler for the model's vocabulary (logits width) with EOS as the stop,
+    its tool-call marker's guard computed (the first tool-constrained request would otherwise
+    hold the event loop for it)."""
     info = engine.info
-    return GrammarCompiler.for_tokenizer(recipe.tokenizer.full, info.vocab_size, info.eos_token_id)
+    compiler = GrammarCompiler.for_tokenizer(
+        recipe.tokenizer.full, info.vocab_size, info.eos_token_id
+    )
+    compiler.marker_guard(DSML_MARKER)
+    return compiler
 
 
 def create_app(

@@ -2,6 +2,7 @@
 batch token bitmask (`issues` #5, engine side)."""
 
 from engine.structured.grammar import (
+    DSML_MARKER,
     GRAMMAR_KINDS,
     CompiledConstraint,
     GrammarCompiler,
@@ -24,6 +25,7 @@ from engine.structured.matcher import (
 )
 
 __all__ = [
+    "DSML_MARKER",
     "GRAMMAR_KINDS",
     "BatchBitmask",
     "CompiledConstraint",

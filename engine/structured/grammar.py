@@ -389,18 +389,16 @@ class MarkerGuard:
         Raises:
             GrammarError: `marker` is not exactly one token of the vocabulary.
         """
-        vocab = tokenizer_info.decoded_vocab
+        vocab = tokenizer_info.decoded_vocab  # NOTE: ~0.4 s per read for 129K tokens
         spelling = marker.encode()
-        marker_ids = [i for i, token in enumerate(vocab) if token == spelling]
-        if len(marker_ids) != 1:
+        if vocab.count(spelling) != 1:
             raise GrammarError(f"marker {marker!r} is not a single token of this vocabulary")
-        prefixes = [spelling[:k] for k in range(1, len(spelling))]
+        marker_id = vocab.index(spelling)
+        prefixes = tuple(spelling[:k] for k in range(1, len(spelling)))
         blocked = tuple(
-            i
-            for i, token in enumerate(vocab)
-            if i != marker_ids[0] and token and any(token.endswith(p) for p in prefixes)
+            i for i, token in enumerate(vocab) if i != marker_id and token.endswith(prefixes)
         )
-        return cls(marker_id=marker_ids[0], blocked_ids=blocked, keep_words=_keep_words(blocked))
+        return cls(marker_id=marker_id, blocked_ids=blocked, keep_words=_keep_words(blocked))
 
 
 @dataclass(frozen=True, eq=False)
@@ -568,13 +566,29 @@ class GrammarCompiler:
         """
         if spec.token_marker is None:
             return None
+        return self.marker_guard(spec.token_marker)
+
+    def marker_guard(self, marker: str) -> MarkerGuard:
+        """The `MarkerGuard` of `marker`, computed on first use (~0.5 s for the V4.1
+        vocabulary, holding the interpreter lock: call it before serving for the markers the
+        specs will name, as the server does for `DSML_MARKER`).
+
+        Raises:
+            GrammarError: `marker` is not a single token of this vocabulary.
+        """
         with self._lock:
-            guard = self._guards.get(spec.token_marker)
+            guard = self._guards.get(marker)
         if guard is None:
-            guard = MarkerGuard.for_marker(self.tokenizer_info, spec.token_marker)
+            guard = MarkerGuard.for_marker(self.tokenizer_info, marker)
             with self._lock:
-                self._guards[spec.token_marker] = guard
+                self._guards[marker] = guard
         return guard
+
+    @property
+    def prepared_markers(self) -> frozenset[str]:
+        """The markers whose guards are computed."""
+        with self._lock:
+            return frozenset(self._guards)
 
     def block_for(self, spec: GrammarSpec) -> TokenBlock | None:
         """The added tokens a matcher of `spec` must never allow (None: none to block): all but

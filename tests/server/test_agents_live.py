@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.structured import DSML_MARKER
 from recipe.errors import Protocol
 
 MODEL = "DeepSeek-V4.1-Flash"
@@ -111,6 +112,13 @@ def test_root_answers_head_and_get(default_server) -> None:
     about = httpx.get(url + "/").json()
     assert about["name"] == "deepinfer-server" and about["version"]
     assert about["models"] == [MODEL] and "POST /v1/messages" in about["routes"]
+
+
+def test_the_tool_call_guard_is_ready_before_the_first_request(default_server) -> None:
+    # Computing it reads the whole vocabulary (~0.5 s holding the interpreter lock): done at
+    # start, not on the event loop under the first tool-constrained request.
+    app = default_server[1]
+    assert DSML_MARKER in app.state.server.grammar_compiler.prepared_markers
 
 
 def test_codex_two_turns_with_sealed_reasoning_and_a_function_call(default_server, oai) -> None:

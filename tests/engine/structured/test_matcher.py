@@ -10,8 +10,10 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.structured import (
+    DSML_MARKER,
     BatchBitmask,
     GrammarCompiler,
+    GrammarError,
     GrammarSpec,
     RequestMatcher,
     StepMask,
@@ -275,6 +277,9 @@ def test_marker_guard_blocks_sub_token_spellings_of_dsml(
     spec = spec_for_constraint("tool_call_required", json.dumps(FORECAST_TOOLS))
     guard = compiler.guard_for(spec)
     assert guard is not None and guard.marker_id == DSML_TOKEN_ID
+    assert compiler.marker_guard(DSML_MARKER) is guard and DSML_MARKER in compiler.prepared_markers
+    with pytest.raises(GrammarError, match="not a single token"):
+        compiler.marker_guard("｜not a marker｜")
     bar = _ids(v41_tokenizer, "｜")
     assert len(bar) == 1 and bar[0] in guard.blocked_ids
     matcher = RequestMatcher(compiler.compile(spec), guard)
