@@ -50,23 +50,36 @@ _MAX_DOT_ROWS = 128
 
 @dataclass(frozen=True)
 class IndexTiles:
-    """One launch shape of `_index_scores_kernel`: block_j compressed positions per program."""
+    """One launch shape of `_index_scores_kernel`: j_tiles tiles of block_j compressed
+    positions per program, the queries and head weights loaded once for all of them (a decode
+    step's program otherwise reloads its token's 64 × 128 fp32 queries for every 64 keys)."""
 
     block_j: int
     num_warps: int
     num_stages: int = 1
+    j_tiles: int = 1
 
     def __str__(self) -> str:
-        return f"j{self.block_j} w{self.num_warps} s{self.num_stages}"
+        tiles = f" x{self.j_tiles}" if self.j_tiles > 1 else ""
+        return f"j{self.block_j} w{self.num_warps} s{self.num_stages}{tiles}"
 
 
 # THE CHOICE (a pure function of the launch's shapes, so nothing is tuned or compiled while
 # serving): every launch takes `TILES`, the fastest candidate at decode on the H200
 # (`benchmarks/kernel_speed.py --only index_scores`, 2026-12-02: 16 / 64 / 256 sequences
 # 46.8 / 66.9 / 249.5 µs against 70.3 / 75.7 / 299.9 for j64 w4; a 1,024-token prefill 741 µs,
-# j128 w8 655).
+# j128 w8 655). The candidates with several key tiles per program (sm90 ptxas, Triton 3.9: 168–
+# 192 registers, no spills at 8 warps; 4 warps or 128 keys per tile spill) are not measured yet.
 TILES = IndexTiles(64, 8)
-CANDIDATES: tuple[IndexTiles, ...] = (IndexTiles(64, 4), IndexTiles(64, 8), IndexTiles(128, 8))
+CANDIDATES: tuple[IndexTiles, ...] = (
+    IndexTiles(64, 4),
+    IndexTiles(64, 8),
+    IndexTiles(128, 8),
+    IndexTiles(64, 8, j_tiles=4),
+    IndexTiles(64, 8, j_tiles=8),
+    IndexTiles(64, 8, j_tiles=16),
+    IndexTiles(64, 8, num_stages=2, j_tiles=8),
+)
 if _INTERPRETING:
     TILES = IndexTiles(16, 4)
 
@@ -121,26 +134,20 @@ def _index_scores_kernel(
     BLOCK_T: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    J_TILES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    j0 = tl.program_id(2) * BLOCK_J
-    j = j0 + tl.arange(0, BLOCK_J)
+    j_start = tl.program_id(2) * (J_TILES * BLOCK_J)
     token = tl.load(pad_ptr + seq * stride_pad + t, mask=t < max_len, other=-1)
     is_token = token >= 0
     position = tl.load(position_ptr + token, mask=is_token, other=-1)
     num_visible = (position + 1) // RATIO  # padding: position −1 sees nothing
     tile_visible = tl.max(num_visible, axis=0)
-    scores = tl.full((BLOCK_T, BLOCK_J), float("-inf"), tl.float32)
-    if j0 < tile_visible:
-        rows_per_block: tl.constexpr = 128 // RATIO  # _BLOCK_TOKENS (a jit sees no globals)
-        is_row = j < tile_visible
-        block = tl.load(table_ptr + seq * stride_table + (j * RATIO) // 128, mask=is_row, other=-1)
-        is_row = is_row & (block >= 0)
-        row_index = (
-            tl.where(is_row, block, 0) * stride_pool_block + (j % rows_per_block) * stride_pool_row
-        )
-        keys = _index_rows(pool_ptr, row_index, is_row, D, BLOCK_J)
+    out_ptrs = out_ptr + seq * stride_ob + t.to(tl.int64)[:, None] * stride_ot
+    is_out_row = (t < max_len)[:, None]
+    if j_start < tile_visible:
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
         is_head = h < num_heads
@@ -152,16 +159,35 @@ def _index_scores_kernel(
         )
         q_mask = is_token[:, None, None] & is_head[None, :, None]
         q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
-        q = tl.reshape(q, (BLOCK_T * BLOCK_H, D))
-        dots = tl.dot(q.to(DOT_DTYPE), tl.trans(keys).to(DOT_DTYPE), out_dtype=tl.float32)
+        q = tl.reshape(q, (BLOCK_T * BLOCK_H, D)).to(DOT_DTYPE)
         w_mask = is_token[:, None] & is_head[None, :]
         w = tl.load(w_ptr + token[:, None] * stride_wt + h[None, :], mask=w_mask, other=0.0)
-        weighted = tl.maximum(dots, 0.0) * tl.reshape(w, (BLOCK_T * BLOCK_H,))[:, None]
-        total = tl.sum(tl.reshape(weighted, (BLOCK_T, BLOCK_H, BLOCK_J)), axis=1)
-        visible = (j[None, :] < num_visible[:, None]) & is_row[None, :]
-        scores = tl.where(visible, total, float("-inf"))
-    out_ptrs = out_ptr + seq * stride_ob + t.to(tl.int64)[:, None] * stride_ot + j[None, :]
-    tl.store(out_ptrs, scores, mask=(t < max_len)[:, None] & (j < num_j)[None, :])
+        w = tl.reshape(w, (BLOCK_T * BLOCK_H,))
+        rows_per_block: tl.constexpr = 128 // RATIO  # _BLOCK_TOKENS (a jit sees no globals)
+        # Tiles past the visible positions (the program's last ones) load no key and score −inf.
+        for tile in tl.range(J_TILES, num_stages=NUM_STAGES):
+            j = j_start + tile * BLOCK_J + tl.arange(0, BLOCK_J)
+            is_row = j < tile_visible
+            block = tl.load(
+                table_ptr + seq * stride_table + (j * RATIO) // 128, mask=is_row, other=-1
+            )
+            is_row = is_row & (block >= 0)
+            row_index = (
+                tl.where(is_row, block, 0) * stride_pool_block
+                + (j % rows_per_block) * stride_pool_row
+            )
+            keys = _index_rows(pool_ptr, row_index, is_row, D, BLOCK_J)
+            dots = tl.dot(q, tl.trans(keys).to(DOT_DTYPE), out_dtype=tl.float32)
+            weighted = tl.maximum(dots, 0.0) * w[:, None]
+            total = tl.sum(tl.reshape(weighted, (BLOCK_T, BLOCK_H, BLOCK_J)), axis=1)
+            visible = (j[None, :] < num_visible[:, None]) & is_row[None, :]
+            scores = tl.where(visible, total, float("-inf"))
+            tl.store(out_ptrs + j[None, :], scores, mask=is_out_row & (j < num_j)[None, :])
+    else:
+        hidden = tl.full((BLOCK_T, BLOCK_J), float("-inf"), tl.float32)
+        for tile in range(J_TILES):
+            j = j_start + tile * BLOCK_J + tl.arange(0, BLOCK_J)
+            tl.store(out_ptrs + j[None, :], hidden, mask=is_out_row & (j < num_j)[None, :])
 
 
 def _check(iq: Tensor, hw: Tensor, pool: Tensor, ratio: int) -> None:
@@ -229,7 +255,8 @@ def index_scores(
     block_h = triton.next_power_of_2(num_heads)
     block_t = block_t_for(num_heads, max_len)
     tiles = tiles or TILES
-    grid = (num_seqs, triton.cdiv(max_len, block_t), triton.cdiv(num_j, tiles.block_j))
+    per_program = tiles.block_j * tiles.j_tiles
+    grid = (num_seqs, triton.cdiv(max_len, block_t), triton.cdiv(num_j, per_program))
     _index_scores_kernel[grid](
         iq,
         hw,
@@ -256,6 +283,8 @@ def index_scores(
         BLOCK_T=block_t,
         DOT_DTYPE=_DOT_DTYPE,
         BLOCK_J=tiles.block_j,
+        J_TILES=tiles.j_tiles,
+        NUM_STAGES=tiles.num_stages,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.models.deepseek_v41.kv_formats import index_fp4_quantize, index_fp4_round_trip
-from kernels.index_scores import index_scores, index_scores_reference
+from kernels.index_scores import CANDIDATES, IndexTiles, index_scores, index_scores_reference
 from tests.kernels.interpreted import compile_for_hopper, run_interpreted
 
 # (lengths per sequence, start positions, heads, head dim, ratio): decode batches (T = 1),
@@ -77,10 +77,10 @@ def _inputs(case, device: str = "cpu"):
     )
 
 
-def _error_in_bounds(args) -> tuple[float, bool]:
+def _error_in_bounds(args, tiles: IndexTiles | None = None) -> tuple[float, bool]:
     """(max |kernel − reference| / bound over finite scores, whether the −inf sets agree)."""
     iq, hw, pool, tables, ratio, pad_index, positions, num_j = args
-    ours = index_scores(*args)
+    ours = index_scores(*args, tiles=tiles)
     reference = index_scores_reference(*args)
     # Σ_h |hw| Σ_d |q k|: the reference on magnitudes (e2m1 codes keep their magnitudes when
     # the sign bit is cleared; the scale bytes stay).
@@ -113,6 +113,37 @@ def test_index_scores_match_the_reference_in_the_interpreter() -> None:
         assert ratio_to_bound <= 1.0, (case, ratio_to_bound)
 
 
+# Three key tiles per program: programs whose last tiles lie past the visible positions and
+# past num_j, one tile per program, and whether the two score the same.
+_INTERPRETED_J_TILES = """
+import json, torch
+from kernels.index_scores import IndexTiles, index_scores
+from tests.kernels.test_index_scores import CASES, _error_in_bounds, _inputs
+tiles = IndexTiles(16, 4, j_tiles=3)
+results = []
+for case in CASES:
+    args = _inputs(case)
+    same = torch.equal(index_scores(*args, tiles=tiles), index_scores(*args))
+    results.append([*_error_in_bounds(args, tiles), same])
+print(json.dumps(results))
+"""
+
+
+def test_several_key_tiles_per_program_score_as_one_in_the_interpreter() -> None:
+    results = run_interpreted(_INTERPRETED_J_TILES)
+    assert len(results) == len(CASES)
+    for case, (ratio_to_bound, same_inf, same) in zip(CASES, results, strict=True):
+        assert same_inf and same and ratio_to_bound <= 1.0, case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", CANDIDATES, ids=str)
+@pytest.mark.parametrize("case", [CASES[3], GPU_CASES[0], GPU_CASES[3], GPU_CASES[4]], ids=str)
+def test_every_candidate_matches_the_reference_on_cuda(case, tiles: IndexTiles) -> None:
+    ratio_to_bound, same_inf = _error_in_bounds(_inputs(case, "cuda"), tiles)
+    assert same_inf and ratio_to_bound <= 1.0, ratio_to_bound
+
+
 def test_index_scores_rejects_a_head_dim_it_cannot_tile() -> None:
     iq, hw, pool, tables, ratio, pad_index, positions, num_j = _inputs(CASES[0])
     with pytest.raises(ValueError, match="power of two"):
@@ -132,6 +163,7 @@ def test_the_released_shape_compiles_to_tensor_core_dots() -> None:
     types |= {"position_ptr": "*i64", "out_ptr": "*fp32"}
     types |= {n: "i32" for n in kernel.arg_names if n.startswith(("num_", "max_", "stride_"))}
     constexprs = {"RATIO": 2, "D": 128, "BLOCK_H": 64, "BLOCK_T": 1, "BLOCK_J": 128}
+    constexprs |= {"J_TILES": 1, "NUM_STAGES": 1}
     constexprs["DOT_DTYPE"] = tl.bfloat16
     options = {"num_warps": 8, "num_stages": 1}
     ptx = compile_for_hopper(kernel, types, constexprs, {"q_ptr", "pool_ptr"}, options)
