@@ -152,14 +152,34 @@ def _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT: tl.constexpr, DOT_DTYP
 
 
 @triton.jit
-def _online_update(m, total, acc, scores, rows, DOT_DTYPE: tl.constexpr):
-    """Fold one tile of scores [BH, BN] over rows [BN, BD] into the running softmax."""
+def _fold_scores(m, total, scores):
+    """The running max and sum [BH] after one tile of scores [BH, BN]; with the factor alpha
+    the earlier sum was rescaled by and the tile's exp(score − max) p."""
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(scores - m_new[:, None])
-    total = total * alpha + tl.sum(p, axis=1)
+    return m_new, total * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def _online_update(m, total, acc, scores, rows, DOT_DTYPE: tl.constexpr):
+    """Fold one tile of scores [BH, BN] over rows [BN, BD] into the running softmax."""
+    m, total, alpha, p = _fold_scores(m, total, scores)
     acc = acc * alpha[:, None] + _split_dot(p, rows, DOT_DTYPE)
-    return m_new, total, acc
+    return m, total, acc
+
+
+@triton.jit
+def _query_parts(q_ptr, token, heads, is_head, stride_qt, stride_qh, D: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr):  # fmt: skip
+    """The token's queries [BH, D] as a bf16 head and remainder, rounded once (bf16 queries:
+    the head alone, exact)."""
+    d = tl.arange(0, D)
+    q_ptrs = q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=is_head[:, None], other=0.0).to(tl.float32)
+    q_head = q.to(tl.bfloat16)
+    q_rest = (q - q_head.to(tl.float32)).to(tl.bfloat16).to(DOT_DTYPE)
+    return q_head.to(DOT_DTYPE), q_rest
 
 
 @triton.jit
@@ -336,13 +356,7 @@ def _sparse_mqa_kernel(
     split = tl.program_id(2) // (D // BLOCK_D)
     d0 = (tl.program_id(2) % (D // BLOCK_D)) * BLOCK_D
     is_head = heads < num_heads
-    d = tl.arange(0, D)
-    q_ptrs = q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=is_head[:, None], other=0.0).to(tl.float32)
-    # The query's bf16 head and remainder, rounded once (bf16 queries: the head alone, exact).
-    q_head = q.to(tl.bfloat16)
-    q_rest = (q - q_head.to(tl.float32)).to(tl.bfloat16).to(DOT_DTYPE)
-    q_head = q_head.to(DOT_DTYPE)
+    q_head, q_rest = _query_parts(q_ptr, token, heads, is_head, stride_qt, stride_qh, D, DOT_DTYPE)
     # The running max starts finite, so an all-masked tile gives exp(...) = 0, not NaN.
     m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_H,), tl.float32)
@@ -482,15 +496,7 @@ def _mqa_scores_kernel(
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     is_head = heads < num_heads
-    d = tl.arange(0, D)
-    q = tl.load(
-        q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=is_head[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    q_head = q.to(tl.bfloat16)
-    q_rest = (q - q_head.to(tl.float32)).to(tl.bfloat16).to(DOT_DTYPE)
-    q_head = q_head.to(DOT_DTYPE)
+    q_head, q_rest = _query_parts(q_ptr, token, heads, is_head, stride_qt, stride_qh, D, DOT_DTYPE)
     m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_H,), tl.float32)
     seq, position, floor, window_index = _token_rows(
@@ -508,9 +514,7 @@ def _mqa_scores_kernel(
         scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         tl.store(score_ptrs + tile * BLOCK_N, scores, mask=is_head[:, None])
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(scores - m_new[:, None]), axis=1)
-        m = m_new
+        m, total, _, _ = _fold_scores(m, total, scores)
     if RATIO > 0:
         for tile in range(tl.cdiv(num_selected, BLOCK_N)):
             row_index, valid = _selected_tile(
@@ -521,9 +525,7 @@ def _mqa_scores_kernel(
             scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
             scores = tl.where(valid[None, :], scores, float("-inf"))
             tl.store(score_ptrs + (window_tiles + tile) * BLOCK_N, scores, mask=is_head[:, None])
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(scores - m_new[:, None]), axis=1)
-            m = m_new
+            m, total, _, _ = _fold_scores(m, total, scores)
     sink = tl.load(sink_ptr + heads, mask=is_head, other=0.0)
     m_new = tl.maximum(m, sink)
     total = total * tl.exp(m - m_new) + tl.exp(sink - m_new)
