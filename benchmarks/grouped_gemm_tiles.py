@@ -2,11 +2,14 @@
 5120, expert width 2304): each (tokens, use, tiles) timed alone, against the copy bandwidth.
 
     python3 benchmarks/grouped_gemm_tiles.py [--tokens 16 64 256 4096] [--baseline MODULE]
-        [--decode-rows 64]
+        [--decode-rows 64] [--prefetch-tiles]
 
 `--decode-rows BM`: blocks of BM rows also run through the decode kernel (the launcher gives
 blocks above `DECODE_MAX_BLOCK_M` rows to the prefill kernel), with its table's tiles under
 several register caps, with and without the prefetch.
+
+`--prefetch-tiles`: decode blocks run the register-prefetch kernel at each of the kernel's
+`DECODE_CANDIDATES` (weight rows per program, register cap) instead of the old explicit list.
 
 GB/s counts the codes and scales of the experts that got rows (each read once); "% copy" is that
 over a device-to-device copy's bandwidth (bytes read + written) measured in the same run.
@@ -120,6 +123,7 @@ def main() -> None:
     parser.add_argument("--no-tuned", action="store_true", help="explicit tiles only")
     parser.add_argument("--tuned-only", action="store_true", help="no explicit tiles")
     parser.add_argument("--decode-rows", type=int, nargs="*", default=[], help="see the docstring")
+    parser.add_argument("--prefetch-tiles", action="store_true", help="see the docstring")
     args = parser.parse_args()
     baseline = importlib.import_module(args.baseline) if args.baseline else None
     copy = copy_gbs()
@@ -158,6 +162,11 @@ def main() -> None:
                 candidates = [] if args.no_tuned else [("new (table)", None)]
                 if forced:
                     candidates += forced_decode_tiles(n_w, half_k * 2, block_m, gated)
+                elif args.prefetch_tiles and block_m <= grouped.DECODE_MAX_BLOCK_M:
+                    candidates += [
+                        (f"prefetch n{t['BLOCK_N']} r{t['maxnreg']}", t)
+                        for t in grouped.DECODE_CANDIDATES
+                    ]
                 elif not args.tuned_only:
                     explicit = (
                         DECODE_TILES if block_m <= grouped.DECODE_MAX_BLOCK_M else PREFILL_TILES

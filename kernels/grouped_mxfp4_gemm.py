@@ -189,20 +189,21 @@ def _raw_tile(codes_ptr, scales_ptr, rows, k0, stride_cn, stride_sn, mask):
 
 
 @triton.jit
-def _operand_rows(t, WIDTH: tl.constexpr):
-    """Regroup the 64 rows of `t` [64, WIDTH] so that the layout a 4-warp program loads them in
-    (8 rows across lanes, then warps, then registers) is the wgmma A operand's (8 rows across
-    lanes, the next bit in registers, then warps): row p = l | p3 << 3 | p4 << 4 | p5 << 5 moves
-    to l | p5 << 3 | p3 << 4 | p4 << 5. Applied to the rows' indices it says where each result
-    row goes."""
-    t = tl.permute(tl.reshape(t, (2, 2, 2, 8, WIDTH)), (1, 2, 0, 3, 4))
-    return tl.reshape(t, (64, WIDTH))
+def _operand_rows(t, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """Regroup the ROWS rows of `t` [ROWS, WIDTH] (64 or 128, one warp per 16) so that the
+    layout a program of ROWS / 16 warps loads them in (8 rows across lanes, then warps, then
+    one register bit) is the wgmma A operand's (8 rows across lanes, the register bit, then
+    warps): row p = l | w << 3 | r << (3 + log2 warps) moves to l | r << 3 | w << 4. Applied
+    to the rows' indices it says where each result row goes."""
+    t = tl.permute(tl.reshape(t, (2, ROWS // 16, 8, WIDTH)), (1, 0, 2, 3))
+    return tl.reshape(t, (ROWS, WIDTH))
 
 
 @triton.jit
 def _unpack_raw(words, packed_scales, BLOCK_N: tl.constexpr):
-    words = _operand_rows(words, 16)
-    packed_scales = tl.reshape(_operand_rows(tl.reshape(packed_scales, (64, 1)), 1), (64,))
+    words = _operand_rows(words, BLOCK_N, 16)
+    packed_scales = _operand_rows(tl.reshape(packed_scales, (BLOCK_N, 1)), BLOCK_N, 1)
+    packed_scales = tl.reshape(packed_scales, (BLOCK_N,))
     scales = (packed_scales[:, None] >> (8 * tl.arange(0, 4))[None, :]) & 0xFF
     return _unpack(words, scales, BLOCK_N)
 
@@ -223,6 +224,26 @@ def _kernel_columns(device: torch.device) -> Tensor:
     return (8 * word + ((k >> 3) & 3) + 4 * (k & 1)).to(device)
 
 
+def _prefetch_tiles(block_n: int, maxnreg: int) -> dict:
+    """The register-prefetch decode kernel's launch with BLOCK_N weight rows per program (64 or
+    128: one warp per 16, the wgmma's M of 64 per warpgroup) under a register cap."""
+    return {
+        "BLOCK_N": block_n,
+        "PREFETCH": True,
+        "num_warps": block_n // 16,
+        "num_stages": 1,
+        "maxnreg": maxnreg,
+    }
+
+
+# What `benchmarks/grouped_gemm_tiles.py --prefetch-tiles` times and the `gpu` tests check:
+# 128 weight rows per program share each step's x tile between two warpgroups (half the x
+# traffic per weight byte of 64 rows).
+DECODE_CANDIDATES: tuple[dict, ...] = tuple(
+    _prefetch_tiles(n, cap) for n, cap in ((64, 128), (64, 168), (128, 128), (128, 168))
+)
+
+
 def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
     """The decode kernel's launch shape for an (N, K, block size, use), what the autotuner keyed
     (a pure function of those, so nothing is tuned or compiled while serving). BLOCK_N weight
@@ -232,7 +253,7 @@ def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
     size were 64 rows, 4 warps, the register prefetch; `benchmarks/grouped_gemm_tiles.py`
     times the alternatives): one row for every shape, its register cap 128 (four programs share
     an SM)."""
-    return {"BLOCK_N": 64, "PREFETCH": True, "num_warps": 4, "num_stages": 1, "maxnreg": 128}
+    return _prefetch_tiles(64, 128)
 
 
 @triton.jit
@@ -291,7 +312,8 @@ def _decode_kernel(
     if PREFETCH and EVEN_K:
         # The next step's words, scales and x load into registers while this step computes
         # (num_stages 1: the words skip shared memory); rows regrouped (`_operand_rows`).
-        out_n = tl.reshape(_operand_rows(tl.reshape(out_n, (64, 1)), 1), (64,))
+        out_n = _operand_rows(tl.reshape(out_n, (BLOCK_N, 1)), BLOCK_N, 1)
+        out_n = tl.reshape(out_n, (BLOCK_N,))
         x_next = tl.load(x_ptrs, mask=is_row[None, :], other=0.0)
         w_next, s_next = _raw_tile(codes_ptr, scales_ptr, offs_n, 0, stride_cn, stride_sn, True)
         u_next, t_next = _raw_tile(codes_ptr, scales_ptr, offs_n + N, 0, stride_cn, stride_sn,

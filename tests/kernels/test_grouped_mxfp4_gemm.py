@@ -7,6 +7,8 @@ import torch
 
 from engine.models.deepseek_v41.moe import MoE
 from kernels.grouped_mxfp4_gemm import (
+    DECODE_CANDIDATES,
+    _launch_decode,
     align_to_experts,
     grouped_mxfp4_gemm,
     grouped_mxfp4_gemm_reference,
@@ -172,6 +174,43 @@ def test_kernel_matches_reference(
     down = {"row_weight": pair_weight, "out_dtype": torch.float32}
     out = grouped_mxfp4_gemm(act_ref, blocks, w2, s2, **down)
     out_ref = grouped_mxfp4_gemm_reference(act_ref, blocks, w2, s2, **down)
+    assert _relative_error(out, out_ref) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", DECODE_CANDIDATES, ids=lambda t: f"{t['BLOCK_N']}-{t['maxnreg']}")
+@pytest.mark.parametrize(
+    ("num_tokens", "dim", "inter", "block_m"),
+    [(64, 5120, 2304, 16), (256, 1024, 224, 32)],  # real widths; N tails of 64 and 128 rows
+)
+def test_every_decode_candidate_matches_reference(
+    tiles: dict, num_tokens: int, dim: int, inter: int, block_m: int
+) -> None:
+    device, num_experts, top_k = "cuda", 8, 6
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, dim, device=device).bfloat16()
+    blocks = align_to_experts(
+        _routing(num_tokens, num_experts, top_k, seed=num_tokens, device=device),
+        num_experts,
+        block_m,
+    )
+    w13 = torch.randint(-128, 128, (num_experts, 2 * inter, dim // 2), dtype=torch.int8)
+    s13 = torch.randint(119, 129, (num_experts, 2 * inter, dim // 32), dtype=torch.uint8)
+    w2 = torch.randint(-128, 128, (num_experts, dim, inter // 2), dtype=torch.int8)
+    s2 = torch.randint(110, 129, (num_experts, dim, inter // 32), dtype=torch.uint8)
+    w13, s13, w2, s2 = (t.to(device) for t in (w13, s13, w2, s2))
+    used = blocks.pair_of_pos >= 0
+    act = torch.zeros(blocks.num_positions, inter, dtype=torch.bfloat16, device=device)
+    _launch_decode(x, blocks, (w13, s13), act, 7.0, None, **tiles)
+    act_ref = grouped_mxfp4_gemm_reference(x, blocks, w13, s13, gate_limit=7.0)
+    assert _relative_error(act[used], act_ref[used]) < 1e-2
+    act_ref[~used] = 0
+    pair_weight = torch.rand(num_tokens * top_k, device=device)
+    out = torch.empty(num_tokens * top_k, dim, device=device)
+    _launch_decode(act_ref, blocks, (w2, s2), out, None, pair_weight, **tiles)
+    out_ref = grouped_mxfp4_gemm_reference(
+        act_ref, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32
+    )
     assert _relative_error(out, out_ref) < 1e-3
 
 
