@@ -583,7 +583,7 @@ def index_score_rows(sequences: list[int], device: torch.device) -> list[dict]:
     from engine.models.deepseek_v41.attention import Attention
     from engine.models.deepseek_v41.kv_formats import index_fp4_quantize, index_fp4_round_trip
     from kernels.fp4_rows import index_fp4_rows_dequantize
-    from kernels.index_scores import CANDIDATES, TILES, index_scores
+    from kernels.index_scores import CANDIDATES, choose_tiles, index_scores
 
     heads, dim, ratio, num_j = 64, 128, 2, 2048
     per_block, context = 128 // ratio, num_j * ratio
@@ -634,7 +634,7 @@ def index_score_rows(sequences: list[int], device: torch.device) -> list[dict]:
         print(
             f"{name} S={num_seqs} T={num_tokens}: before {before_us:.1f} µs "
             f"({moved / before_us / 1e3:.0f} GB/s), after {after_us:.1f} µs "
-            f"({moved / after_us / 1e3:.0f} GB/s) with TILES {TILES}; candidates µs "
+            f"({moved / after_us / 1e3:.0f} GB/s) with TILES {choose_tiles(new)}; candidates µs "
             + ", ".join(f"{name} {us:.1f}" for name, us in candidates_us.items()),
             flush=True,
         )

@@ -248,11 +248,14 @@ def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
     """The decode kernel's launch shape for an (N, K, block size, use), what the autotuner keyed
     (a pure function of those, so nothing is tuned or compiled while serving). BLOCK_N weight
     rows per program, mapped to the wgmma's M (64 per warpgroup); the block's token rows are its
-    N (BLOCK_M, 16 or 32); K steps by 128. THE CHOICE, from the H200 sweeps of 2026-12-01
-    (`docs/performance.md`, "decode tiles for the grouped MXFP4 GEMM": the tuned tiles at every
-    size were 64 rows, 4 warps, the register prefetch; `benchmarks/grouped_gemm_tiles.py`
-    times the alternatives): one row for every shape, its register cap 128 (four programs share
-    an SM)."""
+    N (BLOCK_M, 16 or 32); K steps by 128. THE CHOICE, from the H200 sweeps
+    (`docs/performance.md`; `benchmarks/grouped_gemm_tiles.py --prefetch-tiles` times the
+    `DECODE_CANDIDATES`): 64 rows, 4 warps, the register prefetch, its register cap 128 (four
+    programs share an SM), except gate/up at blocks of 32 rows: 128 weight rows, 8 warps
+    (2026-12-03, 256 tokens: 0.501 against 0.582 ms; down 0.301 against 0.288, blocks of 16
+    rows 0.276–0.565 against 0.275–0.537)."""
+    if gated and block_m > 16:
+        return _prefetch_tiles(128, 128)
     return _prefetch_tiles(64, 128)
 
 

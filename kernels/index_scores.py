@@ -38,7 +38,14 @@ from kernels import check_runnable, interpreting
 from kernels.element_codes import e2m1_pairs_to_float, ue8m0_to_float
 from kernels.row_codes import e2m1_scaled
 
-__all__ = ["TILES", "IndexTiles", "block_t_for", "index_scores", "index_scores_reference"]
+__all__ = [
+    "TILES",
+    "IndexTiles",
+    "block_t_for",
+    "choose_tiles",
+    "index_scores",
+    "index_scores_reference",
+]
 
 _BLOCK_TOKENS = 128  # positions per block-table entry (`state.BLOCK_TOKENS`)
 _INTERPRETING = interpreting()
@@ -65,12 +72,15 @@ class IndexTiles:
 
 
 # THE CHOICE (a pure function of the launch's shapes, so nothing is tuned or compiled while
-# serving): every launch takes `TILES`, the fastest candidate at decode on the H200
-# (`benchmarks/kernel_speed.py --only index_scores`, 2026-12-02: 16 / 64 / 256 sequences
-# 46.8 / 66.9 / 249.5 µs against 70.3 / 75.7 / 299.9 for j64 w4; a 1,024-token prefill 741 µs,
-# j128 w8 655). The candidates with several key tiles per program (sm90 ptxas, Triton 3.9: 168–
-# 192 registers, no spills at 8 warps; 4 warps or 128 keys per tile spill) are not measured yet.
-TILES = IndexTiles(64, 8)
+# serving): the first entry whose bound is at least the launch's new tokens per sequence. H200
+# (`benchmarks/kernel_speed.py --only index_scores`): decode, 2026-12-02, 16 / 64 / 256
+# sequences 46.8 / 66.9 / 249.5 µs against 70.3 / 75.7 / 299.9 for j64 w4 (2026-12-03: four or
+# more key tiles per program 24–78 / 79–81 / 293–310 µs against 21 / 66 / 245); a 1,024-token
+# prefill, 2026-12-03, four key tiles per program 587 µs against 772 for one (j128 w8 642).
+TILES: tuple[tuple[int, IndexTiles], ...] = (
+    (64, IndexTiles(64, 8)),
+    (1 << 62, IndexTiles(64, 8, j_tiles=4)),
+)
 CANDIDATES: tuple[IndexTiles, ...] = (
     IndexTiles(64, 4),
     IndexTiles(64, 8),
@@ -81,7 +91,12 @@ CANDIDATES: tuple[IndexTiles, ...] = (
     IndexTiles(64, 8, num_stages=2, j_tiles=8),
 )
 if _INTERPRETING:
-    TILES = IndexTiles(16, 4)
+    TILES = ((1 << 62, IndexTiles(16, 4)),)
+
+
+def choose_tiles(tokens_per_seq: int) -> IndexTiles:
+    """The `TILES` entry for a launch of `tokens_per_seq` new tokens per sequence."""
+    return next(tiles for bound, tiles in TILES if tokens_per_seq <= bound)
 
 
 @triton.jit
@@ -238,7 +253,8 @@ def index_scores(
     score −inf), covering positions below num_j · ratio.
     pad_index: int64 [B, T_max] flat token index of row t of sequence b, −1 for padding
     (`StepBatch.pad_index`). positions: int64 [T]. Token t sees j < (positions[t] + 1) // ratio;
-    padding rows see nothing. tiles: a launch shape of its own (benchmarks); default `TILES`.
+    padding rows see nothing. tiles: a launch shape of its own (benchmarks); default
+    `choose_tiles(T_max)`.
 
     Raises:
         ValueError: a shape, dtype or layout the kernel does not take (D not a power of two
@@ -254,7 +270,7 @@ def index_scores(
     num_heads, dim = iq.shape[1:]
     block_h = triton.next_power_of_2(num_heads)
     block_t = block_t_for(num_heads, max_len)
-    tiles = tiles or TILES
+    tiles = tiles or choose_tiles(max_len)
     per_program = tiles.block_j * tiles.j_tiles
     grid = (num_seqs, triton.cdiv(max_len, block_t), triton.cdiv(num_j, per_program))
     _index_scores_kernel[grid](

@@ -68,8 +68,8 @@ class MqaTiles:
     [H, rows] with their softmax max and sum; then D / block_d programs each decode only their
     columns and sum exp(score − max) · row. Where block_d < D, the one-pass kernel decodes
     the rows and computes the scores D / block_d times over (once per column program); this
-    trades that for the scores' round trip through memory (fp32, 4 bytes per head and row:
-    meant for decode steps). No row splits with it.
+    trades that for the scores' round trip through memory (fp32, 4 bytes per head and row;
+    launches of `TWO_PASS_TOKENS` tokens at most). No row splits with it.
     """
 
     block_h: int
@@ -92,13 +92,16 @@ class MqaTiles:
 # two row splits 54 µs (one: 85 µs); at 64 and 256 every head in one program with 128 output
 # columns 138 / 549 µs (16 heads: 162 / 653 µs); prefill 4,096 tokens 32 heads 5.7 ms (64 heads
 # with 128 columns: 6.8 ms). 2026-12-03 (`benchmarks/attention_passes.py`): the same shape in two
-# passes 138 / 325 µs at 64 / 256 (one pass 136 / 545).
+# passes 138 / 325 µs at 64 / 256 (one pass 136 / 545); a 4,096-token prefill chunk 3.89 ms
+# (one pass, 32 heads: 5.58 ms).
 TILES: tuple[tuple[int, MqaTiles], ...] = (
     (16, MqaTiles(16, 64, splits=2)),
     (64, MqaTiles(64, 32, block_d=128, num_warps=4)),
-    (256, MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True)),
-    (1 << 62, MqaTiles(32, 64)),
+    (1 << 62, MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True)),
 )
+# Two-pass launches take at most this many tokens each: the scores' buffer (fp32 [tokens, H,
+# window + selected rows], ~164 KB per token at the released shape) stays under ~0.7 GB.
+TWO_PASS_TOKENS = 4096
 # `fixed_tiles` (batch-invariant mode): one shape whatever the launch, so a token's reduction
 # never changes with the step's other tokens. Any `MqaTiles` keeps that property.
 FIXED_TILES = MqaTiles(16, 64)
@@ -622,6 +625,32 @@ def _mqa_values_kernel(
 GlobalRows = tuple[Tensor, Tensor, Tensor, int]
 
 
+def _two_passes(
+    q, seq_of_token, positions, sources, sink, out, num_selected, softmax_scale, row_strides,
+    tiles, block_d, common,
+) -> None:  # fmt: skip
+    """`MqaTiles.two_pass` over the tokens of `q` (sources and out sliced to them)."""
+    num_tokens, num_heads, dim = q.shape
+    rows = sources[0]
+    window_tiles = -(-common["WINDOW"] // tiles.block_n)
+    columns = (window_tiles + -(-num_selected // tiles.block_n)) * tiles.block_n
+    scores = torch.empty(num_tokens, num_heads, columns, device=q.device)
+    m_all = torch.empty(num_tokens, num_heads, device=q.device)
+    total_all = torch.empty_like(m_all)
+    score_strides = (scores.stride(0), scores.stride(1))
+    head_blocks = triton.cdiv(num_heads, tiles.block_h)
+    _mqa_scores_kernel[(num_tokens, head_blocks)](
+        q, seq_of_token, positions, *sources, sink, scores, m_all, total_all, num_heads,
+        num_selected, rows.shape[1], softmax_scale, q.stride(0), q.stride(1),
+        *row_strides, *score_strides, Q_SPLIT=q.dtype != torch.bfloat16, **common,
+    )  # fmt: skip
+    _mqa_values_kernel[(num_tokens, head_blocks, dim // block_d)](
+        seq_of_token, positions, *sources, scores, m_all, total_all, out, num_heads,
+        num_selected, rows.shape[1], *row_strides, *score_strides, out.stride(0),
+        out.stride(1), BLOCK_D=block_d, **common,
+    )  # fmt: skip
+
+
 def sparse_mqa(
     q: Tensor,
     seq_of_token: Tensor,
@@ -740,23 +769,22 @@ def sparse_mqa(
         tables.stride(0),
     )
     if tiles.two_pass:
-        window_tiles = -(-window // tiles.block_n)
-        columns = (window_tiles + -(-num_selected // tiles.block_n)) * tiles.block_n
-        scores = torch.empty(num_tokens, num_heads, columns, device=q.device)
-        m_all = torch.empty(num_tokens, num_heads, device=q.device)
-        total_all = torch.empty_like(m_all)
-        score_strides = (scores.stride(0), scores.stride(1))
-        head_blocks = triton.cdiv(num_heads, tiles.block_h)
-        _mqa_scores_kernel[(num_tokens, head_blocks)](
-            q, seq_of_token, positions, *sources, sink, scores, m_all, total_all, num_heads,
-            num_selected, rows.shape[1], softmax_scale, q.stride(0), q.stride(1),
-            *row_strides, *score_strides, Q_SPLIT=q.dtype != torch.bfloat16, **common,
-        )  # fmt: skip
-        _mqa_values_kernel[(num_tokens, head_blocks, dim // block_d)](
-            seq_of_token, positions, *sources, scores, m_all, total_all, out, num_heads,
-            num_selected, rows.shape[1], *row_strides, *score_strides, out.stride(0),
-            out.stride(1), BLOCK_D=block_d, **common,
-        )  # fmt: skip
+        window_per_token = ring is None
+        for start in range(0, num_tokens, TWO_PASS_TOKENS):
+            part = slice(start, start + TWO_PASS_TOKENS)
+            first = window_index[part] if window_per_token else window_index
+            group_sources = (
+                rows,
+                first,
+                first if window_floor is None else window_floor,
+                pool,
+                selection[part],
+                tables if ratio else tables[part],  # without a KV source: per token
+            )
+            _two_passes(
+                q[part], seq_of_token[part], positions[part], group_sources, sink, out[part],
+                num_selected, softmax_scale, row_strides, tiles, block_d, common,
+            )  # fmt: skip
         return out
     splits = tiles.splits
     if splits > 1:

@@ -164,6 +164,32 @@ def test_every_tile_shape_matches_reference_in_the_triton_interpreter() -> None:
     assert len(errors) == 3 * len(INTERPRETED_TILES) and max(errors) < TOLERANCE
 
 
+_INTERPRETED_GROUPS = """
+import json
+import kernels.sparse_mqa as mqa
+from tests.kernels.test_sparse_mqa import CASES, TWO_PASS, _floors, _inputs
+same = []
+for case in (CASES[0], CASES[4], CASES[5]):
+    args, sources = _inputs(case)
+    floor = _floors(args[2], args[1], args[4])
+    whole = mqa.sparse_mqa(*args, **sources, window_floor=floor, tiles=TWO_PASS)
+    mqa.TWO_PASS_TOKENS = 4
+    grouped = mqa.sparse_mqa(*args, **sources, window_floor=floor, tiles=TWO_PASS)
+    mqa.TWO_PASS_TOKENS = 1 << 20
+    same.append([len(args[0]), bool((grouped == whole).all())])
+print(json.dumps(same))
+"""
+
+
+def test_two_passes_in_token_groups_give_each_token_the_same_bits_in_the_triton_interpreter():
+    # Long launches run the two passes over groups of `TWO_PASS_TOKENS` tokens (the scores'
+    # buffer stays bounded): decode (ring), prefill with a KV source, prefill without one
+    # (its selection and block table are per token), each with replay floors, split in groups
+    # of 4 tokens, give every token exactly what one launch gives it.
+    same = run_interpreted(_INTERPRETED_GROUPS)
+    assert [tokens for tokens, _ in same] == [3, 15, 80] and all(equal for _, equal in same)
+
+
 def test_reference_windows_agree_between_ring_and_rows() -> None:
     """The two window sources describe the same rows: reading a ring and reading its decoded
     rows give the same attention."""
