@@ -48,11 +48,13 @@ fp8_tiles: for the same shapes and T, every tile shape of a small candidate list
 (`fp8_tile_candidates`) against `default_config`'s; prints the fastest per shape (what to put
 into `default_config` once measured). Writes kernel_speed.json.
 
-index_scores: one ratio-2 indexer's scores (64 heads x 128, FP4 index keys of a paged pool,
-J = 2048 compressed positions: 4K context) for decode steps of S sequences and a 1,024-token
-prefill chunk; "before" the torch path of `Attention._select` (gather the rows, decode them to
-fp32, bf16 bmm + fp32 head sum, mask), "after" `kernels.index_scores` (one launch); GB/s counts
-the key rows, queries and head weights read and the fp32 scores written. Also prints µs.
+index_scores: one indexer's scores (heads x 128, FP4 index keys of a paged pool) at three
+layers: 64 heads at ratio 2 and 4K context (J = 2,048 compressed positions, the first layer
+timed), the released model's 32 heads at ratio 2 and 1 and 8K context (J = 4,096 and 8,192,
+what `gpu_rank` runs), for decode steps of S sequences and a 1,024-token prefill chunk;
+"before" the torch path of `Attention._select` (gather the rows, decode them to fp32, bf16 bmm
++ fp32 head sum, mask), "after" `kernels.index_scores` (one launch); GB/s counts the key rows,
+queries and head weights read and the fp32 scores written. Also prints µs.
 """
 
 from __future__ import annotations
@@ -579,15 +581,27 @@ def fp8_tile_rows(tokens: list[int], device: torch.device) -> list[dict]:
 
 
 def index_score_rows(sequences: list[int], device: torch.device) -> list[dict]:
-    """One ratio-2 indexer at J = 2048 (`index_scores` group of the module docstring)."""
+    """The indexer layers of the `index_scores` group (module docstring)."""
+    return [
+        row
+        for heads, ratio, context in INDEX_LAYERS
+        for row in index_layer_rows(heads, ratio, context, sequences, device)
+    ]
+
+
+INDEX_LAYERS = ((64, 2, 4096), (32, 2, 8192), (32, 1, 8192))  # (heads, ratio, context)
+
+
+def index_layer_rows(
+    heads: int, ratio: int, context: int, sequences: list[int], device: torch.device
+) -> list[dict]:
     from engine.models.deepseek_v41.attention import Attention
     from engine.models.deepseek_v41.kv_formats import index_fp4_quantize, index_fp4_round_trip
     from kernels.fp4_rows import index_fp4_rows_dequantize
     from kernels.index_scores import CANDIDATES, choose_tiles, index_scores
 
-    heads, dim, ratio, num_j = 64, 128, 2, 2048
-    per_block, context = 128 // ratio, num_j * ratio
-    blocks_per_seq = context // 128
+    dim, num_j = 128, context // ratio
+    per_block, blocks_per_seq = 128 // ratio, context // 128
     rows = []
     for num_seqs, new in [(s, 1) for s in sequences] + [(1, 1024)]:
         generator = torch.Generator(device=device).manual_seed(num_seqs)
@@ -629,7 +643,7 @@ def index_score_rows(sequences: list[int], device: torch.device) -> list[dict]:
         moved += num_tokens * num_j * 4
         flops = 2 * num_tokens * heads * num_j * dim
         phase = "decode" if new == 1 else "prefill"
-        name = f"index_scores ({phase})"
+        name = f"index_scores h{heads} J{num_j} ({phase})"
         rows.append(_row(name, num_tokens, before_us / 1e3, after_us / 1e3, moved, flops, error))
         print(
             f"{name} S={num_seqs} T={num_tokens}: before {before_us:.1f} µs "

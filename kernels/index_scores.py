@@ -89,6 +89,8 @@ CANDIDATES: tuple[IndexTiles, ...] = (
     IndexTiles(64, 8, j_tiles=8),
     IndexTiles(64, 8, j_tiles=16),
     IndexTiles(64, 8, num_stages=2, j_tiles=8),
+    IndexTiles(64, 4, j_tiles=8),
+    IndexTiles(128, 8, j_tiles=4),
 )
 if _INTERPRETING:
     TILES = ((1 << 62, IndexTiles(16, 4)),)
