@@ -18,6 +18,14 @@ else
     step "[1/2] torch 2.13.0 from ${TORCH_INDEX_URL:-PyPI} (a large download, minutes)"
     "$PY" -m pip install --quiet ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 fi
+# Hugging Face's `kernels` distribution (transformers 5.25 requires it; pyproject.toml pins
+# transformers below that) installs a top-level module `kernels` that shadows ours: an
+# environment that has it loses it before ours goes in (uninstalling it afterwards would delete
+# the files the two share).
+if "$PY" -m pip show kernels >/dev/null 2>&1; then
+    step "removing Hugging Face's kernels package (it shadows deepinfer's kernels/)"
+    "$PY" -m pip uninstall --yes --quiet kernels
+fi
 if [ "${EDITABLE:-0}" = "1" ]; then
     step "[2/2] deepinfer-server (editable) and its test tools"
     "$PY" -m pip install --quiet -e ".[test]"
