@@ -2,7 +2,7 @@
 5120, expert width 2304): each (tokens, use, tiles) timed alone, against the copy bandwidth.
 
     python3 benchmarks/grouped_gemm_tiles.py [--tokens 16 64 256 4096] [--baseline MODULE]
-        [--decode-rows 64] [--prefetch-tiles]
+        [--decode-rows 64] [--prefetch-tiles] [--split-gate-up]
 
 `--decode-rows BM`: blocks of BM rows also run through the decode kernel (the launcher gives
 blocks above `DECODE_MAX_BLOCK_M` rows to the prefill kernel), with its table's tiles under
@@ -10,6 +10,13 @@ several register caps, with and without the prefetch.
 
 `--prefetch-tiles`: decode blocks run the register-prefetch kernel at each of the kernel's
 `DECODE_CANDIDATES` (weight rows per program, register cap) instead of the old explicit list.
+
+`--split-gate-up`: instead of the sweep, gate/up as the table runs it (one fused launch per
+block size) against the split candidate at blocks of 32 and 64 rows: one ungated decode-kernel
+launch over the 4,608 packed [W1; W3] rows with token input rows (`_launch_decode(...,
+token_rows=True)`: one accumulator, so 64-row blocks fit the registers and each expert's
+weights are unpacked once), bf16 [gate | up] rows written, then `clamped_swiglu`; both launches
+timed together; the error is against the fused reference.
 
 GB/s counts the codes and scales of the experts that got rows (each read once); "% copy" is that
 over a device-to-device copy's bandwidth (bytes read + written) measured in the same run.
@@ -74,6 +81,8 @@ def forced_decode_tiles(n_weight: int, k: int, block_m: int, gated: bool) -> lis
     for prefetch, maxnreg in ((True, 128), (True, 168), (True, 232)):
         tiles = {**table, "PREFETCH": prefetch, "maxnreg": maxnreg}
         out.append((f"decode p{int(prefetch)} r{maxnreg}", tiles))
+    if not gated:  # one accumulator: 128 weight rows (two warpgroups) fit without spills
+        out.append(("decode n128 r168", grouped._prefetch_tiles(128, 168)))
     return out
 
 
@@ -116,6 +125,60 @@ def relative(ours, reference, used=None):
     return float((ours.float() - reference.float()).norm() / reference.float().norm())
 
 
+# (weight rows per program, register cap) of the split candidate's ungated launch
+SPLIT_TILES = ((64, 168), (64, 232), (128, 168), (128, 232))
+
+
+def split_gate_up(tokens: list[int], w: dict, generator: torch.Generator, copy: float) -> None:
+    """`--split-gate-up` (module docstring): ms per layer's gate/up, fused table vs split."""
+    from kernels.clamped_swiglu import clamped_swiglu
+
+    codes, scales = w["gate_up"]
+    n_w, half_k = codes.shape[1], codes.shape[2]
+    print(f"{'T':>5} {'BM':>4} {'gate/up':<28} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'rel err':>8}")
+    for num_tokens in tokens:
+        scores = torch.rand(num_tokens, EXPERTS, generator=generator, device="cuda")
+        ids = torch.topk(scores, TOP_K, dim=-1).indices
+        used = int(torch.unique(ids).numel())
+        moved = used * n_w * (half_k + half_k * 2 // 32)
+        x = torch.randn(num_tokens, HIDDEN, generator=generator, device="cuda").bfloat16()
+        for block_m in (16, 32, 64):
+            blocks = grouped.align_to_experts(ids, EXPERTS, block_m)
+            is_pos = blocks.pair_of_pos >= 0
+            reference = grouped.grouped_mxfp4_gemm_reference(
+                x, blocks, codes, scales, gate_limit=LIMIT
+            )
+            candidates = []
+            if block_m in block_m_of(num_tokens) or block_m <= grouped.DECODE_MAX_BLOCK_M:
+
+                def fused(blocks=blocks, x=x):
+                    return grouped.grouped_mxfp4_gemm(x, blocks, codes, scales, gate_limit=LIMIT)
+
+                candidates.append(("fused (table)", fused))
+            for block_n, cap in SPLIT_TILES:
+                tiles = {**grouped._prefetch_tiles(block_n, cap)}
+
+                def split(blocks=blocks, tiles=tiles, x=x):
+                    rows = torch.empty(blocks.num_positions, n_w, dtype=torch.bfloat16,
+                                       device="cuda")  # fmt: skip
+                    grouped._launch_decode(x, blocks, (codes, scales), rows, None, None,
+                                           token_rows=True, **tiles)  # fmt: skip
+                    return clamped_swiglu(rows, LIMIT)
+
+                candidates.append((f"split n{block_n} r{cap}", split))
+            for name, fn in candidates:
+                try:
+                    error = relative(fn(), reference, is_pos)
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+                except Exception as exc:  # noqa: BLE001 - a sweep reports and goes on
+                    print(f"{num_tokens} {block_m} {name}: FAILED {type(exc).__name__}: "
+                          f"{str(exc)[:300]}", flush=True)  # fmt: skip
+                    continue
+                gbs = moved / ms / 1e6
+                print(f"{num_tokens:>5} {block_m:>4} {name:<28} {ms:>8.4f} {gbs:>7.0f} "
+                      f"{100 * gbs / copy:>6.1f} {error:>8.1e}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
@@ -124,12 +187,16 @@ def main() -> None:
     parser.add_argument("--tuned-only", action="store_true", help="no explicit tiles")
     parser.add_argument("--decode-rows", type=int, nargs="*", default=[], help="see the docstring")
     parser.add_argument("--prefetch-tiles", action="store_true", help="see the docstring")
+    parser.add_argument("--split-gate-up", action="store_true", help="see the docstring")
     args = parser.parse_args()
     baseline = importlib.import_module(args.baseline) if args.baseline else None
     copy = copy_gbs()
     print(f"copy bandwidth: {copy:.0f} GB/s (read + write)", flush=True)
     generator = torch.Generator(device="cuda").manual_seed(0)
     w = weights(generator)
+    if args.split_gate_up:
+        split_gate_up(args.tokens, w, generator, copy)
+        return
     rows = []
     for num_tokens in args.tokens:
         scores = torch.rand(num_tokens, EXPERTS, generator=generator, device="cuda")

@@ -279,6 +279,7 @@ def _decode_kernel(
     stride_om,
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr,
     HAS_ROW_WEIGHT: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -295,10 +296,10 @@ def _decode_kernel(
     offs_pos = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pair_of_pos_ptr + offs_pos)
     is_row = pair >= 0
-    if GATED:  # input rows: tokens; output rows: positions
+    if TOKEN_ROWS:  # input rows: tokens; output rows: positions (gate/up)
         in_row = pair // TOP_K
         out_row = offs_pos
-    else:  # input rows: positions; output rows: (token, slot) pairs
+    else:  # input rows: positions; output rows: (token, slot) pairs (down)
         in_row = offs_pos
         out_row = pair
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -569,9 +570,15 @@ def grouped_mxfp4_gemm(
     return out
 
 
-def _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **tiles) -> None:
-    """`_decode_kernel` over `blocks` with `tiles` (BLOCK_N, PREFETCH and launch options)."""
+def _launch_decode(
+    x, blocks, weights, out, gate_limit, row_weight, token_rows=None, **tiles
+) -> None:
+    """`_decode_kernel` over `blocks` with `tiles` (BLOCK_N, PREFETCH and launch options).
+    token_rows: x holds token rows and out position rows (default: whether gated); True with
+    no gate_limit multiplies gate and up as plain rows, out [positions, N_w] (a candidate:
+    `benchmarks/grouped_gemm_tiles.py --split-gate-up`)."""
     codes, scales = weights
+    token_rows = gate_limit is not None if token_rows is None else token_rows
     k, n = x.shape[1], out.shape[1]
     even_k = k % 128 == 0
     if even_k:  # x's columns in the weights' K order, so the kernel reads contiguous runs
@@ -596,6 +603,7 @@ def _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **tiles) -> 
         out.stride(0),
         TOP_K=blocks.top_k,
         GATED=gate_limit is not None,
+        TOKEN_ROWS=token_rows,
         HAS_ROW_WEIGHT=row_weight is not None,
         EVEN_K=even_k,
         BLOCK_M=blocks.block_m,
