@@ -55,6 +55,15 @@ what `gpu_rank` runs), for decode steps of S sequences and a 1,024-token prefill
 "before" the torch path of `Attention._select` (gather the rows, decode them to fp32, bf16 bmm
 + fp32 head sum, mask), "after" `kernels.index_scores` (one launch); GB/s counts the key rows,
 queries and head weights read and the fp32 scores written. Also prints µs.
+
+alignment: `kernels.expert_alignment` (one launch) against its torch reference at T tokens of
+one rank's routing (48 experts, top-6, skewed as a gate routes: a quarter of the experts take
+most pairs), at the block size `_block_m` picks (16 and 32 for decode, 128 for a 4,096-token
+chunk) and, for prefill-sized routings, also 64 (the other prefill block). Timed with CUDA
+events (`triton.testing.do_bench`, median, µs); both outputs must equal the reference's
+(rel_diff 0, else inf); GB/s counts the ids read and the two outputs written. Both are timed
+eagerly: the reference's ~20 small launches and the kernel's Triton launch (~7 µs of host time)
+bound them at decode sizes; a CUDA graph's replay of the kernel is shorter.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ from engine.models.deepseek_v41.kv_formats import (
 from engine.models.deepseek_v41.moe import MoE, _block_m
 from engine.models.deepseek_v41.primitives import rope_frequencies
 from engine.models.deepseek_v41.weight_formats import fp8_block_dequantize, fp8_block_quantize
+from kernels import expert_alignment
 from kernels.fp8_block_gemm import (
     GemmConfig,
     default_config,
@@ -655,6 +665,40 @@ def index_layer_rows(
     return rows
 
 
+def alignment_rows(tokens: list[int], device: torch.device) -> list[dict]:
+    """The expert alignment of T tokens' routing, kernel against reference (module docstring)."""
+    kernel = expert_alignment.align_to_experts
+    reference = expert_alignment.align_to_experts_reference
+    rows = []
+    for num_tokens in tokens:
+        generator = torch.Generator(device=device).manual_seed(num_tokens)
+        scores = torch.rand(num_tokens, RANK_EXPERTS, device=device, generator=generator) ** 4
+        scores[:, : RANK_EXPERTS // 4] += 0.5
+        ids = torch.topk(scores, TOP_K, dim=-1).indices  # int64, as the router's
+        num_pairs = ids.numel()
+        if num_pairs > expert_alignment.MAX_PAIRS:
+            print(f"alignment T={num_tokens}: {num_pairs} pairs, over MAX_PAIRS", flush=True)
+            continue
+        block_m = _block_m(num_pairs, RANK_EXPERTS)
+        for block in sorted({block_m, 64} if block_m > DECODE_MAX_BLOCK_M else {block_m}):
+            args = (ids, RANK_EXPERTS, block)
+            before = _bench_us(lambda a=args: reference(*a))
+            after = _bench_us(lambda a=args: kernel(*a))
+            ours = kernel(*args)
+            same = all(torch.equal(a, b) for a, b in zip(ours, reference(*args), strict=True))
+            moved = num_pairs * ids.element_size() + sum(t.numel() * 4 for t in ours)
+            print(
+                f"alignment T={num_tokens:>5} pairs={num_pairs:>6} block_m={block:>3}: "
+                f"reference {before:8.1f} µs | kernel {after:6.1f} µs | "
+                f"{'equal' if same else 'DIFFERENT'}",
+                flush=True,
+            )
+            error = 0.0 if same else float("inf")
+            name = f"expert_alignment block {block}"
+            rows.append(_row(name, num_tokens, before / 1e3, after / 1e3, moved, 0.0, error))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
@@ -670,6 +714,7 @@ def main() -> None:
         "fp8_gemm": fp8_gemm_rows,
         "fp8_tiles": fp8_tile_rows,
         "index_scores": lambda _tokens, device: index_score_rows([16, 64, 256], device),
+        "alignment": alignment_rows,
     }
     parser.add_argument("--only", nargs="*", choices=sorted(groups), default=sorted(groups))
     args = parser.parse_args()

@@ -10,17 +10,27 @@ For the (token, slot) pairs p of `expert_ids` [T, top_k] flattened (key(p) = the
 
 with num_blocks = T·top_k // block_m + min(E, T·top_k), so nothing is read back to the host.
 
-How: one program. Pass 1 counts the pairs per expert chunk by chunk (`tl.histogram`); the
-padded run starts are a cumsum in registers. Pass 2 writes block_expert and the -1s, block by
-block: the expert of a block is the number of runs that end at or before its first position
-(a [BLOCK_CHUNK, E_PAD] comparison); its positions past the run's count are padding. Pass 3
-ranks the pairs chunk by chunk: a pair's position is its expert's running cursor (`tl.gather`
-from registers) plus the number of earlier pairs of that expert within the chunk ([CHUNK, CHUNK]
-comparison); the chunk's histogram then moves the cursors. The three passes write disjoint
-addresses, so no barrier orders them.
+How: one launch of P = max(ceil(T·top_k / CHUNK), ceil(num_blocks / BLOCK_CHUNK)) programs with
+no order among them. Every program reads all the keys, KEY_TILE at a time (the tiles' loads are
+independent), and counts them per expert (`tl.histogram`): all pairs give c_e (so first_e is a
+cumsum in registers); the tiles left of its own chunk also give b_e, the counts of the pairs
+before the chunk (the one tile that holds the chunk's start is counted again, masked). Then
+program i
 
+    ranks chunk i:   position(p) = first_e + b_e + #{p' in chunk i, p' < p : key(p') = e}
+                     (`tl.gather` of first + b by key, plus a [CHUNK, CHUNK] comparison);
+    writes blocks i·BLOCK_CHUNK ... (i + 1)·BLOCK_CHUNK - 1: the expert of a block is the
+                     number of runs that end at or before its first position (a
+                     [BLOCK_CHUNK, E_PAD] comparison); its positions past the run's count get -1.
+
+    pairs:      | chunk 0 | chunk 1 | ... | chunk i | ... | chunk P-1 |   (program i reads all)
+                |<--- counted in b_e ---->|< ranks >|   (in program i)
     positions:  | run of e0 (c_0 pairs, padding) | run of e1 | ... | unused blocks (-1) |
                 ^ first_0 = 0                   ^ first_1
+    blocks:     | BLOCK_CHUNK of program 0 | of program 1 | ... |   (block_expert, the -1s)
+
+A pair's position, a block's expert and the padding's -1s are disjoint addresses, each written
+by one program, so no program waits for another.
 
 `align_to_experts_reference` is the torch code (a scatter-add count, a cumsum, ranks by a prefix
 count over a one-hot table or by a stable sort), the path for larger routings and the CPU.
@@ -37,13 +47,27 @@ from kernels import check_runnable
 
 __all__ = ["MAX_PAIRS", "align_to_experts", "align_to_experts_reference", "num_blocks_for"]
 
-# Routings up to this many (token, slot) pairs take the kernel: one program walks them all
-# (decode steps and short prefill chunks); the torch reference sorts larger ones.
-MAX_PAIRS = 4096
-# Pairs per chunk (a [CHUNK, CHUNK] comparison); elements of the [BLOCK_CHUNK, E_PAD] and
-# [BLOCK_CHUNK, block_m] tiles of pass 2 (registers of 4 warps).
-_CHUNK = 64
+# Routings up to this many (token, slot) pairs take the kernel: decode steps and prefill chunks
+# up to 4,096 tokens at top-8 (24,576 pairs at top-6); the torch reference sorts larger ones.
+# NOTE: every program reads all the keys from L2: programs · pairs · 8 bytes (int64 ids), at
+# 1,536 decode pairs 24 · 12 KiB = 288 KiB, at 24,576 pairs 192 · 192 KiB = 36 MiB, at 32,768
+# pairs 256 · 256 KiB = 64 MiB; the whole kernel took 25.9 and 30.6 µs at the last two (H100).
+MAX_PAIRS = 32768
+# Elements of the [BLOCK_CHUNK, E_PAD] and [BLOCK_CHUNK, block_m] block tiles (registers of 4
+# warps).
 _TILE = 8192
+
+
+def _program_shape(block_m: int) -> tuple[int, int]:
+    """(CHUNK, KEY_TILE): pairs ranked per program (a [CHUNK, CHUNK] comparison) and keys
+    counted per step of the key loop. Decode blocks (block_m <= 32: few pairs) want the short
+    rank; prefill blocks (many pairs, which every program reads) want fewer programs and longer
+    tiles. A function of block_m, already a constexpr, so no step size compiles a variant.
+
+    H100, graph replays: 1,536 pairs at block 32 5.9 µs (the one-program kernel: 38.7; 64 /
+    4,096: 6.8); 24,576 pairs at block 128 25.9 µs (64 / 2,048: 36.6; 128 / 2,048: 28.4).
+    """
+    return (64, 2048) if block_m <= 32 else (128, 4096)
 
 
 def num_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -63,44 +87,54 @@ def _align_kernel(
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_CHUNK: tl.constexpr,
+    KEY_TILE: tl.constexpr,
 ):
+    program = tl.program_id(0)
+    chunk_start = program * CHUNK
     experts = tl.arange(0, E_PAD)
-    lanes = tl.arange(0, CHUNK)
+    tile = tl.arange(0, KEY_TILE)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        counts += tl.histogram(_keys(ids_ptr, start + lanes, num_pairs, num_experts), E_PAD)
+    before = tl.zeros([E_PAD], dtype=tl.int32)  # pairs left of this program's chunk
+    for start in range(0, num_pairs, KEY_TILE):
+        pairs = start + tile
+        key = _keys(ids_ptr, pairs, num_pairs, num_experts)
+        tile_counts = tl.histogram(key, E_PAD)
+        counts += tile_counts
+        if start + KEY_TILE <= chunk_start:  # the whole tile lies left of the chunk
+            before += tile_counts
+        elif start < chunk_start:  # the one tile that holds the chunk's start
+            before += tl.histogram(tl.where(pairs < chunk_start, key, num_experts), E_PAD)
     padded = tl.where(experts < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     end = tl.cumsum(padded, axis=0)
     first = end - padded
+
+    lanes = tl.arange(0, CHUNK)
+    pairs = chunk_start + lanes
+    key = _keys(ids_ptr, pairs, num_pairs, num_experts)
+    earlier = lanes[None, :] < lanes[:, None]  # [i, j]: pair j comes before pair i
+    within = tl.sum(((key[:, None] == key[None, :]) & earlier).to(tl.int32), axis=1)
+    position = tl.gather(first + before, key, 0) + within
+    tl.store(pair_of_pos_ptr + position, pairs, mask=key < num_experts)
+
     # NOTE: entries e >= E have padded 0, so end there is the last run's end; a block past it
     # counts them too and gets an expert >= E (-1), one inside counts only real runs.
+    blocks = program * BLOCK_CHUNK + tl.arange(0, BLOCK_CHUNK)
+    is_block = blocks < num_blocks
+    block_start = blocks * BLOCK_M
+    expert = tl.sum((end[None, :] <= block_start[:, None]).to(tl.int32), axis=1)
+    is_run = expert < num_experts
+    tl.store(block_expert_ptr + blocks, tl.where(is_run, expert, -1), mask=is_block)
+    hot = expert[:, None] == experts[None, :]
+    run_first = tl.sum(tl.where(hot, first[None, :], 0), axis=1)
+    run_count = tl.sum(tl.where(hot, counts[None, :], 0), axis=1)
     rows = tl.arange(0, BLOCK_M)
-    for b0 in range(0, num_blocks, BLOCK_CHUNK):
-        blocks = b0 + tl.arange(0, BLOCK_CHUNK)
-        is_block = blocks < num_blocks
-        block_start = blocks * BLOCK_M
-        expert = tl.sum((end[None, :] <= block_start[:, None]).to(tl.int32), axis=1)
-        is_run = expert < num_experts
-        tl.store(block_expert_ptr + blocks, tl.where(is_run, expert, -1), mask=is_block)
-        hot = expert[:, None] == experts[None, :]
-        run_first = tl.sum(tl.where(hot, first[None, :], 0), axis=1)
-        run_count = tl.sum(tl.where(hot, counts[None, :], 0), axis=1)
-        rank = (block_start - run_first)[:, None] + rows[None, :]
-        padding = ~is_run[:, None] | (rank >= run_count[:, None])
-        tl.store(
-            pair_of_pos_ptr + block_start[:, None] + rows[None, :],
-            tl.full([BLOCK_CHUNK, BLOCK_M], -1, tl.int32),
-            mask=padding & is_block[:, None],
-        )
-    cursor = first
-    earlier = lanes[None, :] < lanes[:, None]  # [i, j]: pair j comes before pair i
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + lanes
-        key = _keys(ids_ptr, pairs, num_pairs, num_experts)
-        within = tl.sum(((key[:, None] == key[None, :]) & earlier).to(tl.int32), axis=1)
-        position = tl.gather(cursor, key, 0) + within
-        tl.store(pair_of_pos_ptr + position, pairs, mask=key < num_experts)
-        cursor += tl.histogram(key, E_PAD)
+    rank = (block_start - run_first)[:, None] + rows[None, :]
+    padding = ~is_run[:, None] | (rank >= run_count[:, None])
+    tl.store(
+        pair_of_pos_ptr + block_start[:, None] + rows[None, :],
+        tl.full([BLOCK_CHUNK, BLOCK_M], -1, tl.int32),
+        mask=padding & is_block[:, None],
+    )
 
 
 @triton.jit
@@ -112,8 +146,9 @@ def _keys(ids_ptr, pairs, num_pairs, num_experts):
 
 def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
     """(pair_of_pos int32 [num_blocks · block_m], block_expert int32 [num_blocks]) of the
-    routing `expert_ids` [T, top_k] (integer ids, < 0 skipped) in one launch; the same tensors
-    as `align_to_experts_reference`. No count comes back to the host.
+    routing `expert_ids` [T, top_k] (integer ids, < 0 skipped) in one launch (a grid sized by
+    T·top_k alone, so a CUDA graph of fixed shapes replays it); the same tensors as
+    `align_to_experts_reference`. No count comes back to the host.
 
     NOTE: an id >= num_experts is not a routing; here it is skipped like a negative one (the
     reference raises or misplaces it), since checking would read the ids back.
@@ -126,7 +161,7 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> tupl
         raise ValueError(f"expert_ids must be integer [T, top_k], got {expert_ids.dtype}")
     num_pairs = expert_ids.numel()
     if num_pairs > MAX_PAIRS:
-        raise ValueError(f"at most {MAX_PAIRS} pairs in one program, got {num_pairs}")
+        raise ValueError(f"at most {MAX_PAIRS} pairs in one launch, got {num_pairs}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     check_runnable(expert_ids, "align_to_experts")
@@ -136,7 +171,10 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> tupl
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     if num_blocks:
         e_pad = triton.next_power_of_2(num_experts + 1)
-        _align_kernel[(1,)](
+        block_chunk = max(1, min(64, _TILE // e_pad, _TILE // block_m))
+        chunk, key_tile = _program_shape(block_m)
+        num_programs = max(triton.cdiv(num_pairs, chunk), triton.cdiv(num_blocks, block_chunk))
+        _align_kernel[(num_programs,)](
             expert_ids.contiguous(),
             pair_of_pos,
             block_expert,
@@ -145,8 +183,9 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> tupl
             num_blocks,
             BLOCK_M=block_m,
             E_PAD=e_pad,
-            CHUNK=_CHUNK,
-            BLOCK_CHUNK=max(1, min(64, _TILE // e_pad, _TILE // block_m)),
+            CHUNK=chunk,
+            BLOCK_CHUNK=block_chunk,
+            KEY_TILE=key_tile,
             num_warps=4,
         )
     return pair_of_pos, block_expert

@@ -1,4 +1,8 @@
-"""The one-launch expert alignment against its torch reference: the same blocks, exactly."""
+"""The one-launch expert alignment against its torch reference: the same blocks, exactly.
+
+The kernel's programs each rank one chunk of pairs (64 for decode blocks, 128 for prefill ones)
+and write one share of the blocks; the cases below reach many chunks, a ragged last chunk, the
+key tiles' edges, more block shares than chunks, and MAX_PAIRS itself."""
 
 from __future__ import annotations
 
@@ -23,8 +27,16 @@ CASES = [
     (64, 6, 8, 32, 0.9),
     (683, 2, 48, 64, 0.3),
     (683, 2, 8, 128, 0.0),
-    (682, 6, 384, 128, 0.1),  # 4,092 pairs: just under MAX_PAIRS
+    (682, 6, 384, 128, 0.1),  # 4,092 pairs
     (0, 6, 48, 16, 0.0),
+    (683, 3, 48, 16, 0.2),  # 2,049 pairs: one past a decode key tile (2,048)
+    (1366, 3, 48, 64, 0.2),  # 4,098 pairs: two past a prefill key tile (4,096)
+    (1000, 6, 48, 16, 0.3),  # 6,000 pairs: 94 chunks, the last one ragged; 7 block shares
+    (64, 6, 384, 16, 0.1),  # 408 blocks in 26 shares of 16, only 6 chunks
+    (500, 6, 48, 16, "all"),  # 3,000 pairs, none placed: every block -1
+    (2000, 6, 48, 128, "one-full"),  # one expert's 12,000 pairs across 94 chunks
+    (1500, 6, 48, 32, "one"),  # one expert, every third token's second slot skipped
+    (4096, 8, 48, 128, 0.1),  # 32,768 pairs: MAX_PAIRS
 ]
 
 
@@ -76,7 +88,7 @@ from kernels.grouped_mxfp4_gemm import align_to_experts
 from tests.kernels.test_expert_alignment import CASES, routing
 reference = alignment.align_to_experts_reference
 small = routing(CASES[2])
-large = torch.cat([small] * 50)  # 4,800 pairs: more than MAX_PAIRS
+large = torch.cat([small] * (alignment.MAX_PAIRS // small.numel() + 1))  # past MAX_PAIRS
 expected = [reference(small, 48, 16), reference(large, 48, 16)]
 def refuse(*args):
     raise AssertionError("the torch reference ran")
@@ -114,6 +126,23 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
         align_to_experts(ids.float(), 48, 16)
     with pytest.raises(ValueError, match="CUDA"):
         align_to_experts(ids, 48, 16)
+
+
+@pytest.mark.gpu
+def test_kernel_replays_in_a_cuda_graph() -> None:
+    # one capture per pair count: new ids of the same shape, the reference's blocks each replay
+    case = (256, 6, 48, 32, 0.0)
+    ids = routing(case, "cuda")
+    align_to_experts(ids, 48, 32)  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        blocks = align_to_experts(ids, 48, 32)
+    for skipped in (0.0, 0.4, "one", "all"):
+        ids.copy_(routing((256, 6, 48, 32, skipped), "cuda"))
+        graph.replay()
+        reference = align_to_experts_reference(ids, 48, 32)
+        assert all(torch.equal(a, b) for a, b in zip(blocks, reference, strict=True))
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import torch
 from engine.models.deepseek_v41.config import preset_config
 from engine.models.deepseek_v41.moe import _block_m
 from engine.models.deepseek_v41.warm_up import serving_warm_up_steps, warm_up
-from kernels import fp8_block_gemm, mhc_triplet, sparse_mqa
+from kernels import expert_alignment, fp8_block_gemm, mhc_triplet, sparse_mqa
 from kernels.index_scores import block_t_for
 from tests.kernels.interpreted import run_interpreted
 
@@ -70,6 +70,11 @@ def test_the_serving_steps_reach_every_row_of_the_launch_tables(drafts: int) -> 
     assert {_block_m(n * top_k, experts) for n in counts} == {
         _block_m(n * top_k, experts) for n in reachable
     }
+
+    def aligned_by_kernel(ns) -> set[int]:  # the alignment kernel's variants: one per block size
+        return {_block_m(n * top_k, experts) for n in ns if n * top_k <= expert_alignment.MAX_PAIRS}
+
+    assert aligned_by_kernel(counts) == aligned_by_kernel(reachable)
     heads = default.index_n_heads
     lengths = {s.tokens_per_seq for s in steps}
     assert {block_t_for(heads, n) for n in lengths} == {block_t_for(heads, n) for n in reachable}
