@@ -14,20 +14,15 @@ from pathlib import Path
 REPO = Path(__file__).parents[1]
 
 
-def _outside_env() -> dict[str, str]:
-    return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+def _run_outside(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`args` run in `cwd`, without the PYTHONPATH a test runner may have set."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_our_packages_are_the_ones_imported_outside_the_checkout(tmp_path: Path) -> None:
     code = "import engine, kernels, recipe, server; print(kernels.__file__, engine.__file__)"
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        env=_outside_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _run_outside([sys.executable, "-c", code], tmp_path)
     assert result.returncode == 0, result.stderr
     kernels_file, engine_file = result.stdout.split()
     assert Path(kernels_file).resolve() == REPO / "kernels" / "__init__.py"
@@ -37,13 +32,6 @@ def test_our_packages_are_the_ones_imported_outside_the_checkout(tmp_path: Path)
 def test_the_console_command_starts_outside_the_checkout(tmp_path: Path) -> None:
     command = Path(sys.executable).parent / "deepinfer-server"
     assert command.exists(), f"no console command beside {sys.executable}: run scripts/setup.sh"
-    result = subprocess.run(
-        [str(command), "--help"],
-        cwd=tmp_path,
-        env=_outside_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _run_outside([str(command), "--help"], tmp_path)
     assert result.returncode == 0, result.stderr
     assert "--model" in result.stdout
