@@ -126,7 +126,7 @@ def relative(ours, reference, used=None):
 
 
 # (weight rows per program, register cap) of the split candidate's ungated launch
-SPLIT_TILES = ((64, 168), (64, 232), (128, 168), (128, 232))
+SPLIT_TILES = ((64, 168), (128, 168))
 
 
 def split_gate_up(tokens: list[int], w: dict, generator: torch.Generator, copy: float) -> None:
@@ -143,19 +143,21 @@ def split_gate_up(tokens: list[int], w: dict, generator: torch.Generator, copy: 
         moved = used * n_w * (half_k + half_k * 2 // 32)
         x = torch.randn(num_tokens, HIDDEN, generator=generator, device="cuda").bfloat16()
         for block_m in (16, 32, 64):
+            if block_m < 32 and block_m not in block_m_of(num_tokens):
+                continue
             blocks = grouped.align_to_experts(ids, EXPERTS, block_m)
             is_pos = blocks.pair_of_pos >= 0
             reference = grouped.grouped_mxfp4_gemm_reference(
                 x, blocks, codes, scales, gate_limit=LIMIT
             )
             candidates = []
-            if block_m in block_m_of(num_tokens) or block_m <= grouped.DECODE_MAX_BLOCK_M:
+            if block_m in block_m_of(num_tokens):
 
                 def fused(blocks=blocks, x=x):
                     return grouped.grouped_mxfp4_gemm(x, blocks, codes, scales, gate_limit=LIMIT)
 
                 candidates.append(("fused (table)", fused))
-            for block_n, cap in SPLIT_TILES:
+            for block_n, cap in SPLIT_TILES if block_m >= 32 else ():
                 tiles = {**grouped._prefetch_tiles(block_n, cap)}
 
                 def split(blocks=blocks, tiles=tiles, x=x):
