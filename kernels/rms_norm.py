@@ -21,9 +21,15 @@ from kernels import check_runnable
 from kernels.fp8_block_gemm import quantize_slab
 from kernels.rounding import round_to
 
-__all__ = ["inv_rms", "rms_norm", "rms_norm_fp8", "rms_norm_reference"]
+__all__ = ["inv_rms", "norm_warps", "rms_norm", "rms_norm_fp8", "rms_norm_reference"]
 
 MAX_WIDTH = 16384
+
+
+def norm_warps(block: int) -> int:
+    """num_warps of a program holding a whole row of `block` (a power of two) elements: the
+    launch option `inv_rms`'s reduction order depends on (its NOTE)."""
+    return min(16, max(1, block // 512))
 
 
 @triton.jit
@@ -109,7 +115,7 @@ def _launch(
             EMIT_FP8=fp8_block is not None,
             BLOCK=size,
             GROUP=fp8_block or 1,
-            num_warps=min(16, max(1, size // 512)),
+            num_warps=norm_warps(size),
         )
     return out, codes, scales
 

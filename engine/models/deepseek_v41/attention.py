@@ -30,6 +30,7 @@ from engine.models.deepseek_v41.primitives import (
     mhc_combine_norm,
     pair_softmax,
     rms_norm,
+    rms_norm_rope,
 )
 from engine.models.deepseek_v41.state import BLOCK_TOKENS, PAIR_RING, ModelState, StepBatch
 from kernels import runs_kernels
@@ -88,6 +89,19 @@ class RMSNorm(nn.Module):
         """`self(mhc_combine(residual, weights))`, a sublayer's input, in one launch on the
         kernel path (`primitives.mhc_combine_norm`)."""
         return mhc_combine_norm(residual, weights, self.weight, self.eps)
+
+    def rotated(self, x: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+        """`apply_rope(self(x), positions, freqs)` (one position per row), in one launch on the
+        kernel path (`primitives.rms_norm_rope`)."""
+        return rms_norm_rope(x, self.weight, self.eps, positions, freqs)[0]
+
+    def rotated_and_plain(
+        self, x: Tensor, positions: Tensor, freqs: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(`self.rotated(x, positions, freqs)`, `self(x)`) from one launch on the kernel
+        path."""
+        rotated, normed = rms_norm_rope(x, self.weight, self.eps, positions, freqs, True)
+        return rotated, normed
 
 
 def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> Linear:
@@ -162,6 +176,8 @@ class Compressor(nn.Module):
     Ratio 1: one latent per token. Ratio 2: per-channel softmax pooling of token pairs
     (2i, 2i+1); the latent appears when the odd token arrives and carries RoPE position 2i.
     The even token's fp32 (k, gate) waits in the pending ring until its partner arrives.
+    `forward` returns the latents before `norm`: the KV source normalises and rotates them in
+    one step (`Attention.write_source`, `RMSNorm.rotated_and_plain`).
     """
 
     def __init__(self, cfg: DeepseekV41Config, ratio: int, dtype: torch.dtype) -> None:
@@ -175,12 +191,12 @@ class Compressor(nn.Module):
         self.batch_invariant = False  # the pair softmax's; see `Numerics.batch_invariant`
 
     def forward(self, x: Tensor, ctx: StepContext, source_id: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Returns (latents [G, head_dim], group positions [G], token index of each group [G])."""
+        """Returns (latents before `norm` [G, head_dim] in x's dtype, group positions [G], token
+        index of each group [G])."""
         batch = ctx.batch
         pos = batch.positions
         if self.ratio == 1:
-            lat = self.norm(self.wkv(x))
-            return lat, pos, torch.arange(pos.numel(), device=pos.device)
+            return self.wkv(x), pos, torch.arange(pos.numel(), device=pos.device)
         k = self.wkv.forward_fp32(x)
         g = self.wgate.forward_fp32(x)
         pending = ctx.state.pending[source_id]
@@ -193,12 +209,11 @@ class Compressor(nn.Module):
         g_even = torch.where(pairs.in_call, g[pairs.partner], carried[:, 1])
         weights = pair_softmax(g_even, g[odd], self.batch_invariant)
         pooled = weights[0] * k_even + weights[1] * k[odd]
-        lat = self.norm(pooled.to(x.dtype))
         # Keep (k, gate) of recent even tokens: a later step may need any of them as a partner
         # (drafts past an accepted even position are recomputed from here).
         keep = pairs.kept_even
         pending[pairs.kept_slot, pairs.kept_ring_row] = torch.stack((k[keep], g[keep]), 1)
-        return lat, pairs.group_position, odd
+        return pooled.to(x.dtype), pairs.group_position, odd
 
     def _pool_every_row(
         self, k: Tensor, g: Tensor, pending: Tensor, batch: PaddedDecodeBatch, dtype: torch.dtype
@@ -210,12 +225,12 @@ class Compressor(nn.Module):
         pos, slot = batch.positions, batch.slots
         carried = pending[slot, torch.div(pos - 1, 2, rounding_mode="floor") % PAIR_RING]
         weights = pair_softmax(carried[:, 1], g, self.batch_invariant)
-        lat = self.norm((weights[0] * carried[:, 0] + weights[1] * k).to(dtype))
+        pooled = (weights[0] * carried[:, 0] + weights[1] * k).to(dtype)
         ring_row = torch.div(pos, 2, rounding_mode="floor") % PAIR_RING
         is_even = (pos % 2 == 0)[:, None, None]
         kept = torch.where(is_even, torch.stack((k, g), 1), pending[slot, ring_row])
         pending[slot, ring_row] = kept
-        return lat, pos - 1, torch.arange(pos.numel(), device=pos.device)
+        return pooled, pos - 1, torch.arange(pos.numel(), device=pos.device)
 
 
 class Indexer(nn.Module):
@@ -285,7 +300,7 @@ class Attention(nn.Module):
         qa = self.q_norm(self.wq_a(x))
         q = self.wq_b(qa).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
         q = apply_rope(q, positions, self.freqs)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), positions, self.freqs)
+        kv = self.kv_norm.rotated(self.wkv(x), positions, self.freqs)
         return qa, q, window_codec.encode(kv)
 
     def attend(
@@ -502,20 +517,21 @@ class Attention(nn.Module):
     def write_source(self, x: Tensor, ctx: StepContext) -> None:
         """Compress this step's attention inputs `x` into global KV + index keys (none below
         `reuse_ends`: cached blocks are shared and read-only)."""
-        lat, group_pos, token_idx = self.compressor(x, ctx, self.layer_id)
+        pooled, group_pos, token_idx = self.compressor(x, ctx, self.layer_id)
         batch = ctx.batch
         if batch.reuse_end_tensor is not None:  # cached blocks are shared and read-only
             writes = group_pos >= batch.reuse_end_tensor[batch.seq_of_token[token_idx]]
-            lat, group_pos, token_idx = lat[writes], group_pos[writes], token_idx[writes]
-        if lat.shape[0] == 0:
+            pooled, group_pos, token_idx = pooled[writes], group_pos[writes], token_idx[writes]
+        if pooled.shape[0] == 0:
             return
         emits = None
         if is_padded_decode(batch):  # every row pooled; only rows closing a group write
             emits = batch.positions % self.ratio == self.ratio - 1
             group_pos = group_pos.clamp(min=0)
-        kv = apply_rope(lat, group_pos, self.freqs)
-        ik = self.indexer.k_norm(self.indexer.wk(lat))
-        ik = apply_rope(ik, group_pos, self.freqs)
+        # NOTE: the norm runs on the written rows only; a row's norm does not depend on the
+        # other rows (the kernel's program per row; the torch reference's row reductions).
+        kv, lat = self.compressor.norm.rotated_and_plain(pooled, group_pos, self.freqs)
+        ik = self.indexer.k_norm.rotated(self.indexer.wk(lat), group_pos, self.freqs)
         seq = batch.seq_of_token[token_idx]
         block, row = _global_row_address(batch, seq, group_pos // self.ratio, self.ratio)
         if emits is not None:
