@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable, interpreting
-from kernels.rms_norm import MAX_WIDTH, inv_rms, norm_warps, rms_norm_reference
+from kernels.rms_norm import MAX_WIDTH, as_rows, inv_rms, norm_warps, rms_norm_reference
 from kernels.rope import apply_rope_reference, cos_sin, rotate
 from kernels.rounding import round_to
 
@@ -52,6 +52,7 @@ def _rms_norm_rope_kernel(
     out_ptr,
     normed_ptr,
     width,
+    x_row_stride,
     pass_pairs,
     eps,
     BLOCK: tl.constexpr,
@@ -60,19 +61,19 @@ def _rms_norm_rope_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * width + cols, mask=cols < width, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < width, other=0.0).to(tl.float32)
     scale = inv_rms(x, width, eps)  # rms_norm's reduction: the whole [BLOCK] row
     dtype = out_ptr.dtype.element_ty
     pairs = tl.arange(0, BLOCK // 2)
     in_row = pairs < width // 2
     even = 2 * pairs
-    a = _normed_channels(x_ptr, weight_ptr, row * width, even, in_row, scale, dtype)
-    b = _normed_channels(x_ptr, weight_ptr, row * width, even + 1, in_row, scale, dtype)
+    a = _normed_channels(x_ptr, weight_ptr, row * x_row_stride, even, in_row, scale, dtype)
+    b = _normed_channels(x_ptr, weight_ptr, row * x_row_stride, even + 1, in_row, scale, dtype)
     if KEEP_NORMED:
         tl.store(normed_ptr + row * width + even, a.to(dtype), mask=in_row)
         tl.store(normed_ptr + row * width + even + 1, b.to(dtype), mask=in_row)
     is_rotated = in_row & (pairs >= pass_pairs)
-    freq = tl.load(freq_ptr + pairs - pass_pairs, mask=is_rotated)
+    freq = tl.load(freq_ptr + pairs - pass_pairs, mask=is_rotated, other=0.0)
     c, s = cos_sin(tl.load(position_ptr + row).to(tl.float32) * freq, 1.0, LIBDEVICE)
     rotated_even, rotated_odd = rotate(a, b, c, s)
     a = tl.where(is_rotated, round_to(rotated_even, dtype), a)
@@ -93,8 +94,9 @@ def rms_norm_rope(
     `rms_norm(x, weight, eps)` when `keep_normed`, else None) in one launch, bit for bit the two
     kernels.
 
-    x: [..., D] rows; weight: [D]; positions: int [...], x's leading shape (one per row);
-    freqs: fp32 [D_rot / 2], the rotated tail's frequencies (`rope_frequencies`).
+    x: [..., D] rows (strided rows too, as `rms_norm`); weight: [D]; positions: int [...],
+    x's leading shape (one per row); freqs: fp32 [D_rot / 2], the rotated tail's frequencies
+    (`rope_frequencies`). Outputs are contiguous.
 
     Raises:
         ValueError: positions not of x's leading shape, a weight of another width, rows wider
@@ -111,20 +113,21 @@ def rms_norm_rope(
         raise ValueError(f"rows of an even width up to {MAX_WIDTH} holding the {2 * half} "
                          f"rotated channels; got {width}")  # fmt: skip
     check_runnable(x, "rms_norm_rope")
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    normed = torch.empty_like(x) if keep_normed else None
-    num_rows = positions.numel()
+    rows = as_rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    normed = torch.empty_like(out) if keep_normed else None
+    num_rows = rows.shape[0]
     if num_rows and width:
         block = triton.next_power_of_2(width)
         _rms_norm_rope_kernel[(num_rows,)](
-            x,
+            rows,
             weight.contiguous(),
             positions.contiguous(),
             freqs.to(device=x.device, dtype=torch.float32).contiguous(),
             out,
             normed if normed is not None else out,
             width,
+            rows.stride(0),
             width // 2 - half,
             eps,
             BLOCK=block,

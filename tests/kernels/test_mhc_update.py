@@ -172,9 +172,10 @@ def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -
     block = triton.next_power_of_2(dim)
     warps = {"num_warps": min(16, max(1, block // 512))}
     elem = {"float32": "*fp32", "bfloat16": "*bf16"}[dtype]
-    scalars = {"dim": "i32", "width": "i32", "eps": "fp32"}
+    scalars = {"dim": "i32", "width": "i32", "x_row_stride": "i32", "eps": "fp32"}
     aligned = {"residual_ptr", "weights_ptr", "norm_ptr", "out_ptr", "x_ptr", "weight_ptr"}
-    aligned |= {"codes_ptr", "scale_ptr"} | ({"dim", "width"} if dim % 16 == 0 else set())
+    aligned |= {"codes_ptr", "scale_ptr"}
+    aligned |= {"dim", "width", "x_row_stride"} if dim % 16 == 0 else set()
     fused = compile_for_hopper(
         _mhc_combine_norm_kernel,
         {"residual_ptr": elem, "weights_ptr": "*fp32", "norm_ptr": elem, "out_ptr": elem} | scalars,

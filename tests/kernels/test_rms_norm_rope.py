@@ -38,7 +38,8 @@ def _inputs(case, device: str = "cpu"):
 
 def mismatches(device: str = "cpu") -> list[list[int]]:
     """Per case: elements of (rotated, normed) that differ from `apply_rope(rms_norm(x))` and
-    `rms_norm(x)` of the two kernels (what the fused one replaces)."""
+    `rms_norm(x)` of the two kernels (what the fused one replaces); then of the rotated rows
+    read as a column slice of wider rows (the attention's packed projection) against them."""
     from kernels.rms_norm import rms_norm
     from kernels.rope import apply_rope
 
@@ -46,11 +47,15 @@ def mismatches(device: str = "cpu") -> list[list[int]]:
     for case in CASES:
         x, weight, positions, freqs = _inputs(case, device)
         rotated, normed = rms_norm_rope(x, weight, EPS, positions, freqs, keep_normed=True)
-        alone, none = rms_norm_rope(x, weight, EPS, positions, freqs)
-        assert none is None and torch.equal(alone, rotated)
         two = rms_norm(x, weight, EPS)
-        pairs = ((rotated, apply_rope(two, positions, freqs)), (normed, two))
+        view = torch.cat((torch.full_like(x[..., :16], 7.0), x), -1)[..., 16:]
+        pairs = (
+            (rotated, apply_rope(two, positions, freqs)),
+            (normed, two),
+            (rms_norm_rope(view, weight, EPS, positions, freqs)[0], rotated),
+        )
         result.append([int((a.view(-1) != b.view(-1)).sum()) for a, b in pairs])
+        assert rms_norm_rope(x, weight, EPS, positions, freqs)[1] is None
     return result
 
 
@@ -79,7 +84,7 @@ print(json.dumps([mismatches(), reference_ulps()]))
 
 def test_kernel_equals_norm_then_rope_in_the_triton_interpreter() -> None:
     exact, gaps = run_interpreted(_INTERPRETED)
-    assert exact == [[0, 0]] * len(CASES)
+    assert exact == [[0, 0, 0]] * len(CASES)
     # the norm's sum in another order and numpy's cos/sin: a few ulps of the references
     assert max(gaps) <= 16
 
@@ -106,9 +111,10 @@ def test_compiled_kernel_sums_squares_as_rms_norm_does(width: int) -> None:
 
     block = triton.next_power_of_2(width)
     warps = {"num_warps": norm_warps(block)}
-    scalars = {"width": "i32", "eps": "fp32"}
+    scalars = {"width": "i32", "x_row_stride": "i32", "eps": "fp32"}
     aligned = {"x_ptr", "weight_ptr", "out_ptr", "normed_ptr", "position_ptr", "freq_ptr"}
-    aligned |= {"codes_ptr", "scale_ptr"} | ({"width"} if width % 16 == 0 else set())
+    aligned |= {"codes_ptr", "scale_ptr"}
+    aligned |= {"width", "x_row_stride"} if width % 16 == 0 else set()
     fused = compile_for_hopper(
         _rms_norm_rope_kernel,
         {"x_ptr": "*bf16", "weight_ptr": "*bf16", "position_ptr": "*i64", "freq_ptr": "*fp32"}
@@ -133,5 +139,5 @@ def test_compiled_kernel_sums_squares_as_rms_norm_does(width: int) -> None:
 
 @pytest.mark.gpu
 def test_kernel_equals_norm_then_rope_on_cuda() -> None:
-    assert mismatches("cuda") == [[0, 0]] * len(CASES)
+    assert mismatches("cuda") == [[0, 0, 0]] * len(CASES)
     assert max(reference_ulps("cuda")) <= 16

@@ -285,6 +285,22 @@ class Attention(nn.Module):
         # in the attention and the indexer (the `*_fixed_order` methods).
         self.batch_invariant = False
 
+    def pack_projections(self) -> None:
+        """Stack the dense `wq_a` and `wkv` weights, which both read the attention input, into
+        one [q_lora + hd, D] buffer (`wq_a_kv_weight`, non-persistent); both weights become
+        views of it, so memory does not grow and checkpoint names and state dicts stay. Then
+        the kernel path runs the two projections as one GEMM (`latents`).
+
+        NOTE: call it once the model is on its device (as `MoE.pack_experts`). FP8 dense
+        linears (`FP8BlockLinear`) stay apart, as the shared expert's do."""
+        if not (type(self.wq_a) is Linear and type(self.wkv) is Linear):
+            return
+        packed = torch.cat((self.wq_a.weight.detach(), self.wkv.weight.detach()))
+        self.register_buffer("wq_a_kv_weight", packed, persistent=False)
+        rank = self.wq_a.weight.shape[0]
+        self.wq_a.weight = nn.Parameter(packed[:rank], requires_grad=False)
+        self.wkv.weight = nn.Parameter(packed[rank:], requires_grad=False)
+
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
@@ -297,11 +313,25 @@ class Attention(nn.Module):
         """(query latent qa [T, q_lora], rotated queries [T, H, hd], encoded window rows).
         Pure and token-parallel (CUDA graphs may replay it)."""
         cfg = self.cfg
-        qa = self.q_norm(self.wq_a(x))
+        q_latent, kv_latent = self.latents(x)
+        qa = self.q_norm(q_latent)
         q = self.wq_b(qa).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
         q = apply_rope(q, positions, self.freqs)
-        kv = self.kv_norm.rotated(self.wkv(x), positions, self.freqs)
+        kv = self.kv_norm.rotated(kv_latent, positions, self.freqs)
         return qa, q, window_codec.encode(kv)
+
+    def latents(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(`wq_a(x)`, `wkv(x)`). Packed (`pack_projections`), on the kernel path and outside
+        batch-invariant mode: one GEMM over the packed weight, the two as column views of its
+        output (the norms read strided rows), as the shared expert's gate and up.
+
+        NOTE: one GEMM of N = q_lora + hd columns may sum a column in another order than the
+        GEMM of its own N (the library picks its kernel by shape), as the shared expert's."""
+        if hasattr(self, "wq_a_kv_weight") and runs_kernels(x) and not self.batch_invariant:
+            rank = self.wq_a.weight.shape[0]
+            both = dense_matmul(x, self.wq_a_kv_weight)
+            return both[..., :rank], both[..., rank:]
+        return self.wq_a(x), self.wkv(x)
 
     def attend(
         self, x: Tensor, qa: Tensor, q: Tensor, window_rows: Tensor, ctx: StepContext

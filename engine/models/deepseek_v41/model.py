@@ -379,6 +379,14 @@ class DeepseekV41ForCausalLM(nn.Module):
             if isinstance(module, MoE):
                 module.pack_experts()
 
+    def pack_attention_projections(self) -> None:
+        """`Attention.pack_projections` in every layer and DSpark stage (one GEMM for `wq_a` and
+        `wkv` on the kernel path). Call it once the model is on its device (see the NOTE
+        there)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.pack_projections()
+
     def attach_host_engram(self, tables: dict[int, HostEngramTable]) -> None:
         """Replace the Engram tables of the layers in `tables` by host-resident ones (the
         `host` placement, `engram_store.py`); their device buffers are dropped. Raises
