@@ -305,7 +305,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
         qa, q, window_rows = self.project(x, ctx.batch.positions, ctx.codecs.swa)
-        return self.output(self.attend(x, qa, q, window_rows, ctx), ctx.batch.positions)
+        return self.output(self.attend(x, qa, q, window_rows, ctx))
 
     def project(
         self, x: Tensor, positions: Tensor, window_codec: KVCodec
@@ -336,23 +336,23 @@ class Attention(nn.Module):
     def attend(
         self, x: Tensor, qa: Tensor, q: Tensor, window_rows: Tensor, ctx: StepContext
     ) -> Tensor:
-        """Store this step's rows (window, KV source), select, attend: [T, H, hd] in x's dtype."""
+        """Store this step's rows (window, KV source), select, attend: [T, H, hd] in x's dtype,
+        rotated back by each token's RoPE angle (the kernel path does it in the launch that
+        writes the output: `sparse_mqa(rotate_back=...)`, bit for bit the two)."""
         if self.is_source and not ctx.sources_written:
             self.write_source(x, ctx)
         if self.is_index:
             self._select(x, qa, ctx)
         if self._attends_in_kernel(q, ctx):
-            return self._sparse_mqa_kernel(q, window_rows, ctx).to(x.dtype)
+            return self._sparse_mqa_kernel(q, window_rows, ctx)
         attend = self._sparse_mqa_fixed_order if self.batch_invariant else self._sparse_mqa
         o = attend(q, window_rows, ctx).to(x.dtype)
         self._write_window(window_rows, ctx)
-        return o
+        return apply_rope(o, ctx.batch.positions, self.freqs, inverse=True)
 
-    def output(self, o: Tensor, positions: Tensor) -> Tensor:
-        """Inverse rotation and the grouped output projection. Pure and token-parallel."""
-        cfg = self.cfg
-        o = apply_rope(o, positions, self.freqs, inverse=True)
-        u = grouped_linear(self.wo_a, o.flatten(1), cfg.o_groups)
+    def output(self, o: Tensor) -> Tensor:
+        """The grouped output projection of `attend`'s output. Pure and token-parallel."""
+        u = grouped_linear(self.wo_a, o.flatten(1), self.cfg.o_groups)
         return self.wo_b(u)
 
     # ---- window -------------------------------------------------------------------------------
@@ -498,7 +498,8 @@ class Attention(nn.Module):
         )
 
     def _sparse_mqa_kernel(self, q: Tensor, window_rows: Tensor, ctx: StepContext) -> Tensor:
-        """`_sparse_mqa` reading the encoded rows in place; writes the step's window rows.
+        """`_sparse_mqa` reading the encoded rows in place, rounded to q's dtype and rotated
+        back (`sparse_mqa`'s `rotate_back`); writes the step's window rows.
 
         Decode steps read the window from the ring after writing their own rows (the ring is
         longer than the window, so writing position p never overwrites a row p reads); longer
@@ -525,6 +526,7 @@ class Attention(nn.Module):
         # the rows compile to different MMA operand paths whose results differ in the last bit
         # (`test_sparse_mqa.py`), and a decode row meets both (alone, and beside a chunk).
         sources = {"global_rows": global_rows, "window_floor": batch.window_floor_tensor}
+        sources["rotate_back"] = self.freqs
         if batch.max_len == 1 and not fixed:
             self._write_window(window_rows, ctx)
             ring = (state.swa[self.layer_id], batch.slots)
