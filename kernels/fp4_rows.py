@@ -14,7 +14,10 @@ Per block of G elements with amax = max |x| (all in float32):
     row of D elements -> | c1<<4|c0 ... c[D-1]<<4|c[D-2] | scale bytes, one per G |
 
 The torch codec is ~20 launches per call (~40 for the round trip decode(encode(x)) the
-indexer's queries take); each of these is one. Divisions are IEEE (`div_rn`), a division by a
+indexer's queries take); each of these is one. The indexer's queries are rotated just before
+their round trip: `index_fp4_rows_rotated_round_trip` takes the RoPE in the same launch, on the
+loaded pairs, rounded to the input dtype as `kernels.rope` stores them (its device functions),
+so it is bit for bit the two launches. Divisions are IEEE (`div_rn`), a division by a
 power of two is a product with its exact inverse, codes and values come from bits
 (`kernels.row_codes`).
 
@@ -36,7 +39,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import check_runnable
+from kernels import check_runnable, interpreting
+from kernels.rope import cos_sin, rotate
+from kernels.rounding import round_to
 from kernels.row_codes import (
     ceil_log2,
     e2m1_code,
@@ -53,6 +58,7 @@ __all__ = [
     "global_fp4_rows_quantize",
     "index_fp4_rows_dequantize",
     "index_fp4_rows_quantize",
+    "index_fp4_rows_rotated_round_trip",
     "index_fp4_rows_round_trip",
 ]
 
@@ -62,14 +68,37 @@ _TILE_PAIRS = 2048
 _INDEX_AMAX_FLOOR = 6.0 * 2.0**-126  # kv_formats.INDEX_AMAX_FLOOR
 _GLOBAL_SCALE_MIN = 2.0**-9  # kv_formats.GLOBAL_SCALE_MIN
 _NAN_BYTE = 0x7F  # an e4m3 scale byte no finite scale <= 448 encodes to
+# Triton's CPU interpreter has no libdevice (`kernels.rope`).
+_LIBDEVICE = not interpreting()
+
+
+@triton.jit
+def _rotated_pairs(
+    x_even, x_odd, rows, is_row, pairs, mask, position_ptr, freq_ptr, rows_per_position,
+    pass_pairs, DTYPE: tl.constexpr, LIBDEVICE: tl.constexpr,
+):  # fmt: skip
+    """`kernels.rope`'s rotation of the pairs [BLOCK_R, BLOCK_HALF] at or past `pass_pairs`
+    (row r at position `position[r // rows_per_position]`), rounded to `DTYPE` as that kernel
+    stores it; the other pairs unchanged."""
+    is_rotated = mask & (pairs >= pass_pairs)[None, :]
+    freq = tl.load(freq_ptr + pairs - pass_pairs, mask=pairs >= pass_pairs, other=0.0)
+    position = tl.load(position_ptr + rows // rows_per_position, mask=is_row, other=0)
+    c, s = cos_sin(position.to(tl.float32)[:, None] * freq[None, :], 1.0, LIBDEVICE)
+    rotated_even, rotated_odd = rotate(x_even, x_odd, c, s)
+    x_even = tl.where(is_rotated, round_to(rotated_even, DTYPE), x_even)
+    return x_even, tl.where(is_rotated, round_to(rotated_odd, DTYPE), x_odd)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # step-varying: one variant
 def _fp4_quantize_kernel(
     x_ptr,
     out_ptr,
+    position_ptr,
+    freq_ptr,
     num_rows,
     x_row_stride,
+    rows_per_position,
+    pass_pairs,
     DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -77,8 +106,10 @@ def _fp4_quantize_kernel(
     E4M3_SCALE: tl.constexpr,
     CLAMP_SCALE: tl.constexpr,
     ROUND_TRIP: tl.constexpr,
+    ROTATE: tl.constexpr,
     IN_BF16_BITS: tl.constexpr,
     OUT_BF16_BITS: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     PAIRS: tl.constexpr = GROUP // 2
     NUM_BLOCKS: tl.constexpr = BLOCK_HALF // PAIRS
@@ -90,6 +121,11 @@ def _fp4_quantize_kernel(
     even = rows[:, None] * x_row_stride + 2 * pairs[None, :]
     x_even = load_float32(x_ptr, even, mask, IN_BF16_BITS)
     x_odd = load_float32(x_ptr, even + 1, mask, IN_BF16_BITS)
+    if ROTATE:  # the indexer's queries: RoPE first, as `kernels.rope` (rows masked past the end)
+        x_even, x_odd = _rotated_pairs(
+            x_even, x_odd, rows, is_row, pairs, mask, position_ptr, freq_ptr, rows_per_position,
+            pass_pairs, tl.bfloat16 if IN_BF16_BITS else tl.float32, LIBDEVICE,
+        )  # fmt: skip
     x_even = tl.reshape(x_even, [BLOCK_R, NUM_BLOCKS, PAIRS])
     x_odd = tl.reshape(x_odd, [BLOCK_R, NUM_BLOCKS, PAIRS])
     amax = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
@@ -193,10 +229,18 @@ def _tile(dim: int) -> tuple[int, int]:
 
 
 def _quantize(
-    x: Tensor, group: int, clamp_scale: bool, round_trip: torch.dtype | None, kernel: str
+    x: Tensor,
+    group: int,
+    clamp_scale: bool,
+    round_trip: torch.dtype | None,
+    kernel: str,
+    rotation: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
+    """Run `_fp4_quantize_kernel` on x's rows; `rotation` (positions, freqs): RoPE them first
+    (`index_fp4_rows_rotated_round_trip`)."""
     rows = _rows(x, group, kernel)
     dim, num_rows = rows.shape[1], rows.shape[0]
+    positions, freqs = rotation if rotation is not None else (rows, rows)
     if round_trip is None:
         shape = (*x.shape[:-1], dim // 2 + dim // group)
         out = torch.empty(shape, dtype=torch.uint8, device=x.device)
@@ -207,8 +251,12 @@ def _quantize(
         _fp4_quantize_kernel[(triton.cdiv(num_rows, block_r),)](
             _bits_if_bf16(rows),
             _bits_if_bf16(out),
+            positions,
+            freqs,
             num_rows,
             rows.stride(0),
+            num_rows // max(1, positions.numel()) if rotation is not None else 1,
+            dim // 2 - freqs.numel() if rotation is not None else 0,
             DIM=dim,
             BLOCK_HALF=block_half,
             BLOCK_R=block_r,
@@ -216,8 +264,10 @@ def _quantize(
             E4M3_SCALE=group == GLOBAL_BLOCK,
             CLAMP_SCALE=clamp_scale,
             ROUND_TRIP=round_trip is not None,
+            ROTATE=rotation is not None,
             IN_BF16_BITS=rows.dtype == torch.bfloat16,
             OUT_BF16_BITS=out.dtype == torch.bfloat16,
+            LIBDEVICE=_LIBDEVICE,
         )
     return out
 
@@ -236,6 +286,32 @@ def index_fp4_rows_round_trip(x: Tensor, dtype: torch.dtype | None = None) -> Te
     """``index_fp4_dequantize(index_fp4_quantize(x), dtype)`` in one launch, without the bytes
     (``kv_formats.index_fp4_round_trip`` for dtype None = x's dtype). Raises as quantize."""
     return _quantize(x, INDEX_BLOCK, True, dtype or x.dtype, "index_fp4_rows_round_trip")
+
+
+def index_fp4_rows_rotated_round_trip(
+    x: Tensor, positions: Tensor, freqs: Tensor, dtype: torch.dtype | None = None
+) -> Tensor:
+    """`index_fp4_rows_round_trip(kernels.rope.apply_rope(x, positions, freqs), dtype)` in one
+    launch, bit for bit the two: x bf16 or fp32 [..., D], positions leading x (any dims between
+    them and D share their angle, as `apply_rope`), freqs fp32 [≤ D/2] for the rotated tail.
+
+    Raises:
+        TypeError: x not bf16 or fp32.
+        ValueError: as quantize, or positions not leading x, or a rotated tail wider than D.
+    """
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"the rotated round trip takes bf16 or fp32 rows, got {x.dtype}")
+    lead = positions.dim()
+    if tuple(x.shape[:lead]) != tuple(positions.shape) or lead >= x.dim():
+        raise ValueError(f"positions {tuple(positions.shape)} must lead x {tuple(x.shape)}")
+    if 2 * freqs.numel() > x.shape[-1]:
+        raise ValueError(f"{2 * freqs.numel()} rotated channels do not fit rows of {x.shape[-1]}")
+    rotation = (
+        positions.contiguous(),
+        freqs.to(device=x.device, dtype=torch.float32).contiguous(),
+    )
+    kernel = "index_fp4_rows_rotated_round_trip"
+    return _quantize(x, INDEX_BLOCK, True, dtype or x.dtype, kernel, rotation)
 
 
 def index_fp4_rows_dequantize(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

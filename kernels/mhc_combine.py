@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
-from kernels.rms_norm import MAX_WIDTH, inv_rms, rms_norm_reference
+from kernels.rms_norm import MAX_WIDTH, inv_rms, norm_warps, rms_norm_reference
 from kernels.rounding import round_to
 
 __all__ = ["mhc_combine", "mhc_combine_norm", "mhc_combine_norm_reference", "mhc_combine_reference"]
@@ -106,7 +106,7 @@ def mhc_combine_norm(residual: Tensor, weights: Tensor, norm_weight: Tensor, eps
             eps,
             N=n,
             BLOCK=size,
-            num_warps=min(16, max(1, size // 512)),  # rms_norm's: the same reduction
+            num_warps=norm_warps(size),  # rms_norm's: the same reduction
         )
     return out
 

@@ -5,12 +5,17 @@
 The torch version (`rms_norm_reference`, below) is ~6 launches;
 the model normalises ~8 times per layer. One program per row, the whole row in registers.
 
+Rows may be strided (one stride between rows, unit stride within: a view of a wider GEMM
+output, such as the attention's packed `wq_a`/`wkv` projection); the output is contiguous.
+
 `rms_norm_fp8` also emits the FP8 activation codes and per-32 scales of its output for the FP8
 dense GEMM that follows a norm (`kernels.fp8_block_gemm`, the codes input): the same bytes as
 `quantize_activations(rms_norm(x, w, eps))` in one launch instead of two.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -21,9 +26,22 @@ from kernels import check_runnable
 from kernels.fp8_block_gemm import quantize_slab
 from kernels.rounding import round_to
 
-__all__ = ["inv_rms", "rms_norm", "rms_norm_fp8", "rms_norm_reference"]
+__all__ = ["as_rows", "inv_rms", "norm_warps", "rms_norm", "rms_norm_fp8", "rms_norm_reference"]
 
 MAX_WIDTH = 16384
+
+
+def as_rows(x: Tensor) -> Tensor:
+    """x [..., D] as rows [N, D] with unit column stride: a view where x's leading dims merge
+    into one row stride (a column slice of a wider tensor does), else a contiguous copy."""
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    return rows if rows.stride(-1) == 1 or x.shape[-1] <= 1 else rows.contiguous()
+
+
+def norm_warps(block: int) -> int:
+    """num_warps of a program holding a whole row of `block` (a power of two) elements: the
+    launch option `inv_rms`'s reduction order depends on (its NOTE)."""
+    return min(16, max(1, block // 512))
 
 
 @triton.jit
@@ -46,6 +64,7 @@ def _rms_norm_kernel(
     codes_ptr,
     scale_ptr,
     width,
+    x_row_stride,
     eps,
     HAS_WEIGHT: tl.constexpr,
     EMIT_FP8: tl.constexpr,
@@ -55,7 +74,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     in_row = cols < width
-    x = tl.load(x_ptr + row * width + cols, mask=in_row, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=in_row, other=0.0).to(tl.float32)
     y = x * inv_rms(x, width, eps)
     if HAS_WEIGHT:
         y = y * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
@@ -86,30 +105,31 @@ def _launch(
     ):
         raise ValueError(f"the width ({width}) must be a multiple of the block ({fp8_block})")
     check_runnable(x, name)
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    rows = as_rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     codes = scales = None
     if fp8_block is not None:
         codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         scales = torch.empty(
             (*x.shape[:-1], width // fp8_block), dtype=torch.uint8, device=x.device
         )
-    num_rows = x.numel() // max(width, 1)
+    num_rows = rows.shape[0]
     if num_rows and width:
         size = max(triton.next_power_of_2(width), fp8_block or 1)
         _rms_norm_kernel[(num_rows,)](
-            x,
+            rows,
             weight.contiguous() if weight is not None else x,
             out,
             codes if codes is not None else x,
             scales if scales is not None else x,
             width,
+            rows.stride(0),
             eps,
             HAS_WEIGHT=weight is not None,
             EMIT_FP8=fp8_block is not None,
             BLOCK=size,
             GROUP=fp8_block or 1,
-            num_warps=min(16, max(1, size // 512)),
+            num_warps=norm_warps(size),
         )
     return out, codes, scales
 

@@ -5,7 +5,9 @@
 
 The torch version is ~8 launches (angles, polar, casts, complex multiply, concatenation) and the
 model rotates ~5 times per layer. cos and sin come from libdevice, the functions CUDA's cosf and
-sinf (and so torch's `polar`) use.
+sinf (and so torch's `polar`) use. `cos_sin` and `rotate` are the two steps as device functions:
+every kernel that rotates pairs (`kernels.rms_norm_rope`, ...) calls them, so it rounds as this
+one does.
 
     grid (positions, rows per position / BLOCK_R): x viewed as [P, R, D], positions [P]
 """
@@ -21,11 +23,32 @@ from triton.language.extra import libdevice
 from kernels import check_runnable, interpreting
 from kernels.rounding import round_to
 
-__all__ = ["apply_rope", "apply_rope_reference"]
+__all__ = ["apply_rope", "apply_rope_reference", "cos_sin", "rotate"]
 
 _BLOCK_R = 16
 # Triton's CPU interpreter has no libdevice; there tl.cos / tl.sin (numpy's) stand in.
 _LIBDEVICE = not interpreting()
+
+
+@triton.jit
+def cos_sin(angle, sign, LIBDEVICE: tl.constexpr):
+    """(cos(angle), sign · sin(angle)) in fp32: libdevice's (CUDA's cosf / sinf), or numpy's in
+    the interpreter (`LIBDEVICE` False)."""
+    if LIBDEVICE:
+        return libdevice.cos(angle), libdevice.sin(angle) * sign
+    return tl.cos(angle), tl.sin(angle) * sign
+
+
+@triton.jit
+def rotate(a, b, c, s):
+    """The rotated pair (a·c − b·s, a·s + b·c) in fp32, unrounded.
+
+    NOTE: spelled out as the fused multiply-adds fma(a, c, −b·s) and fma(b, c, a·s): the CUDA
+    build contracts plain products its own way per kernel and dtype (sm90 PTX, Triton 3.9: this
+    kernel's plain `a·c − b·s`, `a·s + b·c` became exactly these for bf16 rows, but fma(s, a,
+    b·c) for the odd channel of fp32 rows), so every kernel that rotates a pair through here
+    gets the same bits, and the interpreter (whose fma rounds once) the GPU's."""
+    return tl.fma(a, c, -(b * s)), tl.fma(b, c, a * s)
 
 
 @triton.jit
@@ -51,21 +74,15 @@ def _rope_kernel(
     i = tl.arange(0, BLOCK_HALF)
     in_half = i < half
     angle = tl.load(position_ptr + p).to(tl.float32) * tl.load(freq_ptr + i, mask=in_half)
-    if LIBDEVICE:
-        c = libdevice.cos(angle)
-        s = libdevice.sin(angle) * sign
-    else:
-        c = tl.cos(angle)
-        s = tl.sin(angle) * sign
-    c = c[None, :]
-    s = s[None, :]
+    c, s = cos_sin(angle, sign, LIBDEVICE)
     mask = is_row[:, None] & in_half[None, :]
     even = base[:, None] + pass_width + 2 * i[None, :]
     a = tl.load(x_ptr + even, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(x_ptr + even + 1, mask=mask, other=0.0).to(tl.float32)
+    rotated_even, rotated_odd = rotate(a, b, c[None, :], s[None, :])
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + even, round_to(a * c - b * s, dtype).to(dtype), mask=mask)
-    tl.store(out_ptr + even + 1, round_to(a * s + b * c, dtype).to(dtype), mask=mask)
+    tl.store(out_ptr + even, round_to(rotated_even, dtype).to(dtype), mask=mask)
+    tl.store(out_ptr + even + 1, round_to(rotated_odd, dtype).to(dtype), mask=mask)
     if BLOCK_PASS > 0:
         cols = tl.arange(0, BLOCK_PASS)
         kept = is_row[:, None] & (cols < pass_width)[None, :]

@@ -29,6 +29,13 @@ within ~1e-5 of the fp32 reference, whose own summation order differs anyway.
 The launch shape (`MqaTiles`) comes from the `TILES` table by token count (one place to edit,
 from `benchmarks/kernel_speed.py --only attention`), or `FIXED_TILES` in batch-invariant mode.
 
+`rotate_back`: the attention's output is rounded to the model dtype and rotated back by its
+token's RoPE angle before the output projection. The program that writes the output (the
+one-pass kernel, `_combine_kernel` after row splits, the second pass) does both in its store:
+`_rotated_back`, `kernels.rope`'s device functions on the rounded values, so the result is bit
+for bit `apply_rope(out.to(q.dtype), positions, freqs, inverse=True)`; the main loops are as
+without it.
+
 `sparse_mqa` is the launcher; `sparse_mqa_reference` the torch reference (codecs' own
 dequantisation, a direct softmax).
 """
@@ -44,11 +51,15 @@ from torch import Tensor
 
 from kernels import check_runnable, interpreting
 from kernels.element_codes import fp4_rows_to_float, mxfp8_rows_to_float
+from kernels.rope import apply_rope_reference, cos_sin, rotate
+from kernels.rounding import round_to
 
 _INTERPRETING = interpreting()
 # The interpreter's bf16 dot is not trustworthy: there the operands stay fp32 (the hi/lo split
 # still rounds through bf16, so its logic is exercised).
 _DOT_DTYPE = tl.float32 if _INTERPRETING else tl.bfloat16
+# Triton's CPU interpreter has no libdevice (`kernels.rope`).
+_LIBDEVICE = not _INTERPRETING
 
 
 @dataclass(frozen=True)
@@ -297,6 +308,26 @@ def _token_rows(seq_ptr, position_ptr, window_index_ptr, window_floor_ptr, token
     return seq, position, floor, window_index
 
 
+@triton.jit
+def _rotated_back(out, position, freq_ptr, d0, pass_width, BLOCK_D: tl.constexpr,
+                  DTYPE: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
+    """A token's output columns d0 .. d0 + BLOCK_D [BH, BLOCK_D] (fp32) rounded to `DTYPE`,
+    the pairs at columns ≥ pass_width rotated by −position · freq (`kernels.rope`'s inverse
+    rotation of the rounded values, its device functions); in `DTYPE`, ready to store."""
+    out = round_to(out, DTYPE)
+    if d0 + BLOCK_D > pass_width:  # the block holds rotated columns
+        a, b = tl.split(tl.reshape(out, (out.shape[0], BLOCK_D // 2, 2)))
+        even = d0 + 2 * tl.arange(0, BLOCK_D // 2)
+        is_rotated = even >= pass_width
+        freq = tl.load(freq_ptr + (even - pass_width) // 2, mask=is_rotated, other=0.0)
+        c, s = cos_sin(position.to(tl.float32) * freq, -1.0, LIBDEVICE)
+        rotated_even, rotated_odd = rotate(a, b, c[None, :], s[None, :])
+        a = tl.where(is_rotated[None, :], round_to(rotated_even, DTYPE), a)
+        b = tl.where(is_rotated[None, :], round_to(rotated_odd, DTYPE), b)
+        out = tl.reshape(tl.join(a, b), (out.shape[0], BLOCK_D))
+    return out.to(DTYPE)
+
+
 # Integers that change from step to step (token and selection counts, prefill window lengths,
 # block-table widths) are not specialised, so one compiled variant per `TILES` row, layer
 # kind and window source serves every step (`warm_up.py`).
@@ -336,6 +367,8 @@ def _sparse_mqa_kernel(
     stride_table,
     stride_ot,
     stride_oh,
+    freq_ptr,
+    pass_width,
     RATIO: tl.constexpr,
     WINDOW: tl.constexpr,
     WINDOW_IN_RING: tl.constexpr,
@@ -348,10 +381,13 @@ def _sparse_mqa_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS: tl.constexpr,
+    ROTATE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     """grid (tokens, heads / BLOCK_H, SPLITS · D / BLOCK_D). With SPLITS = 1 the program
-    writes its output columns; otherwise its split's running max and sum [SPLITS, T, H] and
-    accumulator [SPLITS, T, H, D] for `_combine_kernel`."""
+    writes its output columns (ROTATE: rounded and rotated back, `_rotated_back`); otherwise
+    its split's running max and sum [SPLITS, T, H] and accumulator [SPLITS, T, H, D] for
+    `_combine_kernel`."""
     if WINDOW_SEQ_ALIGNED:  # the launcher passed stride / 16: the rows' base is known aligned
         stride_window_seq = stride_window_seq * 16  # and they load in vectors
     token = tl.program_id(0).to(tl.int64)
@@ -404,6 +440,9 @@ def _sparse_mqa_kernel(
         alpha = tl.exp(m - m_new)
         total = total * alpha + tl.exp(sink - m_new)
         out = acc * alpha[:, None] / total[:, None]
+        if ROTATE:
+            dtype = out_ptr.dtype.element_ty
+            out = _rotated_back(out, position, freq_ptr, d0, pass_width, BLOCK_D, dtype, LIBDEVICE)
         out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + out_d[None, :]
         tl.store(out_ptrs, out, mask=is_head[:, None])
     else:
@@ -425,11 +464,17 @@ def _combine_kernel(
     num_heads,
     stride_ot,
     stride_oh,
+    position_ptr,
+    freq_ptr,
+    pass_width,
     D: tl.constexpr,
     SPLITS: tl.constexpr,
+    ROTATE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     """grid (tokens, heads): one softmax from the splits' partials and the sink. A split that
-    saw no real row (max −1e30, sum and accumulator 0) adds exact zeros."""
+    saw no real row (max −1e30, sum and accumulator 0) adds exact zeros. ROTATE: the output
+    rounded and rotated back (`_rotated_back`)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     part = (tl.arange(0, SPLITS) * num_tokens + token) * num_heads + head
@@ -442,6 +487,11 @@ def _combine_kernel(
     d = tl.arange(0, D)
     acc = tl.load(acc_part_ptr + part[:, None] * D + d[None, :])
     out = tl.sum(acc * weight[:, None], axis=0) / denominator
+    if ROTATE:
+        position = tl.load(position_ptr + token)
+        dtype = out_ptr.dtype.element_ty
+        out = _rotated_back(out[None, :], position, freq_ptr, 0, pass_width, D, dtype, LIBDEVICE)
+        out = tl.reshape(out, (D,))
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out)
 
 
@@ -568,6 +618,8 @@ def _mqa_values_kernel(
     stride_sh,
     stride_ot,
     stride_oh,
+    freq_ptr,
+    pass_width,
     RATIO: tl.constexpr,
     WINDOW: tl.constexpr,
     WINDOW_IN_RING: tl.constexpr,
@@ -578,9 +630,12 @@ def _mqa_values_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROTATE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     """Pass two of `MqaTiles.two_pass`, grid (tokens, heads / BLOCK_H, D / BLOCK_D): the
-    output columns d0 .. d0 + BLOCK_D, Σ exp(score − max) · row / sum, over the same tiles."""
+    output columns d0 .. d0 + BLOCK_D, Σ exp(score − max) · row / sum, over the same tiles
+    (ROTATE: rounded and rotated back, `_rotated_back`)."""
     if WINDOW_SEQ_ALIGNED:
         stride_window_seq = stride_window_seq * 16
     token = tl.program_id(0).to(tl.int64)
@@ -619,7 +674,11 @@ def _mqa_values_kernel(
     total = tl.load(total_ptr + token * num_heads + heads, mask=is_head, other=1.0)
     out_d = d0 + tl.arange(0, BLOCK_D)
     out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + out_d[None, :]
-    tl.store(out_ptrs, acc / total[:, None], mask=is_head[:, None])
+    out = acc / total[:, None]
+    if ROTATE:
+        dtype = out_ptr.dtype.element_ty
+        out = _rotated_back(out, position, freq_ptr, d0, pass_width, BLOCK_D, dtype, LIBDEVICE)
+    tl.store(out_ptrs, out, mask=is_head[:, None])
 
 
 GlobalRows = tuple[Tensor, Tensor, Tensor, int]
@@ -627,7 +686,7 @@ GlobalRows = tuple[Tensor, Tensor, Tensor, int]
 
 def _two_passes(
     q, seq_of_token, positions, sources, sink, out, num_selected, softmax_scale, row_strides,
-    tiles, block_d, common,
+    tiles, block_d, common, rotation,
 ) -> None:  # fmt: skip
     """`MqaTiles.two_pass` over the tokens of `q` (sources and out sliced to them)."""
     num_tokens, num_heads, dim = q.shape
@@ -644,10 +703,11 @@ def _two_passes(
         num_selected, rows.shape[1], softmax_scale, q.stride(0), q.stride(1),
         *row_strides, *score_strides, Q_SPLIT=q.dtype != torch.bfloat16, **common,
     )  # fmt: skip
+    freqs, pass_width, rotating = rotation
     _mqa_values_kernel[(num_tokens, head_blocks, dim // block_d)](
         seq_of_token, positions, *sources, scores, m_all, total_all, out, num_heads,
         num_selected, rows.shape[1], *row_strides, *score_strides, out.stride(0),
-        out.stride(1), BLOCK_D=block_d, **common,
+        out.stride(1), freqs, pass_width, BLOCK_D=block_d, **common, **rotating,
     )  # fmt: skip
 
 
@@ -665,8 +725,9 @@ def sparse_mqa(
     window_floor: Tensor | None = None,
     fixed_tiles: bool = False,
     tiles: MqaTiles | None = None,
+    rotate_back: Tensor | None = None,
 ) -> Tensor:
-    """fp32 [T, H, D] attention output of T query tokens.
+    """fp32 [T, H, D] attention output of T query tokens (with `rotate_back`: in q's dtype).
 
     q: [T, H, D] (bf16 or fp32). seq_of_token, positions: int64 [T] (the token's sequence
     index b and position). sink: fp32 [H]. The window comes from exactly one of
@@ -682,11 +743,14 @@ def sparse_mqa(
     is then the same whichever tokens share the launch, given the same rows in the same order
     (extra −1 selections past its own add nothing: their tiles fold in as exact no-ops).
     tiles: a launch shape of its own (benchmarks, tests); default `choose_tiles(T)`.
+    rotate_back: fp32 frequencies [R ≤ D/2] of the rotated tail: the output is
+    `apply_rope(out.to(q.dtype), positions, rotate_back, inverse=True)` (`kernels.rope`), bit
+    for bit, from the same launches.
 
     Raises:
         ValueError: a shape, dtype or layout the kernel does not take (D not a power of two
             ≥ 32, an empty window, non-unit row strides, not exactly one window source, tiles
-            that do not divide D).
+            that do not divide D, a rotated tail wider than D).
     """
     num_tokens, num_heads, dim = q.shape
     if dim < 32 or dim & (dim - 1) or window < 1:
@@ -721,8 +785,16 @@ def sparse_mqa(
         raise ValueError(f"tiles {tiles} need 32 <= block_d | {dim} and power-of-two splits")
     if tiles.two_pass and tiles.splits != 1:
         raise ValueError(f"tiles {tiles}: two passes take no row splits")
+    if rotate_back is not None and 2 * rotate_back.numel() > dim:
+        raise ValueError(f"{2 * rotate_back.numel()} rotated channels do not fit D = {dim}")
     check_runnable(q, "sparse_mqa")
-    out = torch.empty(num_tokens, num_heads, dim, dtype=torch.float32, device=q.device)
+    out_dtype = torch.float32 if rotate_back is None else q.dtype
+    out = torch.empty(num_tokens, num_heads, dim, dtype=out_dtype, device=q.device)
+    if rotate_back is None:
+        rotation = (sink, 0, {"ROTATE": False, "LIBDEVICE": _LIBDEVICE})
+    else:
+        freqs = rotate_back.to(device=q.device, dtype=torch.float32).contiguous()
+        rotation = (freqs, dim - 2 * freqs.numel(), {"ROTATE": True, "LIBDEVICE": _LIBDEVICE})
     if global_rows is None:
         pool, selection, tables, ratio = rows, positions[:, None], positions[:, None], 0
     else:
@@ -783,7 +855,7 @@ def sparse_mqa(
             )
             _two_passes(
                 q[part], seq_of_token[part], positions[part], group_sources, sink, out[part],
-                num_selected, softmax_scale, row_strides, tiles, block_d, common,
+                num_selected, softmax_scale, row_strides, tiles, block_d, common, rotation,
             )  # fmt: skip
         return out
     splits = tiles.splits
@@ -793,28 +865,21 @@ def sparse_mqa(
         acc_part = torch.empty(splits, num_tokens, num_heads, dim, device=q.device)
     else:
         m_part = total_part = acc_part = out
+    freqs, pass_width, rotating = rotation
     grid = (num_tokens, triton.cdiv(num_heads, tiles.block_h), splits * (dim // block_d))
     _sparse_mqa_kernel[grid](
         q, seq_of_token, positions, *sources, sink, out, m_part, total_part, acc_part,
         num_tokens, num_heads, num_selected, rows.shape[1], softmax_scale, q.stride(0),
-        q.stride(1), *row_strides, out.stride(0), out.stride(1),
+        q.stride(1), *row_strides, out.stride(0), out.stride(1), freqs, pass_width,
         Q_SPLIT=q.dtype != torch.bfloat16, BLOCK_D=block_d, SPLITS=splits, **common,
+        **rotating,
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
-            m_part,
-            total_part,
-            acc_part,
-            sink,
-            out,
-            num_tokens,
-            num_heads,
-            out.stride(0),
-            out.stride(1),
-            D=dim,
-            SPLITS=splits,
-            num_warps=4,
-        )
+            m_part, total_part, acc_part, sink, out, num_tokens, num_heads, out.stride(0),
+            out.stride(1), positions, freqs, pass_width, D=dim, SPLITS=splits, num_warps=4,
+            **rotating,
+        )  # fmt: skip
     return out
 
 
@@ -830,8 +895,10 @@ def sparse_mqa_reference(
     window_rows: tuple[Tensor, Tensor] | None = None,
     global_rows: GlobalRows | None = None,
     window_floor: Tensor | None = None,
+    rotate_back: Tensor | None = None,
 ) -> Tensor:
-    """`sparse_mqa` in plain torch: decode the rows, one softmax."""
+    """`sparse_mqa` in plain torch: decode the rows, one softmax (then, with `rotate_back`,
+    `kernels.rope`'s reference rotation of the output rounded to q's dtype)."""
     offsets = torch.arange(window, device=q.device)
     key_positions = positions[:, None] - (window - 1) + offsets[None, :]  # [T, W]
     if ring is not None:
@@ -855,4 +922,7 @@ def sparse_mqa_reference(
     scores = scores.masked_fill(~torch.cat(masks, 1)[:, None, :], float("-inf"))
     sinks = sink.float()[None, :, None].expand(q.shape[0], -1, 1)
     probs = torch.cat((scores, sinks), -1).softmax(-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, rows)
+    out = torch.einsum("thk,tkd->thd", probs, rows)
+    if rotate_back is None:
+        return out
+    return apply_rope_reference(out.to(q.dtype), positions, rotate_back, inverse=True)

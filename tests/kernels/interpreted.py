@@ -7,13 +7,16 @@ The interpreter's `tl.dot` is numpy's matmul; OpenBLAS's AVX2 kernels round a ro
 by its place in the block (the AVX-512 ones do not), so a test of row invariance asks for
 `rows_alone`: each row of a dot is then multiplied on its own, as the GPU's MMA does.
 `ulps` measures a kernel's distance to its reference in units of the last place.
-`compile_for_hopper` compiles a kernel for sm90 without a GPU (what the interpreter cannot show).
+`compile_for_hopper` compiles a kernel for sm90 without a GPU (what the interpreter cannot show);
+`sum_of_squares_ops` reads a row norm's reduction from that PTX.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +92,15 @@ def compile_for_hopper(
         options={"num_warps": 4, "num_stages": 4, **(options or {})},
     )
     return compiled.asm["ptx"]
+
+
+def sum_of_squares_ops(ptx: str, elements_per_thread: int) -> collections.Counter:
+    """The adds and shuffles from a row's first square to its rsqrt in `ptx`, after checking
+    that every square is an explicit fused multiply-add onto +0 (`rms_norm.inv_rms`: no
+    multiply left to contract into the sum's adds). Two kernels whose counts agree reduce a
+    row alike."""
+    square = r"fma\.rn\.f32\s+%r\d+, (%r\d+), \1, 0f00000000;"
+    assert len(re.findall(square, ptx)) == elements_per_thread
+    start = re.search(square, ptx).start()
+    body = ptx[start : ptx.index("rsqrt", start)].split()
+    return collections.Counter(op for op in body if op in ("add.f32", "shfl.sync.bfly.b32"))

@@ -11,6 +11,7 @@ from kernels.fp4_rows import (
     global_fp4_rows_quantize,
     index_fp4_rows_dequantize,
     index_fp4_rows_quantize,
+    index_fp4_rows_rotated_round_trip,
     index_fp4_rows_round_trip,
 )
 from tests.kernels.codec_rows import (
@@ -97,6 +98,45 @@ def global_mismatches(device: str = "cpu") -> list[str]:
     return out
 
 
+# (x shape, positions' dims, rotated channels, dtype name): the indexer's queries [T, H, D]
+# (released: 64 heads of 128, 64 rotated), fp32 rows, a fully rotated row, two leading dims
+# over a width that is no power of two, no rows.
+ROTATED_CASES = [
+    ((5, 4, 128), 1, 64, "bfloat16"),
+    ((3, 128), 1, 64, "float32"),
+    ((7, 16, 64), 1, 64, "bfloat16"),
+    ((2, 3, 2, 96), 2, 32, "bfloat16"),
+    ((0, 4, 128), 1, 64, "bfloat16"),
+]
+
+
+def _rotated_inputs(case, device: str):
+    from engine.models.deepseek_v41.primitives import rope_frequencies
+
+    shape, lead, rot, dtype = case
+    generator = torch.Generator().manual_seed(sum(shape) + rot)
+    x = (torch.randn(shape, generator=generator) * 3).to(getattr(torch, dtype))
+    positions = torch.randint(0, 200_000, shape[:lead], generator=generator)
+    freqs = rope_frequencies(rot, 10000.0, None)
+    return x.to(device), positions.to(device), freqs.to(device)
+
+
+def rotated_mismatches(device: str = "cpu") -> list[str]:
+    """Cases where the rotated round trip differs from `kernels.rope.apply_rope` followed by
+    the round trip (the two launches it replaces), as fp32 and in x's dtype."""
+    from kernels.rope import apply_rope
+
+    out = []
+    for case in ROTATED_CASES:
+        x, positions, freqs = _rotated_inputs(case, device)
+        rotated = apply_rope(x, positions, freqs)
+        for dtype in (torch.float32, None):
+            ours = index_fp4_rows_rotated_round_trip(x, positions, freqs, dtype)
+            if not same_bits(ours, index_fp4_rows_round_trip(rotated, dtype)):
+                out.append(f"{case} {dtype}")
+    return out
+
+
 _INTERPRETED = """
 import json
 from tests.kernels.test_fp4_rows import {name}
@@ -110,6 +150,10 @@ def test_index_kernels_match_the_codec_bit_for_bit_in_the_triton_interpreter() -
 
 def test_global_kernel_matches_the_codec_bit_for_bit_in_the_triton_interpreter() -> None:
     assert run_interpreted(_INTERPRETED.format(name="global_mismatches")) == []
+
+
+def test_rotated_round_trip_equals_rope_then_round_trip_in_the_triton_interpreter() -> None:
+    assert run_interpreted(_INTERPRETED.format(name="rotated_mismatches")) == []
 
 
 _RAISES = """
@@ -146,6 +190,15 @@ def test_launchers_reject_what_the_kernels_cannot_take() -> None:
         index_fp4_rows_dequantize(torch.zeros(2, 66, dtype=torch.uint8))
     with pytest.raises(ValueError, match="CUDA"):
         index_fp4_rows_quantize(torch.zeros(2, 64))
+    x, positions, freqs = _rotated_inputs(ROTATED_CASES[0], "cpu")
+    with pytest.raises(TypeError, match="bf16 or fp32"):
+        index_fp4_rows_rotated_round_trip(x.half(), positions, freqs)
+    with pytest.raises(ValueError, match="must lead"):
+        index_fp4_rows_rotated_round_trip(x, positions[:-1], freqs)
+    with pytest.raises(ValueError, match="do not fit"):
+        index_fp4_rows_rotated_round_trip(x[..., :32], positions, freqs)
+    with pytest.raises(ValueError, match="CUDA"):
+        index_fp4_rows_rotated_round_trip(x, positions, freqs)
 
 
 @pytest.mark.gpu
@@ -158,20 +211,51 @@ def test_global_kernel_matches_the_codec_bit_for_bit_on_cuda() -> None:
     assert global_mismatches("cuda") == []
 
 
-@pytest.mark.parametrize("group", [32, 16])
-def test_quantize_kernel_compiles_for_hopper_with_ieee_arithmetic(group: int) -> None:
+@pytest.mark.gpu
+def test_rotated_round_trip_equals_rope_then_round_trip_on_cuda() -> None:
+    assert rotated_mismatches("cuda") == []
+
+
+@pytest.mark.parametrize(("group", "rotate"), [(32, False), (16, False), (32, True)])
+def test_quantize_kernel_compiles_for_hopper_with_ieee_arithmetic(group: int, rotate) -> None:
     # what the interpreter cannot show: the sm90 build keeps IEEE division (div_rn) and does
-    # not flush subnormals (index rows with subnormal elements need x * 2^-e exact)
+    # not flush subnormals (index rows with subnormal elements need x * 2^-e exact), the
+    # rotated round trip included (the indexer's queries: 128 channels)
     from kernels.fp4_rows import _fp4_quantize_kernel
     from tests.kernels.interpreted import compile_for_hopper
 
     index = group == 32
     pointers = {"x_ptr": "*i16", "out_ptr": "*fp32" if index else "*u8"}
+    pointers |= {"position_ptr": "*i64", "freq_ptr": "*fp32"}
+    integers = {"num_rows": "i32", "x_row_stride": "i32", "rows_per_position": "i32"}
+    dim = 128 if rotate else 512
     ptx = compile_for_hopper(
         _fp4_quantize_kernel,
-        {**pointers, "num_rows": "i32", "x_row_stride": "i32"},
-        {"DIM": 512, "BLOCK_HALF": 256, "BLOCK_R": 8, "GROUP": group, "E4M3_SCALE": not index}
-        | {"CLAMP_SCALE": True, "ROUND_TRIP": index, "IN_BF16_BITS": True, "OUT_BF16_BITS": False},
-        {*pointers, "x_row_stride"},
+        {**pointers, **integers, "pass_pairs": "i32"},
+        {"DIM": dim, "BLOCK_HALF": dim // 2, "BLOCK_R": 8, "GROUP": group}
+        | {"E4M3_SCALE": not index, "CLAMP_SCALE": True, "ROUND_TRIP": index, "ROTATE": rotate}
+        | {"IN_BF16_BITS": True, "OUT_BF16_BITS": False, "LIBDEVICE": True},
+        {*pointers, "x_row_stride", "rows_per_position"},
     )
-    assert "div.rn.f32" in ptx and ".ftz" not in ptx and ".local" not in ptx
+    assert "div.rn.f32" in ptx
+    if not rotate:
+        assert ".ftz" not in ptx and ".local" not in ptx
+        return
+    # libdevice's cosf / sinf flush (and reduce huge angles through local memory) as in
+    # `kernels.rope`'s own build; nothing else does
+    from kernels.rope import _rope_kernel
+
+    rope_types = {"x_ptr": "*bf16", "position_ptr": "*i64", "freq_ptr": "*fp32"}
+    rope_types |= {"out_ptr": "*bf16", "rows_per_position": "i32", "width": "i32"}
+    rope_types |= {"pass_width": "i32", "half": "i32", "sign": "fp32"}
+    rope = compile_for_hopper(
+        _rope_kernel,
+        rope_types,
+        {"BLOCK_R": 16, "BLOCK_PASS": 64, "BLOCK_HALF": 32, "LIBDEVICE": True},
+        {"x_ptr", "position_ptr", "freq_ptr", "out_ptr"},
+    )
+
+    def flushing(text: str) -> set[str]:
+        return {line.split()[0] for line in text.splitlines() if ".ftz" in line}
+
+    assert flushing(ptx) <= flushing(rope)

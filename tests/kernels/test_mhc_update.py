@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import collections
-import re
-
 import pytest
 import torch
 import triton
 
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
-from tests.kernels.interpreted import run_interpreted, ulps
+from tests.kernels.interpreted import run_interpreted, sum_of_squares_ops, ulps
 
 # (tokens, streams, width, dtype name): widths that are and are not multiples of the tile.
 CASES = [
@@ -162,17 +159,6 @@ def test_combination_and_norm_in_one_launch_equal_the_two_kernels_on_cuda(case) 
     assert torch.equal(fused, rms_norm(mhc_combine(residual, weights), norm_weight, EPS))
 
 
-def _sum_of_squares_ops(ptx: str, elements_per_thread: int) -> collections.Counter:
-    """The adds and shuffles from a row's first square to its rsqrt, after checking that every
-    square is an explicit fused multiply-add onto +0 (no multiply left to contract into the
-    sum's adds)."""
-    square = r"fma\.rn\.f32\s+%r\d+, (%r\d+), \1, 0f00000000;"
-    assert len(re.findall(square, ptx)) == elements_per_thread
-    start = re.search(square, ptx).start()
-    body = ptx[start : ptx.index("rsqrt", start)].split()
-    return collections.Counter(op for op in body if op in ("add.f32", "shfl.sync.bfly.b32"))
-
-
 @pytest.mark.parametrize("case", NORM_CASES[:3])
 def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -> None:
     # The CUDA build contracts multiplies into adds per program (why the fused kernel once
@@ -186,9 +172,10 @@ def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -
     block = triton.next_power_of_2(dim)
     warps = {"num_warps": min(16, max(1, block // 512))}
     elem = {"float32": "*fp32", "bfloat16": "*bf16"}[dtype]
-    scalars = {"dim": "i32", "width": "i32", "eps": "fp32"}
+    scalars = {"dim": "i32", "width": "i32", "x_row_stride": "i32", "eps": "fp32"}
     aligned = {"residual_ptr", "weights_ptr", "norm_ptr", "out_ptr", "x_ptr", "weight_ptr"}
-    aligned |= {"codes_ptr", "scale_ptr"} | ({"dim", "width"} if dim % 16 == 0 else set())
+    aligned |= {"codes_ptr", "scale_ptr"}
+    aligned |= {"dim", "width", "x_row_stride"} if dim % 16 == 0 else set()
     fused = compile_for_hopper(
         _mhc_combine_norm_kernel,
         {"residual_ptr": elem, "weights_ptr": "*fp32", "norm_ptr": elem, "out_ptr": elem} | scalars,
@@ -206,4 +193,4 @@ def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -
         warps,
     )
     per_thread = block // (32 * warps["num_warps"])
-    assert _sum_of_squares_ops(fused, per_thread) == _sum_of_squares_ops(two, per_thread)
+    assert sum_of_squares_ops(fused, per_thread) == sum_of_squares_ops(two, per_thread)

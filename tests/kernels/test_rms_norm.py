@@ -51,6 +51,42 @@ def test_kernel_matches_reference_in_the_triton_interpreter() -> None:
     assert max(gap for gap, _ in result) <= 16
 
 
+def strided_mismatches(device: str = "cpu") -> list[int]:
+    """Per case: elements of `rms_norm` (and of `rms_norm_fp8`'s three outputs, where the width
+    allows) of rows read as a column slice of wider rows that differ from those of the same
+    rows made contiguous (the attention's packed projection hands the norm such a view)."""
+    from kernels.rms_norm import rms_norm_fp8
+
+    result = []
+    for case in CASES:
+        x, weight = _inputs(case, device)
+        wide = torch.cat((x, torch.full_like(x[..., :48], 7.0)), -1)
+        view = wide[..., : x.shape[-1]]
+        pairs = [(rms_norm(view, weight, EPS), rms_norm(x, weight, EPS))]
+        if x.shape[-1] % 32 == 0:
+            fp8 = rms_norm_fp8(view, weight, EPS), rms_norm_fp8(x, weight, EPS)
+            pairs += zip(*fp8, strict=True)
+        differ = [int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in pairs]
+        result.append(sum(differ))
+    return result
+
+
+_STRIDED_INTERPRETED = """
+import json
+from tests.kernels.test_rms_norm import strided_mismatches
+print(json.dumps(strided_mismatches()))
+"""
+
+
+def test_strided_rows_give_the_contiguous_rows_bits_in_the_interpreter() -> None:
+    assert run_interpreted(_STRIDED_INTERPRETED) == [0] * len(CASES)
+
+
+@pytest.mark.gpu
+def test_strided_rows_give_the_contiguous_rows_bits_on_cuda() -> None:
+    assert strided_mismatches("cuda") == [0] * len(CASES)
+
+
 def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
     x, weight = _inputs(CASES[0])
     with pytest.raises(ValueError, match="weight"):

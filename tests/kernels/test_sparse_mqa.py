@@ -164,6 +164,55 @@ def test_every_tile_shape_matches_reference_in_the_triton_interpreter() -> None:
     assert len(errors) == 3 * len(INTERPRETED_TILES) and max(errors) < TOLERANCE
 
 
+def rotation_mismatches(cases, tiles_list, q_dtypes, device: str = "cpu") -> list[str]:
+    """Launches whose output with `rotate_back` differs from `kernels.rope`'s inverse rotation
+    of the output rounded to q's dtype (the two launches it replaces), or is not in q's dtype;
+    and the largest relative distance to the reference's own rotation."""
+    from engine.models.deepseek_v41.primitives import rope_frequencies
+    from kernels.rope import apply_rope
+
+    bad, worst = [], 0.0
+    for case in cases:
+        args, sources = _inputs(case, device)
+        # the model's rotated tail (64 of 512) and a wider one
+        freqs = rope_frequencies(64 if case[3] > 128 else case[3] // 2, 10000.0, None).to(device)
+        for q_dtype in q_dtypes:
+            run = (args[0].to(q_dtype), *args[1:])
+            for tiles in tiles_list:
+                plain = sparse_mqa(*run, **sources, tiles=tiles)
+                ours = sparse_mqa(*run, **sources, tiles=tiles, rotate_back=freqs)
+                two = apply_rope(plain.to(q_dtype), run[2], freqs, inverse=True)
+                if ours.dtype != q_dtype or not torch.equal(ours, two):
+                    bad.append(f"{case} {q_dtype} {tiles}")
+            reference = sparse_mqa_reference(*run, **sources, rotate_back=freqs).float()
+            gap = float((ours.float() - reference).norm() / reference.norm())
+            worst = max(worst, gap)
+    return [*bad, worst]
+
+
+_INTERPRETED_ROTATION = """
+import json, torch
+import kernels.sparse_mqa as mqa
+from tests.kernels.test_sparse_mqa import CASES, INTERPRETED_TILES, rotation_mismatches
+result = rotation_mismatches((CASES[0], CASES[2], CASES[4]), [None, *INTERPRETED_TILES],
+                             (torch.bfloat16,))
+result += rotation_mismatches((CASES[0],), [None], (torch.float32,))
+mqa.TWO_PASS_TOKENS = 4  # long launches: the two passes in token groups
+result += rotation_mismatches((CASES[4],), [INTERPRETED_TILES[-1]], (torch.bfloat16,))
+print(json.dumps(result))
+"""
+
+
+def test_rotated_output_equals_output_then_inverse_rope_in_the_triton_interpreter() -> None:
+    # Every launch shape (one pass, row splits and their combine, split columns with and
+    # without rotated columns, two passes, in token groups), ring and rows, with and without
+    # a KV source: bit for bit the rounding and `apply_rope(..., inverse=True)` it replaces.
+    result = run_interpreted(_INTERPRETED_ROTATION)
+    mismatches = [r for r in result if isinstance(r, str)]
+    assert mismatches == []
+    assert max(r for r in result if isinstance(r, float)) < 1e-2  # bf16 output vs reference
+
+
 _INTERPRETED_GROUPS = """
 import json
 import kernels.sparse_mqa as mqa
@@ -225,6 +274,9 @@ def test_launcher_rejects_layouts_it_cannot_take() -> None:
     with pytest.raises(ValueError, match="splits"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
                    tiles=MqaTiles(16, 16, splits=3))  # fmt: skip
+    with pytest.raises(ValueError, match="do not fit"):
+        sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
+                   rotate_back=torch.ones(q.shape[-1]))  # fmt: skip
     with pytest.raises(ValueError, match="CUDA"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring)
 
@@ -250,6 +302,13 @@ def test_kernel_matches_reference_on_cuda(case, tiles) -> None:
     ours = sparse_mqa(*bf16, **sources, tiles=tiles)
     reference = sparse_mqa_reference(*bf16, **sources)
     assert float((ours - reference).norm() / reference.norm()) < TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[6]], ids=str)
+def test_rotated_output_equals_output_then_inverse_rope_on_cuda(case) -> None:
+    result = rotation_mismatches((case,), [None, *CUDA_TILES], (torch.bfloat16,), "cuda")
+    assert result[:-1] == [] and result[-1] < 1e-2
 
 
 @pytest.mark.gpu

@@ -422,6 +422,21 @@ def test_exact_codec_stores_float32_unchanged():
     assert torch.equal(codec.decode(codec.encode(x)), x.float())
 
 
+@pytest.mark.parametrize("quantize", [True, False])
+def test_rotated_round_trip_is_the_round_trip_of_the_rotated_rows(quantize: bool):
+    # the indexer's queries [T, H, D]: off the kernel path, the two steps as before
+    from engine.models.deepseek_v41.primitives import rope_frequencies
+    from kernels.rope import apply_rope_reference
+
+    codec = kv.make_codec("index_fp4", 64, quantize=quantize)
+    x = torch.randn(5, 3, 64, dtype=torch.bfloat16)
+    positions = torch.arange(5) * 1000
+    freqs = rope_frequencies(32, 10000.0, None)
+    ours = codec.rotated_round_trip(x, positions, freqs)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, codec.round_trip(apply_rope_reference(x, positions, freqs)))
+
+
 def test_nemo_codec_uses_nemo_rules():
     x = torch.zeros(1, 64)
     x[0, 0] = 0.01

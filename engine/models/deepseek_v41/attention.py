@@ -30,6 +30,7 @@ from engine.models.deepseek_v41.primitives import (
     mhc_combine_norm,
     pair_softmax,
     rms_norm,
+    rms_norm_rope,
 )
 from engine.models.deepseek_v41.state import BLOCK_TOKENS, PAIR_RING, ModelState, StepBatch
 from kernels import runs_kernels
@@ -88,6 +89,19 @@ class RMSNorm(nn.Module):
         """`self(mhc_combine(residual, weights))`, a sublayer's input, in one launch on the
         kernel path (`primitives.mhc_combine_norm`)."""
         return mhc_combine_norm(residual, weights, self.weight, self.eps)
+
+    def rotated(self, x: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+        """`apply_rope(self(x), positions, freqs)` (one position per row), in one launch on the
+        kernel path (`primitives.rms_norm_rope`)."""
+        return rms_norm_rope(x, self.weight, self.eps, positions, freqs)[0]
+
+    def rotated_and_plain(
+        self, x: Tensor, positions: Tensor, freqs: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(`self.rotated(x, positions, freqs)`, `self(x)`) from one launch on the kernel
+        path."""
+        rotated, normed = rms_norm_rope(x, self.weight, self.eps, positions, freqs, True)
+        return rotated, normed
 
 
 def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> Linear:
@@ -162,6 +176,8 @@ class Compressor(nn.Module):
     Ratio 1: one latent per token. Ratio 2: per-channel softmax pooling of token pairs
     (2i, 2i+1); the latent appears when the odd token arrives and carries RoPE position 2i.
     The even token's fp32 (k, gate) waits in the pending ring until its partner arrives.
+    `forward` returns the latents before `norm`: the KV source normalises and rotates them in
+    one step (`Attention.write_source`, `RMSNorm.rotated_and_plain`).
     """
 
     def __init__(self, cfg: DeepseekV41Config, ratio: int, dtype: torch.dtype) -> None:
@@ -175,12 +191,12 @@ class Compressor(nn.Module):
         self.batch_invariant = False  # the pair softmax's; see `Numerics.batch_invariant`
 
     def forward(self, x: Tensor, ctx: StepContext, source_id: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Returns (latents [G, head_dim], group positions [G], token index of each group [G])."""
+        """Returns (latents before `norm` [G, head_dim] in x's dtype, group positions [G], token
+        index of each group [G])."""
         batch = ctx.batch
         pos = batch.positions
         if self.ratio == 1:
-            lat = self.norm(self.wkv(x))
-            return lat, pos, torch.arange(pos.numel(), device=pos.device)
+            return self.wkv(x), pos, torch.arange(pos.numel(), device=pos.device)
         k = self.wkv.forward_fp32(x)
         g = self.wgate.forward_fp32(x)
         pending = ctx.state.pending[source_id]
@@ -193,12 +209,11 @@ class Compressor(nn.Module):
         g_even = torch.where(pairs.in_call, g[pairs.partner], carried[:, 1])
         weights = pair_softmax(g_even, g[odd], self.batch_invariant)
         pooled = weights[0] * k_even + weights[1] * k[odd]
-        lat = self.norm(pooled.to(x.dtype))
         # Keep (k, gate) of recent even tokens: a later step may need any of them as a partner
         # (drafts past an accepted even position are recomputed from here).
         keep = pairs.kept_even
         pending[pairs.kept_slot, pairs.kept_ring_row] = torch.stack((k[keep], g[keep]), 1)
-        return lat, pairs.group_position, odd
+        return pooled.to(x.dtype), pairs.group_position, odd
 
     def _pool_every_row(
         self, k: Tensor, g: Tensor, pending: Tensor, batch: PaddedDecodeBatch, dtype: torch.dtype
@@ -210,12 +225,12 @@ class Compressor(nn.Module):
         pos, slot = batch.positions, batch.slots
         carried = pending[slot, torch.div(pos - 1, 2, rounding_mode="floor") % PAIR_RING]
         weights = pair_softmax(carried[:, 1], g, self.batch_invariant)
-        lat = self.norm((weights[0] * carried[:, 0] + weights[1] * k).to(dtype))
+        pooled = (weights[0] * carried[:, 0] + weights[1] * k).to(dtype)
         ring_row = torch.div(pos, 2, rounding_mode="floor") % PAIR_RING
         is_even = (pos % 2 == 0)[:, None, None]
         kept = torch.where(is_even, torch.stack((k, g), 1), pending[slot, ring_row])
         pending[slot, ring_row] = kept
-        return lat, pos - 1, torch.arange(pos.numel(), device=pos.device)
+        return pooled, pos - 1, torch.arange(pos.numel(), device=pos.device)
 
 
 class Indexer(nn.Module):
@@ -270,11 +285,27 @@ class Attention(nn.Module):
         # in the attention and the indexer (the `*_fixed_order` methods).
         self.batch_invariant = False
 
+    def pack_projections(self) -> None:
+        """Stack the dense `wq_a` and `wkv` weights, which both read the attention input, into
+        one [q_lora + hd, D] buffer (`wq_a_kv_weight`, non-persistent); both weights become
+        views of it, so memory does not grow and checkpoint names and state dicts stay. Then
+        the kernel path runs the two projections as one GEMM (`latents`).
+
+        NOTE: call it once the model is on its device (as `MoE.pack_experts`). FP8 dense
+        linears (`FP8BlockLinear`) stay apart, as the shared expert's do."""
+        if not (type(self.wq_a) is Linear and type(self.wkv) is Linear):
+            return
+        packed = torch.cat((self.wq_a.weight.detach(), self.wkv.weight.detach()))
+        self.register_buffer("wq_a_kv_weight", packed, persistent=False)
+        rank = self.wq_a.weight.shape[0]
+        self.wq_a.weight = nn.Parameter(packed[:rank], requires_grad=False)
+        self.wkv.weight = nn.Parameter(packed[rank:], requires_grad=False)
+
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
         qa, q, window_rows = self.project(x, ctx.batch.positions, ctx.codecs.swa)
-        return self.output(self.attend(x, qa, q, window_rows, ctx), ctx.batch.positions)
+        return self.output(self.attend(x, qa, q, window_rows, ctx))
 
     def project(
         self, x: Tensor, positions: Tensor, window_codec: KVCodec
@@ -282,32 +313,46 @@ class Attention(nn.Module):
         """(query latent qa [T, q_lora], rotated queries [T, H, hd], encoded window rows).
         Pure and token-parallel (CUDA graphs may replay it)."""
         cfg = self.cfg
-        qa = self.q_norm(self.wq_a(x))
+        q_latent, kv_latent = self.latents(x)
+        qa = self.q_norm(q_latent)
         q = self.wq_b(qa).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
         q = apply_rope(q, positions, self.freqs)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), positions, self.freqs)
+        kv = self.kv_norm.rotated(kv_latent, positions, self.freqs)
         return qa, q, window_codec.encode(kv)
+
+    def latents(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(`wq_a(x)`, `wkv(x)`). Packed (`pack_projections`), on the kernel path and outside
+        batch-invariant mode: one GEMM over the packed weight, the two as column views of its
+        output (the norms read strided rows), as the shared expert's gate and up.
+
+        NOTE: one GEMM of N = q_lora + hd columns may sum a column in another order than the
+        GEMM of its own N (the library picks its kernel by shape), as the shared expert's."""
+        if hasattr(self, "wq_a_kv_weight") and runs_kernels(x) and not self.batch_invariant:
+            rank = self.wq_a.weight.shape[0]
+            both = dense_matmul(x, self.wq_a_kv_weight)
+            return both[..., :rank], both[..., rank:]
+        return self.wq_a(x), self.wkv(x)
 
     def attend(
         self, x: Tensor, qa: Tensor, q: Tensor, window_rows: Tensor, ctx: StepContext
     ) -> Tensor:
-        """Store this step's rows (window, KV source), select, attend: [T, H, hd] in x's dtype."""
+        """Store this step's rows (window, KV source), select, attend: [T, H, hd] in x's dtype,
+        rotated back by each token's RoPE angle (the kernel path does it in the launch that
+        writes the output: `sparse_mqa(rotate_back=...)`, bit for bit the two)."""
         if self.is_source and not ctx.sources_written:
             self.write_source(x, ctx)
         if self.is_index:
             self._select(x, qa, ctx)
         if self._attends_in_kernel(q, ctx):
-            return self._sparse_mqa_kernel(q, window_rows, ctx).to(x.dtype)
+            return self._sparse_mqa_kernel(q, window_rows, ctx)
         attend = self._sparse_mqa_fixed_order if self.batch_invariant else self._sparse_mqa
         o = attend(q, window_rows, ctx).to(x.dtype)
         self._write_window(window_rows, ctx)
-        return o
+        return apply_rope(o, ctx.batch.positions, self.freqs, inverse=True)
 
-    def output(self, o: Tensor, positions: Tensor) -> Tensor:
-        """Inverse rotation and the grouped output projection. Pure and token-parallel."""
-        cfg = self.cfg
-        o = apply_rope(o, positions, self.freqs, inverse=True)
-        u = grouped_linear(self.wo_a, o.flatten(1), cfg.o_groups)
+    def output(self, o: Tensor) -> Tensor:
+        """The grouped output projection of `attend`'s output. Pure and token-parallel."""
+        u = grouped_linear(self.wo_a, o.flatten(1), self.cfg.o_groups)
         return self.wo_b(u)
 
     # ---- window -------------------------------------------------------------------------------
@@ -453,7 +498,8 @@ class Attention(nn.Module):
         )
 
     def _sparse_mqa_kernel(self, q: Tensor, window_rows: Tensor, ctx: StepContext) -> Tensor:
-        """`_sparse_mqa` reading the encoded rows in place; writes the step's window rows.
+        """`_sparse_mqa` reading the encoded rows in place, rounded to q's dtype and rotated
+        back (`sparse_mqa`'s `rotate_back`); writes the step's window rows.
 
         Decode steps read the window from the ring after writing their own rows (the ring is
         longer than the window, so writing position p never overwrites a row p reads); longer
@@ -480,6 +526,7 @@ class Attention(nn.Module):
         # the rows compile to different MMA operand paths whose results differ in the last bit
         # (`test_sparse_mqa.py`), and a decode row meets both (alone, and beside a chunk).
         sources = {"global_rows": global_rows, "window_floor": batch.window_floor_tensor}
+        sources["rotate_back"] = self.freqs
         if batch.max_len == 1 and not fixed:
             self._write_window(window_rows, ctx)
             ring = (state.swa[self.layer_id], batch.slots)
@@ -502,20 +549,21 @@ class Attention(nn.Module):
     def write_source(self, x: Tensor, ctx: StepContext) -> None:
         """Compress this step's attention inputs `x` into global KV + index keys (none below
         `reuse_ends`: cached blocks are shared and read-only)."""
-        lat, group_pos, token_idx = self.compressor(x, ctx, self.layer_id)
+        pooled, group_pos, token_idx = self.compressor(x, ctx, self.layer_id)
         batch = ctx.batch
         if batch.reuse_end_tensor is not None:  # cached blocks are shared and read-only
             writes = group_pos >= batch.reuse_end_tensor[batch.seq_of_token[token_idx]]
-            lat, group_pos, token_idx = lat[writes], group_pos[writes], token_idx[writes]
-        if lat.shape[0] == 0:
+            pooled, group_pos, token_idx = pooled[writes], group_pos[writes], token_idx[writes]
+        if pooled.shape[0] == 0:
             return
         emits = None
         if is_padded_decode(batch):  # every row pooled; only rows closing a group write
             emits = batch.positions % self.ratio == self.ratio - 1
             group_pos = group_pos.clamp(min=0)
-        kv = apply_rope(lat, group_pos, self.freqs)
-        ik = self.indexer.k_norm(self.indexer.wk(lat))
-        ik = apply_rope(ik, group_pos, self.freqs)
+        # NOTE: the norm runs on the written rows only; a row's norm does not depend on the
+        # other rows (the kernel's program per row; the torch reference's row reductions).
+        kv, lat = self.compressor.norm.rotated_and_plain(pooled, group_pos, self.freqs)
+        ik = self.indexer.k_norm.rotated(self.indexer.wk(lat), group_pos, self.freqs)
         seq = batch.seq_of_token[token_idx]
         block, row = _global_row_address(batch, seq, group_pos // self.ratio, self.ratio)
         if emits is not None:
@@ -530,8 +578,7 @@ class Attention(nn.Module):
         cfg, batch, r = self.cfg, ctx.batch, self.ratio
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
         iq = self.indexer.wq_b(qa).view(-1, heads, dim)
-        iq = apply_rope(iq, batch.positions, self.freqs)
-        iq = ctx.codecs.index.round_trip(iq)
+        iq = ctx.codecs.index.rotated_round_trip(iq, batch.positions, self.freqs)
         hw = self.indexer.weights_proj.forward_fp32(x) * (dim**-0.5 * heads**-0.5)
         if is_padded_decode(batch):  # fixed shapes: the block tables' key capacity
             num_visible_max = batch.key_capacity(r)

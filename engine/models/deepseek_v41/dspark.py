@@ -64,9 +64,10 @@ def _stage_attention(
     cfg = attn.cfg
     b, s, _ = x.shape
     h, hd = cfg.num_attention_heads, cfg.head_dim
-    qa = attn.q_norm(attn.wq_a(x))
+    q_latent, kv_latent = attn.latents(x)
+    qa = attn.q_norm(q_latent)
     q = apply_rope(attn.wq_b(qa).view(b, s, h, hd), positions, attn.freqs)
-    kv = apply_rope(attn.kv_norm(attn.wkv(x)), positions, attn.freqs)
+    kv = attn.kv_norm.rotated(kv_latent, positions, attn.freqs)
     own = codecs.swa.decode(codecs.swa.encode(kv))
     keys = torch.cat((context, own), 1)  # [B, W + S, hd]
     logits = torch.einsum("bshd,bkd->bshk", q.float(), keys) * hd**-0.5
@@ -118,7 +119,7 @@ class DSpark(nn.ModuleList):
         rows = []
         for stage in self:
             attn = stage.attn
-            kv = apply_rope(attn.kv_norm(attn.wkv(c)), positions, attn.freqs)
+            kv = attn.kv_norm.rotated(attn.wkv(c), positions, attn.freqs)
             rows.append(codecs.swa.encode(kv))
         return rows
 

@@ -43,11 +43,13 @@ from functools import cache, partial
 import torch
 from torch import Tensor
 
+from engine.models.deepseek_v41.primitives import apply_rope
 from kernels import runs_kernels
 from kernels.fp4_rows import (
     global_fp4_rows_quantize,
     index_fp4_rows_dequantize,
     index_fp4_rows_quantize,
+    index_fp4_rows_rotated_round_trip,
     index_fp4_rows_round_trip,
 )
 from kernels.mxfp8_rows import mxfp8_rows_quantize
@@ -425,7 +427,8 @@ class KVCodec:
     part for exact storage); the prefix cache's block layout stores each part as its own
     section (`cache.md` §1.3).
     ``round_trip(x)``: ``decode(encode(x))`` without building the stored rows where a kernel
-    does it in one launch.
+    does it in one launch; ``rotated_round_trip(x, positions, freqs)`` the round trip of x's
+    RoPE (the indexer's queries), in one launch with the rotation where a kernel does both.
     The ``kernel_*`` functions, where set, replace the torch ones for tensors on the kernel path
     (``kernels.runs_kernels``): the same results, bit for bit, in one launch.
     """
@@ -444,6 +447,9 @@ class KVCodec:
         default=None, repr=False, compare=False
     )
     kernel_round_trip_fn: Callable[[Tensor], Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
+    kernel_rotated_round_trip_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = field(
         default=None, repr=False, compare=False
     )
 
@@ -471,6 +477,15 @@ class KVCodec:
             return self.kernel_round_trip_fn(x)
         return self.decode(self.encode(x))
 
+    def rotated_round_trip(self, x: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
+        """``round_trip(apply_rope(x, positions, freqs))`` (float32[..., dim]; the arguments of
+        `primitives.apply_rope`): one launch on the kernel path where a kernel does both (FP4
+        index rows), bit for bit the two; else the rotation, then ``round_trip``."""
+        if self.kernel_rotated_round_trip_fn is not None and runs_kernels(x):
+            self._check_width(x)
+            return self.kernel_rotated_round_trip_fn(x, positions, freqs)
+        return self.round_trip(apply_rope(x, positions, freqs))
+
     def _check_width(self, x: Tensor) -> None:
         if x.shape[-1] != self.dim:
             raise ValueError(f"{self.name}: expected rows of width {self.dim}, got {x.shape[-1]}")
@@ -486,6 +501,7 @@ class _KVFormat:
     kernel_quantize: Callable[..., Tensor]  # the same keyword arguments as quantize
     kernel_dequantize: Callable[[Tensor], Tensor] | None = None  # -> float32
     kernel_round_trip: Callable[[Tensor], Tensor] | None = None  # -> float32
+    kernel_rotated_round_trip: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
 
 
 _KV_FORMATS: Mapping[str, _KVFormat] = {
@@ -514,6 +530,7 @@ _KV_FORMATS: Mapping[str, _KVFormat] = {
         index_fp4_rows_quantize,
         index_fp4_rows_dequantize,
         partial(index_fp4_rows_round_trip, dtype=torch.float32),
+        partial(index_fp4_rows_rotated_round_trip, dtype=torch.float32),
     ),
 }
 
@@ -561,4 +578,5 @@ def make_codec(kind: str, dim: int, quantize: bool = True, nemo_variant: bool = 
         kernel_encode_fn=partial(fmt.kernel_quantize, **kwargs),
         kernel_decode_fn=fmt.kernel_dequantize,
         kernel_round_trip_fn=fmt.kernel_round_trip,
+        kernel_rotated_round_trip_fn=fmt.kernel_rotated_round_trip,
     )

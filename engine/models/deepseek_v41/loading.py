@@ -144,4 +144,5 @@ def load_model(
     model = model.to(device).eval()
     if quantized_experts:
         model.pack_routed_experts()
+    model.pack_attention_projections()
     return model

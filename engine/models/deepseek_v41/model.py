@@ -224,7 +224,7 @@ class Block(nn.Module):
             parts = self.attention_in(residual, pre_prev, positions, ctx.codecs.swa)
         x_attn, qa, q, window_rows, pre_a, post_a, comb_a = parts
         o = self.attn.attend(x_attn, qa, q, window_rows, ctx)
-        return graphs.attention_out(o, positions, residual, post_a, comb_a, pre_a)
+        return graphs.attention_out(o, residual, post_a, comb_a, pre_a)
 
     def attention_in(
         self, residual: Tensor, pre_prev: Tensor | None, positions: Tensor, window_codec: KVCodec
@@ -237,17 +237,12 @@ class Block(nn.Module):
         return x_attn, qa, q, window_rows, pre_a, post_a, comb_a
 
     def attention_out(
-        self,
-        o: Tensor,
-        positions: Tensor,
-        residual: Tensor,
-        post_a: Tensor,
-        comb_a: Tensor,
-        pre_a: Tensor,
+        self, o: Tensor, residual: Tensor, post_a: Tensor, comb_a: Tensor, pre_a: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """Attention output projection and residual update, then the FFN sublayer: (residual,
-        FFN `pre`). Pure and token-parallel."""
-        residual = mhc_post(residual, post_a, comb_a, self.attn.output(o, positions))
+        """Attention output projection (of `Attention.attend`'s output, rotated back already)
+        and residual update, then the FFN sublayer: (residual, FFN `pre`). Pure and
+        token-parallel."""
+        residual = mhc_post(residual, post_a, comb_a, self.attn.output(o))
         return self.ffn_half(residual, pre_a)
 
     def ffn_half(self, residual: Tensor, pre_a: Tensor) -> tuple[Tensor, Tensor]:
@@ -378,6 +373,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, MoE):
                 module.pack_experts()
+
+    def pack_attention_projections(self) -> None:
+        """`Attention.pack_projections` in every layer and DSpark stage (one GEMM for `wq_a` and
+        `wkv` on the kernel path). Call it once the model is on its device (see the NOTE
+        there)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.pack_projections()
 
     def attach_host_engram(self, tables: dict[int, HostEngramTable]) -> None:
         """Replace the Engram tables of the layers in `tables` by host-resident ones (the
@@ -647,7 +650,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             for index, block in enumerate(self.layers):
                 if index:
                     block.graphs.attention_in.capture(residual, mix[2], positions)
-                block.graphs.attention_out.capture(o, positions, residual, *mix)
+                block.graphs.attention_out.capture(o, residual, *mix)
             if bucket >= max_tokens:
                 break
 

@@ -4,7 +4,8 @@ RMSNorm with eps 1e-20 in fp32, interleaved partial RoPE with the plain and YaRN
 triplet with Sinkhorn normalisation, and sqrt-softplus routing. No module state lives here.
 
 RMSNorm, RoPE and the mHC mix / combine / post run as one Triton launch each on CUDA; elsewhere
-their torch references, which live beside the kernels (`kernels.rms_norm`, ...).
+their torch references, which live beside the kernels (`kernels.rms_norm`, ...). An RMSNorm whose
+rows are rotated next runs as one launch with the rotation (`rms_norm_rope`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kernels import mhc_post as mhc_post_kernel
 from kernels import mhc_triplet as mhc_triplet_kernel
 from kernels import moe_routing as moe_routing_kernel
 from kernels import rms_norm as rms_norm_kernel
+from kernels import rms_norm_rope as rms_norm_rope_kernel
 from kernels import rope as rope_kernel
 from kernels import runs_kernels
 
@@ -74,6 +76,25 @@ def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = Fals
     if runs_kernels(x):
         return rope_kernel.apply_rope(x, positions, freqs, inverse)
     return rope_kernel.apply_rope_reference(x, positions, freqs, inverse)
+
+
+def rms_norm_rope(
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    positions: Tensor,
+    freqs: Tensor,
+    keep_normed: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """(`apply_rope(rms_norm(x, weight, eps), positions, freqs)`, the unrotated norm output when
+    `keep_normed`, else None); positions: one per row of x [..., D]
+    (`kernels.rms_norm_rope` on the kernel path: one launch, bit for bit the two; elsewhere the
+    two references in turn)."""
+    if runs_kernels(x):
+        return rms_norm_rope_kernel.rms_norm_rope(x, weight, eps, positions, freqs, keep_normed)
+    return rms_norm_rope_kernel.rms_norm_rope_reference(
+        x, weight, eps, positions, freqs, keep_normed
+    )
 
 
 # ---- mHC ---------------------------------------------------------------------------------------

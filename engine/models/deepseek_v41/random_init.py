@@ -67,6 +67,7 @@ def random_model(
     model = model.to(device)
     if quantized_experts:
         model.pack_routed_experts()
+    model.pack_attention_projections()
     vocab = torch.arange(cfg.vocab_size, device=device)
     model.set_engram_token_map(vocab % cfg.engram_compressed_vocab_size)
     return model.eval()

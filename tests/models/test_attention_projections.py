@@ -1,0 +1,83 @@
+"""The attention's `wq_a` and `wkv` as one GEMM over a packed weight (`pack_projections`)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models import preset_config
+from engine.models.deepseek_v41.attention import Attention
+from engine.models.deepseek_v41.dense import FP8BlockLinear
+from engine.models.deepseek_v41.primitives import rope_frequencies
+from tests.kernels.interpreted import run_interpreted
+
+
+def attention_layer(seed: int = 0) -> Attention:
+    """Layer 0 of `tiny` (bf16) with random weights."""
+    cfg = preset_config("tiny")
+    freqs = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+    attn = Attention(cfg, 0, freqs, torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in attn.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return attn
+
+
+_PACKED = """
+import json, torch
+from tests.models.test_attention_projections import attention_layer
+attn = attention_layer()
+x = (torch.randn(7, attn.cfg.hidden_size, generator=torch.Generator().manual_seed(1)) * 2)
+x = x.bfloat16()
+with torch.no_grad():
+    unpacked = attn.latents(x)
+    names = sorted(attn.state_dict())
+    attn.pack_projections()
+    shares = attn.wq_a.weight.data_ptr() == attn.wq_a_kv_weight.data_ptr()
+    packed = attn.latents(x)
+    qa_unpacked = attn.q_norm(unpacked[0])
+    qa_packed = attn.q_norm(packed[0])
+    attn.batch_invariant = True
+    invariant = attn.latents(x)
+print(json.dumps({
+    "names_kept": names == sorted(attn.state_dict()),
+    "shares_storage": shares,
+    "views": [t.data_ptr() - packed[0].data_ptr() for t in packed],
+    "gaps": [float((p.float() - u.float()).abs().max()) for p, u in zip(packed, unpacked)],
+    "scales": [float(u.float().abs().max()) for u in unpacked],
+    "norm_gap": float((qa_packed.float() - qa_unpacked.float()).abs().max()),
+    "batch_invariant_unpacked": all(
+        torch.equal(a, b) for a, b in zip(invariant, (attn.wq_a(x), attn.wkv(x)))
+    ),
+}))
+"""
+
+
+def test_packed_projections_equal_the_two_linears_in_the_interpreter() -> None:
+    """One GEMM gives both latents as views of its output; the checkpoint names stay and both
+    weights are views of the packed one (no extra memory); batch-invariant mode keeps the two
+    linears."""
+    result = run_interpreted(_PACKED)
+    assert result["names_kept"] and result["shares_storage"]
+    rank = preset_config("tiny").q_lora_rank
+    assert result["views"] == [0, rank * 2]  # bytes: the kv columns follow the query's
+    # one GEMM of both (another summation order than two at most) and the same norm
+    for gap, scale in zip(result["gaps"], result["scales"], strict=True):
+        assert gap <= 2**-7 * scale
+    assert result["batch_invariant_unpacked"]
+
+
+def test_cpu_path_and_fp8_linears_stay_unpacked() -> None:
+    attn = attention_layer()
+    x = torch.randn(5, attn.cfg.hidden_size).bfloat16()
+    with torch.no_grad():
+        before = attn.latents(x)
+        state = {k: v.clone() for k, v in attn.state_dict().items()}
+        attn.pack_projections()
+        after = attn.latents(x)  # the CPU runs the two linears, as before
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        assert all(torch.equal(state[k], v) for k, v in attn.state_dict().items())
+    fp8 = attention_layer()
+    fp8.wq_a = FP8BlockLinear(fp8.wq_a.in_features, fp8.wq_a.out_features, 32)
+    fp8.pack_projections()
+    assert not hasattr(fp8, "wq_a_kv_weight")
