@@ -226,7 +226,7 @@ def test_quantizers_compile_for_hopper() -> None:
     ptx = compile_for_hopper(
         _rms_norm_kernel,
         {"x_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*fp8e4nv",
-         "scale_ptr": "*u8", "width": "i32", "eps": "fp32"},
+         "scale_ptr": "*u8", "width": "i32", "x_row_stride": "i32", "eps": "fp32"},
         {"HAS_WEIGHT": True, "EMIT_FP8": True, "BLOCK": 8192, "GROUP": 32},
         {"x_ptr", "weight_ptr", "out_ptr", "codes_ptr", "scale_ptr", "width"},
     )  # fmt: skip
