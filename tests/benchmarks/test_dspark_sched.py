@@ -6,7 +6,6 @@ import argparse
 import json
 
 import numpy as np
-import pytest
 
 from benchmarks.dspark_sched import (
     GeneratorConfig,
@@ -45,7 +44,6 @@ def test_modelled_scheduled_arm_gains_at_sixty_sequences():
     assert sched["accept_len"] < fixed["accept_len"]
 
 
-@pytest.mark.slow
 def test_measure_runs_on_the_cpu_with_the_small_config(tmp_path):
     """Real tiny-model forwards through the whole harness: table profiled and cached, both
     arms at two loads, results written."""

@@ -24,7 +24,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+# 4 ranks: ~11 s to spawn and run on 2 cores, so in the slow tier; 2 ranks run by default
+@pytest.fixture(
+    scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["ep2", "ep4"]
+)
 def ranks(request: pytest.FixtureRequest, checkpoint: Path) -> list[dict]:
     return run_ranks(workers.all_checks, request.param, str(checkpoint))
 

@@ -78,6 +78,7 @@ def _placeholder_rows(schedules: list[SchedulerOutput]) -> int:
     return sum(c.token_ids == (PLACEHOLDER_TOKEN_ID,) for out in schedules for c in out.chunks)
 
 
+@pytest.mark.slow  # ~8 s
 def test_async_scheduling_gives_the_tokens_of_the_synchronous_loop(tiny_model) -> None:
     eos = tiny_model.config.eos_token_id
     jobs = [
@@ -148,6 +149,7 @@ def test_a_stopped_request_computes_at_most_one_discarded_token(tiny_model) -> N
     assert_all_released(engine)
 
 
+@pytest.mark.slow  # ~8 s
 def test_preemption_under_async_scheduling_gives_the_same_tokens(tiny_model_exact_kv) -> None:
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
     jobs = [([0, *range(5, 5 + n)], params) for n in (100, 90, 80, 70)]

@@ -113,7 +113,8 @@ def invariant_tiny(request, tiny_checkpoint):
     return load_model(tiny_checkpoint, numerics=config.numerics), config
 
 
-@pytest.mark.parametrize("num_others", [8, 64])
+# Beside 64 others: 6-13 s a KV storage, so in the slow tier
+@pytest.mark.parametrize("num_others", [8, pytest.param(64, marks=pytest.mark.slow)])
 def test_logprobs_are_bitwise_the_same_alone_and_inside_a_batch(invariant_tiny, num_others) -> None:
     model, config = invariant_tiny
     assert _differing_steps(model, config, num_others) == []

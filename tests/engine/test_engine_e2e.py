@@ -49,6 +49,7 @@ async def _run_all(engine: AsyncEngine, jobs: list[tuple[list[int], SamplingPara
         await engine.shutdown()
 
 
+@pytest.mark.slow  # 33 engine runs, ~10-18 s
 def test_concurrent_greedy_requests_match_running_alone(tiny_model_exact_kv) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = _prompts(32)

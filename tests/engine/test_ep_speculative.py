@@ -33,6 +33,7 @@ from engine.models.embedded import resolve_model_source
 from engine.sampling_params import SamplingParams
 from tests.engine.speculative.history_drafts import history_drafts
 
+pytestmark = pytest.mark.slow  # spawns two gloo rank processes per test
 ENGINE = EngineConfig(
     model="tiny",
     max_num_seqs=4,

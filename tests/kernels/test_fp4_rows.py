@@ -144,10 +144,12 @@ print(json.dumps({name}()))
 """
 
 
+@pytest.mark.slow  # ~8 s in the interpreter
 def test_index_kernels_match_the_codec_bit_for_bit_in_the_triton_interpreter() -> None:
     assert run_interpreted(_INTERPRETED.format(name="index_mismatches")) == []
 
 
+@pytest.mark.slow  # ~6 s in the interpreter
 def test_global_kernel_matches_the_codec_bit_for_bit_in_the_triton_interpreter() -> None:
     assert run_interpreted(_INTERPRETED.format(name="global_mismatches")) == []
 

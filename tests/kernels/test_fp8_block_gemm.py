@@ -102,6 +102,7 @@ print(json.dumps({"gemm": gemm_errors(), "quantizer": quantizer_mismatches()}))
 """
 
 
+@pytest.mark.slow  # ~12 s in the interpreter
 def test_kernels_match_their_references_in_the_triton_interpreter() -> None:
     result = run_interpreted(_INTERPRETED)
     assert result["quantizer"] == [0, 0]

@@ -111,6 +111,7 @@ print(json.dumps([triplet_errors(INTERPRETED_CASES), fused_rounding_errors()]))
 """
 
 
+@pytest.mark.slow  # ~8 s in the interpreter
 def test_kernel_matches_reference_in_the_triton_interpreter() -> None:
     errors, fused = run_interpreted(_INTERPRETED)
     _check(errors, INTERPRETED_CASES)

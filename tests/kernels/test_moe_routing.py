@@ -61,6 +61,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow  # ~14 s in the interpreter
 def test_kernel_matches_reference_in_the_triton_interpreter() -> None:
     result = run_interpreted(_INTERPRETED)
     assert all(same_ids for same_ids, _ in result)

@@ -159,6 +159,7 @@ print(json.dumps(errors))
 """
 
 
+@pytest.mark.slow  # ~11 s in the interpreter
 def test_every_tile_shape_matches_reference_in_the_triton_interpreter() -> None:
     errors = run_interpreted(_INTERPRETED_TILES)
     assert len(errors) == 3 * len(INTERPRETED_TILES) and max(errors) < TOLERANCE
@@ -230,6 +231,7 @@ print(json.dumps(same))
 """
 
 
+@pytest.mark.slow  # ~13 s in the interpreter
 def test_two_passes_in_token_groups_give_each_token_the_same_bits_in_the_triton_interpreter():
     # Long launches run the two passes over groups of `TWO_PASS_TOKENS` tokens (the scores'
     # buffer stays bounded): decode (ring), prefill with a KV source, prefill without one
@@ -387,6 +389,7 @@ def test_fixed_tiles_make_a_token_ignore_the_launch_in_the_triton_interpreter() 
     assert {n for counts in changes.values() for n in counts} == {0}, changes
 
 
+@pytest.mark.slow  # ~5 s in the interpreter
 def test_row_splits_keep_a_token_independent_of_the_launch_in_the_triton_interpreter() -> None:
     """A split shape (the padding's −1 tiles land in other splits than the token's last real
     tile) keeps the fixed-tiles property: splits deal tiles by index, not by the launch."""

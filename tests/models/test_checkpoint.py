@@ -341,7 +341,6 @@ def test_path_that_is_neither_folder_nor_hub_id(tmp_path: Path) -> None:
 # ---- the embedded default model --------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_default_preset_without_dspark_writes_and_loads(tmp_path: Path) -> None:
     cfg = preset_config("default")
     start = time.monotonic()

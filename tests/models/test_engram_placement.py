@@ -36,7 +36,8 @@ def _steps(model) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.mark.parametrize("preset", ["tiny", "default"])
+# `default`: ~5 s (its checkpoint, the real vocabulary)
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("default", marks=pytest.mark.slow)])
 def test_host_tables_give_the_device_logits_bitwise(
     preset: str, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:

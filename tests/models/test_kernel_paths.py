@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine.models import Numerics, load_model
@@ -26,6 +27,7 @@ print(json.dumps(True))
 """
 
 
+@pytest.mark.slow  # a tiny-model run in the interpreter, ~7 s
 def test_tiny_on_the_kernel_paths_matches_the_torch_paths(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:

@@ -392,6 +392,7 @@ def plain_cuts(oai) -> tuple[str, list]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.slow  # sequential cut requests, ~8 s each
 def test_tool_call_cut_by_max_tokens_keeps_its_logprobs(oai, plain_cuts, stream) -> None:
     """A forced call cut by `max_tokens` at every part of the DSML block: finish `length`, the
     arguments are the JSON prefix generated so far (streamed deltas concatenate to the same
@@ -412,6 +413,7 @@ def test_tool_call_cut_by_max_tokens_keeps_its_logprobs(oai, plain_cuts, stream)
         assert cuts == [arguments for _, arguments, _, _ in plain]
 
 
+@pytest.mark.slow  # ~6 s
 def test_responses_tool_call_cut_by_max_output_tokens(oai) -> None:
     """Responses, streaming and not: status `incomplete` (`max_output_tokens`) and a cut call's
     arguments start with `{`; streamed deltas, the `done` event and the final output agree.

@@ -1,6 +1,9 @@
 """SIGTERM drain of a real `deepinfer-server` process (issue 13 item 7): new requests get 503,
 short in-flight requests finish, long streams end with their protocol's error event, and the
-process exits within `--shutdown-timeout` plus a small margin."""
+process exits within `--shutdown-timeout` plus a small margin.
+
+One server process serves the module (~15 s to start on the CPU); the SIGTERM test runs last:
+the server does not survive it."""
 
 from __future__ import annotations
 
@@ -31,7 +34,10 @@ SHORT = 4  # tokens: done well within the timeout
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
+pytestmark = pytest.mark.slow  # a server process
+
+
+@pytest.fixture(scope="module")
 def server_process():
     port = free_port()
     args = [sys.executable, "-m", "server", "--model", "default", "--port", str(port)]
@@ -96,7 +102,6 @@ class Stream(threading.Thread):
             self.started.set()
 
 
-@pytest.mark.slow  # starts a server process (~25 s on the CPU)
 def _get_health(sock: socket.socket) -> bytes:
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     reply = b""

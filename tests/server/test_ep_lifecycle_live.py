@@ -27,6 +27,7 @@ from server.config import ServerConfig
 from tests.server.conftest import free_port, live_server
 from tests.server.ep_servers import launch, logged_pids, stop, wait_gone, wait_healthy
 
+pytestmark = pytest.mark.slow  # `--ep 2` server processes (~15 s each to start)
 MODEL = "DeepSeek-V4.1-Flash"
 SHUTDOWN_TIMEOUT_S = 2.0  # the servers' --shutdown-timeout
 EXIT_BOUND_S = 30.0  # drain + stop grace (5 s) + the ranks' stop, with room for a loaded box

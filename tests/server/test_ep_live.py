@@ -25,6 +25,7 @@ from tests.server.conftest import DEFAULT_ENGINE, free_port
 from tests.server.ep_servers import launch, logged_pids, stop, wait_gone, wait_healthy
 
 DIST_TIMEOUT_S = 10.0  # the server's --dist-timeout
+pytestmark = pytest.mark.slow  # a `--ep 2` server process (~20 s to start)
 MODEL = "DeepSeek-V4.1-Flash"
 PROMPTS = [
     "ep test: name a colour",

@@ -232,6 +232,7 @@ def _steer(body: object, path: str) -> None:
     database=None,
     suppress_health_check=list(HealthCheck),
 )
+@pytest.mark.slow  # every published operation, ~10 s
 def test_published_schemas_never_get_a_5xx(case, default_server) -> None:
     _steer(case.body, case.path)
     response = case.call(base_url=default_server[0], timeout=60)

@@ -71,6 +71,7 @@ def test_closed_loop_numbers_are_consistent_with_usage_and_server(default_server
     )
 
 
+@pytest.mark.slow  # ~7 s
 def test_agent_sessions_resend_a_growing_history_turn_by_turn(default_server) -> None:
     url = default_server[0]
     workload = WorkloadConfig(
@@ -198,6 +199,7 @@ def test_cli_writes_json_table_and_plot(default_server, tmp_path: Path, capsys) 
     assert "TTFT p50/p90/p99 ms" in table and "rate 4/s" in table
 
 
+@pytest.mark.slow  # ~6 s
 def test_agent_trace_replay_prints_cached_share_by_turn_and_where_sharing_breaks(
     default_server, tmp_path: Path, capsys
 ) -> None:

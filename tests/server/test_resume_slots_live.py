@@ -10,6 +10,7 @@ import zlib
 
 import httpx
 import openai
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,6 +61,7 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
+@pytest.mark.slow  # two servers, 8 `default` turns, ~15 s
 def test_chat_turns_resume_from_slots_and_answer_as_without_cache(default_model_exact_kv) -> None:
     """Two servers on the session's `default` checkpoint with exact KV storage, slots on and
     cache off, each prefilling a prompt in one chunk. Float sums differ between a decoded and
@@ -89,8 +91,6 @@ def test_chat_turns_resume_from_slots_and_answer_as_without_cache(default_model_
 
 
 def test_cli_resume_slot_memory_option() -> None:
-    import pytest
-
     from server.cli import build_parser, config_from_args
 
     defaults = config_from_args(build_parser().parse_args([])).engine

@@ -26,6 +26,7 @@ from server.app import create_app
 from server.config import ServerConfig
 from tests.server.conftest import DEFAULT_ENGINE, live_server
 
+pytestmark = pytest.mark.slow  # the `default` model, speculative, 6-12 s a test
 MODEL = "DeepSeek-V4.1-Flash"
 KEY = 4
 WEATHER = {

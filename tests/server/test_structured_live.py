@@ -213,6 +213,7 @@ def _validate_json(text: str, schema: dict) -> None:
 # ---------------------------------------------------------------- tests
 
 
+@pytest.mark.slow  # 13 concurrent constrained requests, ~13 s
 def test_json_schema_answers_validate_in_every_api(oai, claude) -> None:
     def chat_format(schema):
         return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
@@ -292,6 +293,7 @@ def _check_calls(answer: Answer, names: set[str]) -> None:
     assert "DSML" not in answer.text
 
 
+@pytest.mark.slow  # 12 concurrent tool calls, ~24 s
 def test_required_and_named_tool_calls_validate_in_every_api(oai, claude) -> None:
     chat_tools = [
         {"type": "function", "function": {"name": n, "parameters": s}}
@@ -360,6 +362,7 @@ def test_required_and_named_tool_calls_validate_in_every_api(oai, claude) -> Non
             assert len(answer.tool_calls) == 1, (name, answer)
 
 
+@pytest.mark.slow  # ~6 s
 def test_auto_and_none_never_leak_tool_markup_into_text(oai, claude) -> None:
     chat_tools = [
         {"type": "function", "function": {"name": n, "parameters": s}}
@@ -458,6 +461,7 @@ PLACEHOLDER = "128706"  # <｜place▁holder▁no▁706｜>
 THINKING = {"thinking": {"type": "enabled"}}
 
 
+@pytest.mark.slow  # ~20 s
 def test_forced_tool_choice_in_thinking_mode_calls_after_the_reasoning(oai) -> None:
     # Was a 400 ("Thinking mode does not support this tool_choice"). A +100 bias on `</think>`
     # ends the random model's reasoning at once; the grammar then forces the calls block.
@@ -492,6 +496,7 @@ def test_forced_tool_choice_in_thinking_mode_calls_after_the_reasoning(oai) -> N
             assert len(answer.tool_calls) == 1, (name, answer)
 
 
+@pytest.mark.slow  # ~15 s
 def test_forced_tool_choice_in_thinking_mode_calls_in_responses_and_messages(oai, claude) -> None:
     # Responses `required` / named and Messages `tool` were a 400; Messages `any` was accepted
     # but not enforced after the reasoning. The bias (a `logit_bias` extension here) ends the
@@ -566,6 +571,7 @@ CITY_LIMITED = {
 }
 
 
+@pytest.mark.slow  # ~12 s
 def test_strict_tool_string_limit_holds_in_responses_streaming(oai) -> None:
     # The package's strict mode dropped `maxLength` from the grammar: a 400-token city.
     tools = [{"type": "function", "name": "find", "strict": True, "parameters": CITY_LIMITED}]
@@ -581,6 +587,7 @@ def test_strict_tool_string_limit_holds_in_responses_streaming(oai) -> None:
             jsonschema.validate(arguments, CITY_LIMITED)
 
 
+@pytest.mark.slow  # ~7 s
 def test_special_tokens_never_appear_inside_constrained_output(oai) -> None:
     # A +100 bias makes the placeholder token the model's first choice everywhere; xgrammar
     # alone took its spelling for string content (`{"note": "<｜place▁holder▁no▁706｜>..."}`).
@@ -665,6 +672,7 @@ def test_keywords_dropped_in_combination_are_400_naming_keyword_and_path(oai, cl
     assert "'multipleOf' (at /properties/p)" in messages.value.message
 
 
+@pytest.mark.slow  # ~7 s
 def test_strict_schemas_with_untyped_enum_or_const_compile(oai) -> None:
     # Was a 400 "one of `type`, `anyOf`, `$ref` field is required" (the package's strict mode).
     schema = {

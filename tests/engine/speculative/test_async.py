@@ -113,6 +113,7 @@ def _record_selections(monkeypatch) -> list[bool]:
     return found
 
 
+@pytest.mark.slow  # the `default` model, ~8 s
 def test_async_default_model_greedy_tokens_equal_one_token_decoding(
     default_model_exact_kv,
 ) -> None:

@@ -146,6 +146,7 @@ def _admit_with_references(core, requests, want, source) -> None:
         source.references[slot] = request.prompt_token_ids + want[request.request_id]
 
 
+@pytest.mark.slow  # ~9 s
 def test_committed_state_equals_one_token_decoding_after_every_step(tiny_model_exact_kv) -> None:
     """After every speculative step (commits of 1..6 tokens), every state row the committed
     length keeps equals a one-token-at-a-time run's, for prompts of either parity."""
@@ -235,6 +236,7 @@ def test_the_dspark_drafter_path_gives_the_tokens_of_one_token_decoding(
 
 
 @pytest.mark.parametrize("num_speculative_tokens", [1, 5])
+@pytest.mark.slow  # the `default` model, 6-12 s
 def test_default_model_greedy_tokens_and_state_equal_one_token_decoding(
     default_model_exact_kv, num_speculative_tokens: int
 ) -> None:

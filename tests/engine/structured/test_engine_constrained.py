@@ -114,6 +114,7 @@ def test_overlap_does_not_change_tokens(tiny_model, tiny_compiler) -> None:
     assert on == off
 
 
+@pytest.mark.slow  # ~8 s
 def test_preemption_keeps_the_grammar_state(tiny_model_exact_kv, tiny_compiler) -> None:
     # Exactly 100 words then EOS: a matcher that restarted after preemption would end early or
     # reject the resumed tokens.

@@ -303,6 +303,7 @@ except GrammarError:
 """
 
 
+@pytest.mark.slow  # ~6 s of pathological compiles
 def test_exit_waits_for_abandoned_compilations() -> None:
     # A compilation thread finishing while the interpreter finalises aborts the process (its
     # C++ frames are unwound by pthread_exit), so exit must wait for it.
