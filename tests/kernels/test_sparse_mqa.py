@@ -204,6 +204,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_rotated_output_equals_output_then_inverse_rope_in_the_triton_interpreter() -> None:
     # Every launch shape (one pass, row splits and their combine, split columns with and
     # without rotated columns, two passes, in token groups), ring and rows, with and without
