@@ -4,7 +4,9 @@
 
 The model takes its CUDA code paths on the CPU: Triton runs its interpreter (the script starts
 itself again with Triton's `TRITON_INTERPRET=1` when it is not set), so every `runs_kernels`
-branch takes the Triton kernel, as on a GPU.
+branch takes the Triton kernel, as on a GPU; and the bf16 GEMMs with fp32 output that only
+CUDA's torch has are provided on the CPU (`provide_bf16_gemms_to_fp32_on_cpu`), so the fp32
+products of bf16 weights (`dense.fp32_on_tensor_cores`) take their tensor-core branch too.
 The layer layout is the released one (40 layers, the same compress ratios, KV / index /
 candidate sources, Engram layers, DSpark targets) at the `tiny` preset's widths: how many
 kernels a step launches depends on the layout and the code paths, not on the widths (no loop
@@ -84,6 +86,34 @@ def census_config() -> DeepseekV41Config:
     """The released layer layout at the `tiny` preset's widths."""
     released = DeepseekV41Config()
     return preset_config("tiny", **{key: getattr(released, key) for key in _RELEASED_LAYOUT})
+
+
+def provide_bf16_gemms_to_fp32_on_cpu() -> torch.library.Library:
+    """Give this process's CPU torch the bf16 GEMMs with fp32 output that only its CUDA build
+    has (`mm` / `bmm` with `out_dtype=torch.float32`), computed as fp32 GEMMs of the exact bf16
+    values, so that the model's tensor-core branches (`dense.fp32_on_tensor_cores`: the fp32
+    products of bf16 weights) run on the CPU as on a GPU. The census sees each as the one op
+    the GPU launches (a dispatch mode does not see the ops inside another op's kernel).
+
+    Call it before the model's first product (`dense.bf16_mm_to_fp32_runs` asks once per
+    device) and keep the returned library: the kernels are removed with it.
+    """
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("mm.dtype", _mm_to_fp32, "CPU")
+    library.impl("bmm.dtype", _bmm_to_fp32, "CPU")
+    return library
+
+
+def _mm_to_fp32(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or out_dtype != torch.float32:
+        raise NotImplementedError(f"mm {a.dtype} x {b.dtype} -> {out_dtype}")
+    return torch.mm(a.float(), b.float())
+
+
+def _bmm_to_fp32(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or out_dtype != torch.float32:
+        raise NotImplementedError(f"bmm {a.dtype} x {b.dtype} -> {out_dtype}")
+    return torch.bmm(a.float(), b.float())
 
 
 def _launches_kernel(func, args, kwargs, out) -> bool:
@@ -196,6 +226,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = census_config()
     device = torch.device("cpu")
+    gemms = provide_bf16_gemms_to_fp32_on_cpu()  # noqa: F841 (kept: the kernels live with it)
     start = time.perf_counter()
     model = random_model(cfg, device, torch.bfloat16, quantized_experts=True)
     with torch.inference_mode():

@@ -45,10 +45,11 @@ fp32 products of bf16 weights (`Linear.forward_fp32`)
 ------------------------------------------------------
 
 Logits, the attention's `wkv`/`wgate`, the indexer's weights and DSpark's heads are computed as
-f32(x) · f32(W)ᵀ. On CUDA with bf16 weights (outside batch-invariant mode) that is one bf16
-tensor-core GEMM with fp32 output over x split exactly into three bf16 parts stacked as rows
-(x = hi + mid + lo; bf16 × bf16 products are exact in fp32): no fp32 copy of W per call (the
-lm head's was 2.6 GB per step at the released widths) and no fp32 CUDA-core GEMM. The split
+f32(x) · f32(W)ᵀ. On the kernel path (CUDA: `fp32_on_tensor_cores`) with bf16 weights (outside
+batch-invariant mode) that is one bf16 tensor-core GEMM with fp32 output over x split exactly
+into three bf16 parts stacked as rows (x = hi + mid + lo; bf16 × bf16 products are exact in
+fp32), then the three partial products added: no fp32 copy of W per call (the lm head's was
+2.6 GB per step at the released widths) and no fp32 CUDA-core GEMM. The split
 is exact and its three fp32 adds round by ≤ u·|y| each, so the error is the GEMM's own: the
 tensor cores' fp32 accumulator truncates (rounds toward zero) once per step of k = 16 products
 instead of rounding to nearest per product, an error biased toward zero that grows with K:
@@ -128,12 +129,30 @@ class Linear(nn.Linear):
 
     def forward_fp32(self, x: Tensor) -> Tensor:
         """`f32(x) · f32(W)ᵀ` (gates, scores and logits computed in fp32; module docstring)."""
-        x = x.float()
-        weight = self.weight
-        on_tensor_cores = x.is_cuda and weight.dtype == torch.bfloat16 and not self.batch_invariant
-        if on_tensor_cores and bf16_mm_to_fp32_runs(x.device):
-            return fp32_times_bf16(x, weight)
-        return dense_matmul(x, weight.float(), self.batch_invariant)
+        return fp32_product(x, self.weight, self.batch_invariant)
+
+
+def fp32_product(x: Tensor, weight: Tensor, batch_invariant: bool = False) -> Tensor:
+    """`f32(x) · f32(weight)ᵀ`: x [..., K], weight [N, K] → fp32 [..., N]; on the tensor
+    cores as `fp32_times_bf16` where `fp32_on_tensor_cores`, else as an fp32 `dense_matmul`."""
+    x = x.float()
+    if fp32_on_tensor_cores(x, weight, batch_invariant):
+        return fp32_times_bf16(x, weight)
+    return dense_matmul(x, weight.float(), batch_invariant)
+
+
+def fp32_on_tensor_cores(x: Tensor, weight: Tensor, batch_invariant: bool = False) -> bool:
+    """Whether `fp32_product(x, weight)` runs on the tensor cores (`fp32_times_bf16`): the
+    kernel path (`runs_kernels`), a bf16 weight, outside batch-invariant mode, and a torch that
+    runs bf16 GEMMs with fp32 output on x's device (CUDA's; the CPU build has none, so a run
+    on the CPU, in Triton's interpreter or not, takes the fp32 product unless something
+    provides that GEMM: `benchmarks/kernel_census.py` does, to count what a GPU launches)."""
+    return (
+        runs_kernels(x)
+        and weight.dtype == torch.bfloat16
+        and not batch_invariant
+        and bf16_mm_to_fp32_runs(x.device)
+    )
 
 
 def split_bf16(x: Tensor) -> Tensor:
