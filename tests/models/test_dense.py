@@ -131,9 +131,7 @@ def test_cuda_fp32_products_of_bf16_weights_run_on_tensor_cores_to_fp32_accuracy
 
 _KERNEL_PATH = """
 import json, torch
-from benchmarks.kernel_census import provide_bf16_gemms_to_fp32_on_cpu
 from engine.models.deepseek_v41.dense import Linear, fp32_times_bf16_reference
-gemms = provide_bf16_gemms_to_fp32_on_cpu()
 generator = torch.Generator().manual_seed(0)
 linear = Linear(320, 72, torch.bfloat16).requires_grad_(False)
 linear.weight.copy_(torch.randn(72, 320, generator=generator))
@@ -152,7 +150,7 @@ print(json.dumps(result))
 def test_fp32_products_take_the_kernels_in_the_interpreter() -> None:
     """With the GEMM a GPU has (provided on the CPU as the census does), `forward_fp32` runs
     the split and sum kernels: bit for bit the torch form, the fp32 product of x and W."""
-    result = run_interpreted(_KERNEL_PATH)
+    result = run_interpreted(_KERNEL_PATH, tensor_core_gemms=True)
     shapes = [[1, 72], [7, 72], [2, 3, 72], [0, 72]]
     for (same, shape, dtype, gap), want in zip(result, shapes, strict=True):
         assert same and shape == want and dtype == "torch.float32"
