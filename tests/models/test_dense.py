@@ -136,11 +136,18 @@ generator = torch.Generator().manual_seed(0)
 linear = Linear(320, 72, torch.bfloat16).requires_grad_(False)
 linear.weight.copy_(torch.randn(72, 320, generator=generator))
 result = []
-for shape, dtype in (((1,), "float32"), ((7,), "bfloat16"), ((2, 3), "float32"), ((0,), "float32")):
+for shape, dtype, scale in (
+    ((1,), "float32", 1.0),
+    ((7,), "bfloat16", 1.0),
+    ((2, 3), "float32", 1.0),
+    ((0,), "float32", 1.0),
+    ((5,), "bfloat16", 128**-0.5 * 64**-0.5),  # the indexer's weight scale
+):
     x = (torch.randn(*shape, 320, generator=generator) * 3).to(getattr(torch, dtype))
-    ours = linear.forward_fp32(x)
-    reference = fp32_times_bf16_reference(x, linear.weight)
-    exact = x.double() @ linear.weight.double().t()
+    ours = linear.forward_fp32(x, scale)
+    # the scale as the indexer applied it before (a separate product)
+    reference = fp32_times_bf16_reference(x, linear.weight) * scale
+    exact = x.double() @ linear.weight.double().t() * scale
     gap = float((ours.double() - exact).norm() / exact.norm().clamp(min=1e-30))
     result.append([torch.equal(ours, reference), list(ours.shape), str(ours.dtype), gap])
 print(json.dumps(result))
@@ -149,9 +156,10 @@ print(json.dumps(result))
 
 def test_fp32_products_take_the_kernels_in_the_interpreter() -> None:
     """With the GEMM a GPU has (provided on the CPU as the census does), `forward_fp32` runs
-    the split and sum kernels: bit for bit the torch form, the fp32 product of x and W."""
+    the split and sum kernels: bit for bit the torch form (a scale too), the fp32 product of
+    x and W."""
     result = run_interpreted(_KERNEL_PATH, tensor_core_gemms=True)
-    shapes = [[1, 72], [7, 72], [2, 3, 72], [0, 72]]
+    shapes = [[1, 72], [7, 72], [2, 3, 72], [0, 72], [5, 72]]
     for (same, shape, dtype, gap), want in zip(result, shapes, strict=True):
         assert same and shape == want and dtype == "torch.float32"
         assert gap < 1e-6  # an fp32 GEMM of the exact parts, three exact partial products

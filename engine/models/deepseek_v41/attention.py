@@ -616,7 +616,7 @@ class Attention(nn.Module):
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
         iq = self.indexer.wq_b(qa).view(-1, heads, dim)
         iq = ctx.codecs.index.rotated_round_trip(iq, batch.positions, self.freqs)
-        hw = self.indexer.weights_proj.forward_fp32(x) * (dim**-0.5 * heads**-0.5)
+        hw = self.indexer.weights_proj.forward_fp32(x, scale=dim**-0.5 * heads**-0.5)
         if is_padded_decode(batch):  # fixed shapes: the block tables' key capacity
             num_visible_max = batch.key_capacity(r)
         else:

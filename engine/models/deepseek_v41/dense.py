@@ -130,17 +130,23 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         return dense_matmul(x, self.weight, self.batch_invariant)
 
-    def forward_fp32(self, x: Tensor) -> Tensor:
-        """`f32(x) · f32(W)ᵀ` (gates, scores and logits computed in fp32; module docstring)."""
-        return fp32_product(x, self.weight, self.batch_invariant)
+    def forward_fp32(self, x: Tensor, scale: float = 1.0) -> Tensor:
+        """`f32(x) · f32(W)ᵀ · scale` (gates, scores and logits computed in fp32; module
+        docstring)."""
+        return fp32_product(x, self.weight, self.batch_invariant, scale)
 
 
-def fp32_product(x: Tensor, weight: Tensor, batch_invariant: bool = False) -> Tensor:
-    """`f32(x) · f32(weight)ᵀ`: x [..., K], weight [N, K] → fp32 [..., N]; on the tensor
-    cores as `fp32_times_bf16` where `fp32_on_tensor_cores`, else as an fp32 `dense_matmul`."""
+def fp32_product(
+    x: Tensor, weight: Tensor, batch_invariant: bool = False, scale: float = 1.0
+) -> Tensor:
+    """`f32(x) · f32(weight)ᵀ · scale`: x [..., K], weight [N, K] → fp32 [..., N]; on the
+    tensor cores as `fp32_times_bf16` where `fp32_on_tensor_cores` (the scale applied in its
+    last launch), else as an fp32 `dense_matmul` (then a product by the scale unless it is 1).
+    Either way the scale is the Python float rounded to fp32, as torch's `tensor * scale`."""
     if fp32_on_tensor_cores(x, weight, batch_invariant):
-        return fp32_times_bf16(x, weight)
-    return dense_matmul(x.float(), weight.float(), batch_invariant)
+        return fp32_times_bf16(x, weight, scale)
+    y = dense_matmul(x.float(), weight.float(), batch_invariant)
+    return y if scale == 1.0 else y * scale
 
 
 def fp32_on_tensor_cores(x: Tensor, weight: Tensor, batch_invariant: bool = False) -> bool:
@@ -158,24 +164,24 @@ def fp32_on_tensor_cores(x: Tensor, weight: Tensor, batch_invariant: bool = Fals
     )
 
 
-def fp32_times_bf16(x: Tensor, weight: Tensor) -> Tensor:
-    """fp32 or bf16 x [..., K] · bf16 weight [N, K]ᵀ → fp32 [..., N] in three launches: x's
-    three exact bf16 parts (`kernels.bf16_split`), one bf16 GEMM with fp32 output over them as
-    rows (CUDA: `torch.mm(..., out_dtype=float32)`), the three partial products added in order
-    (`kernels.parts_sum`). Bit for bit `fp32_times_bf16_reference`."""
+def fp32_times_bf16(x: Tensor, weight: Tensor, scale: float = 1.0) -> Tensor:
+    """fp32 or bf16 x [..., K] · bf16 weight [N, K]ᵀ · scale → fp32 [..., N] in three launches:
+    x's three exact bf16 parts (`kernels.bf16_split`), one bf16 GEMM with fp32 output over them
+    as rows (CUDA: `torch.mm(..., out_dtype=float32)`), the three partial products added in
+    order and scaled (`kernels.parts_sum`). Bit for bit `fp32_times_bf16_reference`."""
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
     parts = bf16_split(x).view(-1, k)
     partials = torch.mm(parts, weight.t(), out_dtype=torch.float32)
-    return parts_sum(partials.view(3, *lead, n))
+    return parts_sum(partials.view(3, *lead, n), scale)
 
 
-def fp32_times_bf16_reference(x: Tensor, weight: Tensor) -> Tensor:
+def fp32_times_bf16_reference(x: Tensor, weight: Tensor, scale: float = 1.0) -> Tensor:
     """`fp32_times_bf16`'s torch form: the kernels' references around the same GEMM (~11
     launches)."""
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
     parts = bf16_split_reference(x).view(-1, k)
     partials = torch.mm(parts, weight.t(), out_dtype=torch.float32)
-    return parts_sum_reference(partials.view(3, *lead, n))
+    return parts_sum_reference(partials.view(3, *lead, n), scale)
 
 
 def bmm_exact_bf16(a: Tensor, b: Tensor) -> Tensor:
