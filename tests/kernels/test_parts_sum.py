@@ -14,7 +14,7 @@ from tests.kernels.interpreted import compile_for_hopper, run_interpreted, same_
 INDEX_SCALE = 128**-0.5 * 64**-0.5
 # (leading shape, width, layout, scale): the released vocabulary, a width that is not a
 # multiple of the block, one row, no rows, three dimensions, partials read through a transposed
-# view (copied first), partials with ±inf and NaN; unscaled and scaled.
+# view (copied first), partials with ±inf and NaN; unscaled and scaled; one column.
 CASES = [
     ((2,), 129280, "partials", 1.0),
     ((7,), 1000, "partials", 1.0),
@@ -25,6 +25,7 @@ CASES = [
     ((4,), 100, "special", 1.0),
     ((7,), 64, "partials", INDEX_SCALE),
     ((3,), 1000, "special", 0.3),
+    ((4,), 1, "partials", 1.0),  # DSpark's confidence head: one column
 ]
 
 
