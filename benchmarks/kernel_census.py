@@ -4,7 +4,9 @@
 
 The model takes its CUDA code paths on the CPU: Triton runs its interpreter (the script starts
 itself again with Triton's `TRITON_INTERPRET=1` when it is not set), so every `runs_kernels`
-branch takes the Triton kernel, as on a GPU.
+branch takes the Triton kernel, as on a GPU; and the bf16 GEMMs with fp32 output that only
+CUDA's torch has are provided on the CPU (`provide_bf16_gemms_to_fp32_on_cpu`), so the fp32
+products of bf16 weights (`dense.fp32_on_tensor_cores`) take their tensor-core branch too.
 The layer layout is the released one (40 layers, the same compress ratios, KV / index /
 candidate sources, Engram layers, DSpark targets) at the `tiny` preset's widths: how many
 kernels a step launches depends on the layout and the code paths, not on the widths (no loop
@@ -14,10 +16,12 @@ Counted, per source line of `engine/` or `kernels/` that issued them:
 
 * every Triton launch (one kernel each);
 * every aten op that launches a device kernel: all but views, aliases, allocations and
-  metadata queries. On CUDA an op may launch more than one kernel (a cuBLAS GEMM with a
-  split-K reduction, a sort or a top-k in several passes) or none (a same-dtype `to`), so the
-  total is an estimate of the GPU's count, good for finding where launches come from and for
-  seeing a change move them; `gpu_rank --profile` on the GPU gives the exact count.
+  metadata queries; an op that may return its input (`to`, `reshape`, `contiguous`) counts
+  when it copied (a dtype conversion), not when it returned a view (a same-dtype `to`). On
+  CUDA an op may launch more than one kernel (a cuBLAS GEMM with a split-K reduction, a sort
+  or a top-k in several passes), so the total is an estimate of the GPU's count, good for
+  finding where launches come from and for seeing a change move them; `gpu_rank --profile`
+  on the GPU gives the exact count.
 
 Prints the total, the count per model file and function, and the `--top` source lines (with
 `--callers N`, each with its N nearest callers in the model); writes
@@ -40,6 +44,7 @@ if __name__ == "__main__" and os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from engine import envs  # noqa: E402
 from engine.models import DeepseekV41Config, preset_config  # noqa: E402
@@ -83,13 +88,54 @@ def census_config() -> DeepseekV41Config:
     return preset_config("tiny", **{key: getattr(released, key) for key in _RELEASED_LAYOUT})
 
 
-def _launches_kernel(func) -> bool:
+def provide_bf16_gemms_to_fp32_on_cpu() -> torch.library.Library:
+    """Give this process's CPU torch the bf16 GEMMs with fp32 output that only its CUDA build
+    has (`mm` / `bmm` with `out_dtype=torch.float32`), computed as fp32 GEMMs of the exact bf16
+    values, so that the model's tensor-core branches (`dense.fp32_on_tensor_cores`: the fp32
+    products of bf16 weights) run on the CPU as on a GPU. The census sees each as the one op
+    the GPU launches (a dispatch mode does not see the ops inside another op's kernel).
+
+    Call it before the model's first product (`dense.bf16_mm_to_fp32_runs` asks once per
+    device) and keep the returned library: the kernels are removed with it.
+    """
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("mm.dtype", _mm_to_fp32, "CPU")
+    library.impl("bmm.dtype", _bmm_to_fp32, "CPU")
+    return library
+
+
+def _mm_to_fp32(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or out_dtype != torch.float32:
+        raise NotImplementedError(f"mm {a.dtype} x {b.dtype} -> {out_dtype}")
+    return torch.mm(a.float(), b.float())
+
+
+def _bmm_to_fp32(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or out_dtype != torch.float32:
+        raise NotImplementedError(f"bmm {a.dtype} x {b.dtype} -> {out_dtype}")
+    return torch.bmm(a.float(), b.float())
+
+
+def _launches_kernel(func, args, kwargs, out) -> bool:
+    """Whether the aten op `func`, called on (args, kwargs) with result `out`, launched a
+    kernel: not an allocation or metadata query (`_NO_KERNEL`), not a view. An op that may
+    return an alias of its input (`to`, `reshape`, `contiguous`: an output annotated as an
+    alias that is not written) copied, hence launched, when an output holds storage of its
+    own: a `to` that changes the dtype is a kernel, a same-dtype `to` none."""
     name = func._schema.name
     if name in _NO_KERNEL:
         return False
     returns = func._schema.returns
     aliasing = [r.alias_info for r in returns if r.alias_info is not None]
-    return not aliasing or any(info.is_write for info in aliasing)
+    if not aliasing or any(info.is_write for info in aliasing):
+        return True
+    inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return any(t.numel() and _storage(t) not in inputs for t in outputs)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def _issuer(depth: int = 1) -> str:
@@ -117,13 +163,15 @@ class LaunchCensus(TorchDispatchMode):
         self._inside_triton = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if not self._inside_triton:
             if func._schema.name == "aten::_local_scalar_dense":
                 self.host_reads[_issuer()] += 1
-            elif _launches_kernel(func):
+            elif _launches_kernel(func, args, kwargs, out):
                 self.by_line[_issuer(self.depth)] += 1
                 self.by_op[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
     def triton_launch(self, name: str) -> None:
         if not self._inside_triton:
@@ -178,6 +226,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = census_config()
     device = torch.device("cpu")
+    gemms = provide_bf16_gemms_to_fp32_on_cpu()  # noqa: F841 (kept: the kernels live with it)
     start = time.perf_counter()
     model = random_model(cfg, device, torch.bfloat16, quantized_experts=True)
     with torch.inference_mode():

@@ -6,7 +6,9 @@ dots included (its bf16 `tl.dot` is not trustworthy), so their logic is tested w
 The interpreter's `tl.dot` is numpy's matmul; OpenBLAS's AVX2 kernels round a row differently
 by its place in the block (the AVX-512 ones do not), so a test of row invariance asks for
 `rows_alone`: each row of a dot is then multiplied on its own, as the GPU's MMA does.
-`ulps` measures a kernel's distance to its reference in units of the last place.
+`ulps` measures a kernel's distance to its reference in units of the last place; `same_bits`
+asks for none (bit for bit, any NaN equal to any NaN).
+`tensor_core_gemms` gives the CPU torch the fp32-output bf16 GEMM that only CUDA's has.
 `compile_for_hopper` compiles a kernel for sm90 without a GPU (what the interpreter cannot show);
 `sum_of_squares_ops` reads a row norm's reduction from that PTX.
 """
@@ -39,13 +41,25 @@ numpy.matmul = _rows_alone
 """
 
 
-def run_interpreted(code: str, timeout_s: float = 600, rows_alone: bool = False) -> Any:
+_TENSOR_CORE_GEMMS = """
+from benchmarks.kernel_census import provide_bf16_gemms_to_fp32_on_cpu
+_tensor_core_gemms = provide_bf16_gemms_to_fp32_on_cpu()
+"""
+
+
+def run_interpreted(
+    code: str, timeout_s: float = 600, rows_alone: bool = False, tensor_core_gemms: bool = False
+) -> Any:
     """Run `code` (which prints one JSON value last) in the interpreter; return that value.
 
     `rows_alone`: multiply each row of the interpreter's dots on its own (see the module note).
+    `tensor_core_gemms`: provide the bf16 GEMMs with fp32 output that only CUDA's torch has,
+    as the kernel census does, so that the fp32 products of bf16 weights take their
+    tensor-core branch (`dense.fp32_on_tensor_cores`: the split and sum kernels).
     """
+    prefix = (_ROWS_ALONE if rows_alone else "") + (_TENSOR_CORE_GEMMS if tensor_core_gemms else "")
     result = subprocess.run(
-        [sys.executable, "-c", (_ROWS_ALONE if rows_alone else "") + code],
+        [sys.executable, "-c", prefix + code],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -71,6 +85,16 @@ def ulps(ours: torch.Tensor, reference: torch.Tensor, terms: torch.Tensor | None
         scale = scale + terms.float()
     spacing = torch.finfo(reference.dtype).eps * scale.clamp(min=1e-30)
     return float(((ours.float() - reference.float()).abs() / spacing).max())
+
+
+def same_bits(ours: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Same shape, dtype and bits everywhere (±0 told apart), except that NaNs match NaNs (their
+    payloads differ by device)."""
+    if ours.shape != reference.shape or ours.dtype != reference.dtype:
+        return False
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[ours.element_size()]
+    same = ours.view(as_int) == reference.view(as_int)
+    return bool((same | (ours.isnan() & reference.isnan())).all())
 
 
 def compile_for_hopper(

@@ -11,9 +11,11 @@ from engine.models.deepseek_v41.dense import (
     Linear,
     dense_matmul,
     fp32_times_bf16,
+    fp32_times_bf16_reference,
     row_sum,
-    split_bf16,
 )
+from kernels.bf16_split import bf16_split_reference
+from tests.kernels.interpreted import run_interpreted
 
 
 def _rows_inside(fn, rows: torch.Tensor, total: int, at: int, g: torch.Generator):
@@ -87,7 +89,7 @@ def test_pair_softmax_matches_the_softmax_and_rounds_alike_everywhere() -> None:
 def test_three_bf16_parts_add_up_to_the_fp32_value_exactly() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 512, generator=g) * torch.logspace(-30, 30, 64)[:, None]
-    parts = split_bf16(x)
+    parts = bf16_split_reference(x)
     assert parts.dtype == torch.bfloat16 and parts.shape == (3, 64, 512)
     assert torch.equal(parts[0].float() + parts[1].float() + parts[2].float(), x)
     # two parts would not do: the third carries real bits for most values
@@ -115,7 +117,8 @@ def test_cuda_fp32_products_of_bf16_weights_run_on_tensor_cores_to_fp32_accuracy
     ours = linear.forward_fp32(x)
     assert ours.dtype == torch.float32
     assert torch.equal(ours, fp32_times_bf16(x, weight))  # the fast path ran
-    parts = split_bf16(x)
+    assert torch.equal(ours, fp32_times_bf16_reference(x, weight))  # its kernels, bit for bit
+    parts = bf16_split_reference(x)
     per_part = torch.mm(parts.reshape(-1, k), weight.t(), out_dtype=torch.float32).view(3, rows, -1)
     exact_parts = parts.double() @ weight.double().t()
     gemm_error = sum(float((per_part[p].double() - exact_parts[p]).norm()) for p in range(3))
@@ -124,3 +127,39 @@ def test_cuda_fp32_products_of_bf16_weights_run_on_tensor_cores_to_fp32_accuracy
     # the two fp32 adds of the parts round by ≤ u·|y| each
     assert error <= gemm_error + 2.01 * u * float(reference.norm())
     assert error / float(reference.norm()) <= k / 16 * u
+
+
+_KERNEL_PATH = """
+import json, torch
+from engine.models.deepseek_v41.dense import Linear, fp32_times_bf16_reference
+generator = torch.Generator().manual_seed(0)
+linear = Linear(320, 72, torch.bfloat16).requires_grad_(False)
+linear.weight.copy_(torch.randn(72, 320, generator=generator))
+result = []
+for shape, dtype, scale in (
+    ((1,), "float32", 1.0),
+    ((7,), "bfloat16", 1.0),
+    ((2, 3), "float32", 1.0),
+    ((0,), "float32", 1.0),
+    ((5,), "bfloat16", 128**-0.5 * 64**-0.5),  # the indexer's weight scale
+):
+    x = (torch.randn(*shape, 320, generator=generator) * 3).to(getattr(torch, dtype))
+    ours = linear.forward_fp32(x, scale)
+    # the scale as the indexer applied it before (a separate product)
+    reference = fp32_times_bf16_reference(x, linear.weight) * scale
+    exact = x.double() @ linear.weight.double().t() * scale
+    gap = float((ours.double() - exact).norm() / exact.norm().clamp(min=1e-30))
+    result.append([torch.equal(ours, reference), list(ours.shape), str(ours.dtype), gap])
+print(json.dumps(result))
+"""
+
+
+def test_fp32_products_take_the_kernels_in_the_interpreter() -> None:
+    """With the GEMM a GPU has (provided on the CPU as the census does), `forward_fp32` runs
+    the split and sum kernels: bit for bit the torch form (a scale too), the fp32 product of
+    x and W."""
+    result = run_interpreted(_KERNEL_PATH, tensor_core_gemms=True)
+    shapes = [[1, 72], [7, 72], [2, 3, 72], [0, 72], [5, 72]]
+    for (same, shape, dtype, gap), want in zip(result, shapes, strict=True):
+        assert same and shape == want and dtype == "torch.float32"
+        assert gap < 1e-6  # an fp32 GEMM of the exact parts, three exact partial products

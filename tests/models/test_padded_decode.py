@@ -130,19 +130,21 @@ def test_padded_decode_matches_plain_decode(fixture: str, request: pytest.Fixtur
 
 
 _INTERPRETED = """
-import json
+import json, torch
 from engine.models import Numerics, load_model
 from tests.models.test_padded_decode import *
-model = load_model({checkpoint!r}, numerics=Numerics(kv_quantize={quantize!r}))
+model = load_model({checkpoint!r}, dtype=torch.{dtype}, numerics=Numerics(kv_quantize={quantize!r}))
 print(json.dumps(compare_padded_decode(model, INTERPRETED_LENS, INTERPRETED_STEPS)))
 """
 
 
 @pytest.mark.slow  # ~1 min of interpreted kernels
-@pytest.mark.parametrize("quantize", [True])
-def test_padded_decode_on_the_kernel_paths(tiny_checkpoint: Path, quantize: bool) -> None:
-    code = _INTERPRETED.format(checkpoint=str(tiny_checkpoint), quantize=quantize)
-    result = run_interpreted(code)
+@pytest.mark.parametrize("quantize, dtype", [(True, "float32"), (True, "bfloat16")])
+def test_padded_decode_on_the_kernel_paths(tiny_checkpoint: Path, quantize: bool, dtype) -> None:
+    # bf16: also the tensor-core branches of the fp32 products (the split and sum kernels, the
+    # packed compressors), given the GPU's fp32-output bf16 GEMM
+    code = _INTERPRETED.format(checkpoint=str(tiny_checkpoint), quantize=quantize, dtype=dtype)
+    result = run_interpreted(code, tensor_core_gemms=dtype == "bfloat16")
     assert result["finite"] == 1.0 and result["selection_mismatches"] == 0, result
     assert result["logits"] < 1e-4, result  # measured 7e-6
     assert result["state"] < 1e-4, result
@@ -221,7 +223,7 @@ from engine.models import load_model
 from engine.models.deepseek_v41.decode_batch import DecodeBuffers
 from engine.models.deepseek_v41.state import sequential_batch
 from tests.kernels.specializations import describe_new_keys, record_launch_keys
-model = load_model({checkpoint!r})
+model = load_model({checkpoint!r}, dtype=torch.{dtype})
 state = model.allocate_state(8, 16, reserve_scratch=True)
 
 def decode_keys(num_rows, blocks_cap, prompt_lens, steps):
@@ -249,9 +251,14 @@ print(json.dumps(describe_new_keys(other - first, first)))
 
 
 @pytest.mark.slow  # ~1 min of interpreted kernels
-def test_padded_steps_of_other_shapes_launch_no_new_kernel_variant(tiny_checkpoint: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_padded_steps_of_other_shapes_launch_no_new_kernel_variant(
+    tiny_checkpoint: Path, dtype: str
+) -> None:
     # A step graph captures each (rows, block columns) shape on first use, after one eager run:
     # if a new shape needed a new Triton variant, that run would compile while serving. The
     # interpreter records each launch's specialisation key (`tests/kernels/specializations`).
-    new = run_interpreted(_STEP_SHAPES_ONE_VARIANT.format(checkpoint=str(tiny_checkpoint)))
+    # bf16: with the tensor-core branches of the fp32 products (split and sum kernels).
+    code = _STEP_SHAPES_ONE_VARIANT.format(checkpoint=str(tiny_checkpoint), dtype=dtype)
+    new = run_interpreted(code, tensor_core_gemms=dtype == "bfloat16")
     assert new == [], new

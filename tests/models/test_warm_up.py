@@ -83,11 +83,11 @@ def test_the_serving_steps_reach_every_row_of_the_launch_tables(drafts: int) -> 
 
 
 _ONE_VARIANT = """
-import json
+import json, torch
 from engine.models import load_model
 from engine.models.deepseek_v41.warm_up import WarmUpStep, warm_up
 from tests.kernels.specializations import describe_new_keys, record_launch_keys
-model = load_model({checkpoint!r})
+model = load_model({checkpoint!r}, dtype=torch.{dtype})
 with record_launch_keys() as warm:
     warm_up(model, [WarmUpStep(1, 9), WarmUpStep(1, 1, 40), WarmUpStep(2, 1, 40)])
 with record_launch_keys() as serving:
@@ -97,11 +97,15 @@ print(json.dumps(describe_new_keys(serving - warm, warm)))
 
 
 @pytest.mark.slow
-def test_steps_of_other_sizes_launch_no_new_kernel_variant(tiny_checkpoint: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_of_other_sizes_launch_no_new_kernel_variant(tiny_checkpoint: Path, dtype) -> None:
     # In Triton's interpreter every launch's specialisation key (what a GPU compiles per
     # variant: constexprs, integer values 1 and divisibility by 16 where not
     # `do_not_specialize`, pointer alignment, launch options) is recorded: steps with other
     # token, sequence, context (the indexer's num_j) and block-table sizes, within the same
     # table rows, must launch only keys the first steps launched.
-    new = run_interpreted(_ONE_VARIANT.format(checkpoint=str(tiny_checkpoint)))
+    # bf16: the fp32 products of bf16 weights take their tensor-core branch (split and sum
+    # kernels) given the GPU's fp32-output bf16 GEMM
+    code = _ONE_VARIANT.format(checkpoint=str(tiny_checkpoint), dtype=dtype)
+    new = run_interpreted(code, tensor_core_gemms=dtype == "bfloat16")
     assert new == [], new

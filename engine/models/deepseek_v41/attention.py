@@ -22,6 +22,8 @@ from engine.models.deepseek_v41.dense import (
     bf16_mm_to_fp32_runs,
     bmm_exact_bf16,
     dense_matmul,
+    fp32_on_tensor_cores,
+    fp32_times_bf16,
     grouped_linear,
 )
 from engine.models.deepseek_v41.kv_formats import KVCodec
@@ -197,11 +199,11 @@ class Compressor(nn.Module):
         pos = batch.positions
         if self.ratio == 1:
             return self.wkv(x), pos, torch.arange(pos.numel(), device=pos.device)
-        k = self.wkv.forward_fp32(x)
-        g = self.wgate.forward_fp32(x)
+        kg = self.keys_and_gates(x)
+        k, g = kg.unbind(1)
         pending = ctx.state.pending[source_id]
         if is_padded_decode(batch):
-            return self._pool_every_row(k, g, pending, batch, x.dtype)
+            return self._pool_every_row(kg, pending, batch, x.dtype)
         pairs = batch.shared("compressor pairs", lambda: _TokenPairs.of(batch))
         odd = pairs.odd
         carried = pending[pairs.odd_slot, pairs.odd_ring_row]  # [G, 2, D]
@@ -212,23 +214,55 @@ class Compressor(nn.Module):
         # Keep (k, gate) of recent even tokens: a later step may need any of them as a partner
         # (drafts past an accepted even position are recomputed from here).
         keep = pairs.kept_even
-        pending[pairs.kept_slot, pairs.kept_ring_row] = torch.stack((k[keep], g[keep]), 1)
+        pending[pairs.kept_slot, pairs.kept_ring_row] = kg[keep]
         return pooled.to(x.dtype), pairs.group_position, odd
 
+    def pack_projections(self) -> None:
+        """Ratio 2: stack the bf16 `wkv` and `wgate` weights, which both read the attention
+        input, into one [2·hd, D] buffer (`wkv_gate_weight`, non-persistent); both weights
+        become views of it, so memory does not grow and checkpoint names and state dicts stay.
+        Then the tensor-core path runs the two fp32 products as one (`keys_and_gates`).
+
+        NOTE: call it once the model is on its device (`Attention.pack_projections` does).
+        Other linears (FP8, fp32 weights: no tensor-core product) stay apart."""
+        if self.ratio != 2 or not (type(self.wkv) is Linear and type(self.wgate) is Linear):
+            return
+        if not self.wkv.weight.dtype == self.wgate.weight.dtype == torch.bfloat16:
+            return
+        packed = torch.cat((self.wkv.weight.detach(), self.wgate.weight.detach()))
+        self.register_buffer("wkv_gate_weight", packed, persistent=False)
+        hd = self.wkv.weight.shape[0]
+        self.wkv.weight = nn.Parameter(packed[:hd], requires_grad=False)
+        self.wgate.weight = nn.Parameter(packed[hd:], requires_grad=False)
+
+    def keys_and_gates(self, x: Tensor) -> Tensor:
+        """fp32 (`wkv.forward_fp32(x)`, `wgate.forward_fp32(x)`) stacked as [T, 2, hd]: the
+        pending ring's row layout. Packed (`pack_projections`) and on the tensor-core path
+        (`dense.fp32_on_tensor_cores`): one product over the packed weight (one split, one
+        GEMM, one sum), whose output rows are [k | gate] already.
+
+        NOTE: one GEMM of N = 2·hd columns may sum a column in another order than the GEMM of
+        its own N (the library picks its kernel by shape), as `Attention.latents`'."""
+        packed = getattr(self, "wkv_gate_weight", None)
+        if packed is not None and fp32_on_tensor_cores(x, packed, self.wkv.batch_invariant):
+            return fp32_times_bf16(x, packed).unflatten(-1, (2, -1))
+        return torch.stack((self.wkv.forward_fp32(x), self.wgate.forward_fp32(x)), 1)
+
     def _pool_every_row(
-        self, k: Tensor, g: Tensor, pending: Tensor, batch: PaddedDecodeBatch, dtype: torch.dtype
+        self, kg: Tensor, pending: Tensor, batch: PaddedDecodeBatch, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`forward`'s ratio-2 pooling for a padded decode step, over every row: an odd
         position pools with its even partner from the pending ring (a decode row's partner is
         never in the step), an even one only stores its (k, gate) there. Latents of even rows
         are garbage (`write_source` sends them to the trash block); group position p − 1."""
+        k, g = kg.unbind(1)
         pos, slot = batch.positions, batch.slots
         carried = pending[slot, torch.div(pos - 1, 2, rounding_mode="floor") % PAIR_RING]
         weights = pair_softmax(carried[:, 1], g, self.batch_invariant)
         pooled = (weights[0] * carried[:, 0] + weights[1] * k).to(dtype)
         ring_row = torch.div(pos, 2, rounding_mode="floor") % PAIR_RING
         is_even = (pos % 2 == 0)[:, None, None]
-        kept = torch.where(is_even, torch.stack((k, g), 1), pending[slot, ring_row])
+        kept = torch.where(is_even, kg, pending[slot, ring_row])
         pending[slot, ring_row] = kept
         return pooled, pos - 1, torch.arange(pos.numel(), device=pos.device)
 
@@ -289,10 +323,13 @@ class Attention(nn.Module):
         """Stack the dense `wq_a` and `wkv` weights, which both read the attention input, into
         one [q_lora + hd, D] buffer (`wq_a_kv_weight`, non-persistent); both weights become
         views of it, so memory does not grow and checkpoint names and state dicts stay. Then
-        the kernel path runs the two projections as one GEMM (`latents`).
+        the kernel path runs the two projections as one GEMM (`latents`). A ratio-2 KV source
+        packs its compressor's `wkv` and `wgate` likewise (`Compressor.pack_projections`).
 
         NOTE: call it once the model is on its device (as `MoE.pack_experts`). FP8 dense
         linears (`FP8BlockLinear`) stay apart, as the shared expert's do."""
+        if hasattr(self, "compressor"):
+            self.compressor.pack_projections()
         if not (type(self.wq_a) is Linear and type(self.wkv) is Linear):
             return
         packed = torch.cat((self.wq_a.weight.detach(), self.wkv.weight.detach()))
@@ -579,7 +616,7 @@ class Attention(nn.Module):
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
         iq = self.indexer.wq_b(qa).view(-1, heads, dim)
         iq = ctx.codecs.index.rotated_round_trip(iq, batch.positions, self.freqs)
-        hw = self.indexer.weights_proj.forward_fp32(x) * (dim**-0.5 * heads**-0.5)
+        hw = self.indexer.weights_proj.forward_fp32(x, scale=dim**-0.5 * heads**-0.5)
         if is_padded_decode(batch):  # fixed shapes: the block tables' key capacity
             num_visible_max = batch.key_capacity(r)
         else:

@@ -45,10 +45,12 @@ fp32 products of bf16 weights (`Linear.forward_fp32`)
 ------------------------------------------------------
 
 Logits, the attention's `wkv`/`wgate`, the indexer's weights and DSpark's heads are computed as
-f32(x) · f32(W)ᵀ. On CUDA with bf16 weights (outside batch-invariant mode) that is one bf16
-tensor-core GEMM with fp32 output over x split exactly into three bf16 parts stacked as rows
-(x = hi + mid + lo; bf16 × bf16 products are exact in fp32): no fp32 copy of W per call (the
-lm head's was 2.6 GB per step at the released widths) and no fp32 CUDA-core GEMM. The split
+f32(x) · f32(W)ᵀ. On the kernel path (CUDA: `fp32_on_tensor_cores`) with bf16 weights (outside
+batch-invariant mode) that is one bf16 tensor-core GEMM with fp32 output over x split exactly
+into three bf16 parts stacked as rows (x = hi + mid + lo; bf16 × bf16 products are exact in
+fp32), then the three partial products added, in three launches (`fp32_times_bf16`: the
+split `kernels.bf16_split`, the GEMM, the sum `kernels.parts_sum`): no fp32 copy of W per call
+(the lm head's was 2.6 GB per step at the released widths) and no fp32 CUDA-core GEMM. The split
 is exact and its three fp32 adds round by ≤ u·|y| each, so the error is the GEMM's own: the
 tensor cores' fp32 accumulator truncates (rounds toward zero) once per step of k = 16 products
 instead of rounding to nearest per product, an error biased toward zero that grows with K:
@@ -67,7 +69,9 @@ from torch import Tensor, nn
 from engine.models.deepseek_v41.config import ceil_div
 from kernels import fp8_block_gemm as fp8_gemm
 from kernels import runs_kernels
+from kernels.bf16_split import bf16_split, bf16_split_reference
 from kernels.invariant_matmul import invariant_matmul
+from kernels.parts_sum import parts_sum, parts_sum_reference
 
 ROW_TILE = 16
 
@@ -126,32 +130,58 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         return dense_matmul(x, self.weight, self.batch_invariant)
 
-    def forward_fp32(self, x: Tensor) -> Tensor:
-        """`f32(x) · f32(W)ᵀ` (gates, scores and logits computed in fp32; module docstring)."""
-        x = x.float()
-        weight = self.weight
-        on_tensor_cores = x.is_cuda and weight.dtype == torch.bfloat16 and not self.batch_invariant
-        if on_tensor_cores and bf16_mm_to_fp32_runs(x.device):
-            return fp32_times_bf16(x, weight)
-        return dense_matmul(x, weight.float(), self.batch_invariant)
+    def forward_fp32(self, x: Tensor, scale: float = 1.0) -> Tensor:
+        """`f32(x) · f32(W)ᵀ · scale` (gates, scores and logits computed in fp32; module
+        docstring)."""
+        return fp32_product(x, self.weight, self.batch_invariant, scale)
 
 
-def split_bf16(x: Tensor) -> Tensor:
-    """fp32 x [..., K] → bf16 [3, ..., K] with x = Σ parts exactly (for |x| ≥ 2^-110: the last
-    part stays a normal bf16)."""
-    hi = x.bfloat16()
-    rest = x - hi.float()
-    mid = rest.bfloat16()
-    return torch.stack((hi, mid, (rest - mid.float()).bfloat16()))
+def fp32_product(
+    x: Tensor, weight: Tensor, batch_invariant: bool = False, scale: float = 1.0
+) -> Tensor:
+    """`f32(x) · f32(weight)ᵀ · scale`: x [..., K], weight [N, K] → fp32 [..., N]; on the
+    tensor cores as `fp32_times_bf16` where `fp32_on_tensor_cores` (the scale applied in its
+    last launch), else as an fp32 `dense_matmul` (then a product by the scale unless it is 1).
+    Either way the scale is the Python float rounded to fp32, as torch's `tensor * scale`."""
+    if fp32_on_tensor_cores(x, weight, batch_invariant):
+        return fp32_times_bf16(x, weight, scale)
+    y = dense_matmul(x.float(), weight.float(), batch_invariant)
+    return y if scale == 1.0 else y * scale
 
 
-def fp32_times_bf16(x: Tensor, weight: Tensor) -> Tensor:
-    """fp32 x [..., K] · bf16 weight [N, K]ᵀ → fp32 [..., N]: one bf16 GEMM with fp32 output
-    over `split_bf16(x)`'s three parts as rows (CUDA: `torch.mm(..., out_dtype=float32)`)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    parts = split_bf16(x.reshape(-1, k)).reshape(-1, k)
-    out = torch.mm(parts, weight.t(), out_dtype=torch.float32).view(3, -1, weight.shape[0])
-    return (out[0] + out[1] + out[2]).view(*lead, weight.shape[0])
+def fp32_on_tensor_cores(x: Tensor, weight: Tensor, batch_invariant: bool = False) -> bool:
+    """Whether `fp32_product(x, weight)` runs on the tensor cores (`fp32_times_bf16`): the
+    kernel path (`runs_kernels`), a bf16 weight, outside batch-invariant mode, and a torch that
+    runs bf16 GEMMs with fp32 output on x's device (CUDA's; the CPU build has none, so a run
+    on the CPU, in Triton's interpreter or not, takes the fp32 product unless something
+    provides that GEMM: `benchmarks/kernel_census.py` does, to count what a GPU launches)."""
+    return (
+        runs_kernels(x)
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == torch.bfloat16
+        and not batch_invariant
+        and bf16_mm_to_fp32_runs(x.device)
+    )
+
+
+def fp32_times_bf16(x: Tensor, weight: Tensor, scale: float = 1.0) -> Tensor:
+    """fp32 or bf16 x [..., K] · bf16 weight [N, K]ᵀ · scale → fp32 [..., N] in three launches:
+    x's three exact bf16 parts (`kernels.bf16_split`), one bf16 GEMM with fp32 output over them
+    as rows (CUDA: `torch.mm(..., out_dtype=float32)`), the three partial products added in
+    order and scaled (`kernels.parts_sum`). Bit for bit `fp32_times_bf16_reference`."""
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    parts = bf16_split(x).view(-1, k)
+    partials = torch.mm(parts, weight.t(), out_dtype=torch.float32)
+    return parts_sum(partials.view(3, *lead, n), scale)
+
+
+def fp32_times_bf16_reference(x: Tensor, weight: Tensor, scale: float = 1.0) -> Tensor:
+    """`fp32_times_bf16`'s torch form: the kernels' references around the same GEMM (~11
+    launches)."""
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    parts = bf16_split_reference(x).view(-1, k)
+    partials = torch.mm(parts, weight.t(), out_dtype=torch.float32)
+    return parts_sum_reference(partials.view(3, *lead, n), scale)
 
 
 def bmm_exact_bf16(a: Tensor, b: Tensor) -> Tensor:

@@ -376,8 +376,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def pack_attention_projections(self) -> None:
         """`Attention.pack_projections` in every layer and DSpark stage (one GEMM for `wq_a` and
-        `wkv` on the kernel path). Call it once the model is on its device (see the NOTE
-        there)."""
+        `wkv` on the kernel path; one fp32 product for a ratio-2 compressor's `wkv` and
+        `wgate`). Call it once the model is on its device (see the NOTE there)."""
         for module in self.modules():
             if isinstance(module, Attention):
                 module.pack_projections()
