@@ -2,10 +2,12 @@
 model in Triton's interpreter (the kernel paths): logits and state bit for bit.
 
 `unfused()` patches the fusions back to separate calls: the queries' RoPE as its own launch
-before `sparse_mqa` (instead of its `rotate_q`). `fusion_outputs` runs a prefill of two
-sequences, a chunk beside a decode row, plain decode steps, padded decode steps (what a step
-graph captures; not in batch-invariant mode, which has none) and a prefix-cache replay (window
-floor and reuse end), and returns every step's logits and the whole state after each part.
+before `sparse_mqa` (instead of its `rotate_q`); the window row's norm + RoPE launch, then the
+MXFP8 encoding launch (instead of `KVCodec.normed_rotated_encode`'s one launch).
+`fusion_outputs` runs a prefill of two sequences, a chunk beside a decode row, plain decode
+steps, padded decode steps (what a step graph captures; not in batch-invariant mode, which has
+none) and a prefix-cache replay (window floor and reuse end), and returns every step's logits
+and the whole state after each part.
 """
 
 from __future__ import annotations
@@ -32,20 +34,25 @@ from tests.kernels.interpreted import run_interpreted
 def unfused() -> Iterator[None]:
     """The fused launches replaced by the calls they fuse, for the duration."""
     import kernels.sparse_mqa as mqa
+    from engine.models.deepseek_v41.kv_formats import KVCodec
+    from engine.models.deepseek_v41.primitives import rms_norm_rope
     from kernels.rope import apply_rope
 
-    fused_attention = mqa.sparse_mqa
+    fused_attention, fused_encode = mqa.sparse_mqa, KVCodec.normed_rotated_encode
 
     def attention(q, seq_of_token, positions, *args, rotate_q=None, **kwargs):
         if rotate_q is not None:
             q = apply_rope(q, positions, rotate_q)
         return fused_attention(q, seq_of_token, positions, *args, **kwargs)
 
-    mqa.sparse_mqa = attention
+    def encode(codec, x, weight, eps, positions, freqs):
+        return codec.encode(rms_norm_rope(x, weight, eps, positions, freqs)[0])
+
+    mqa.sparse_mqa, KVCodec.normed_rotated_encode = attention, encode
     try:
         yield
     finally:
-        mqa.sparse_mqa = fused_attention
+        mqa.sparse_mqa, KVCodec.normed_rotated_encode = fused_attention, fused_encode
 
 
 def _state_tensors(state: ModelState, label: str) -> dict[str, torch.Tensor]:

@@ -103,6 +103,13 @@ class RMSNorm(nn.Module):
         rotated, normed = rms_norm_rope(x, self.weight, self.eps, positions, freqs, True)
         return rotated, normed
 
+    def rotated_encoded(
+        self, x: Tensor, positions: Tensor, freqs: Tensor, codec: KVCodec
+    ) -> Tensor:
+        """`codec.encode(self.rotated(x, positions, freqs))`, in one launch where the codec has
+        a kernel for all three (`KVCodec.normed_rotated_encode`: MXFP8 window rows)."""
+        return codec.normed_rotated_encode(x, self.weight, self.eps, positions, freqs)
+
 
 def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> Linear:
     return Linear(n_in, n_out, dtype)
@@ -317,8 +324,7 @@ class Attention(nn.Module):
         q_latent, kv_latent = self.latents(x)
         qa = self.q_norm(q_latent)
         q = self.wq_b(qa).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
-        kv = self.kv_norm.rotated(kv_latent, positions, self.freqs)
-        return qa, q, window_codec.encode(kv)
+        return qa, q, self.kv_norm.rotated_encoded(kv_latent, positions, self.freqs, window_codec)
 
     def latents(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(`wq_a(x)`, `wkv(x)`). Packed (`pack_projections`), on the kernel path and outside
