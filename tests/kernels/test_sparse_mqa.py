@@ -255,6 +255,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow  # ~2 min in the interpreter
 def test_rotated_queries_equal_rope_then_attention_in_the_triton_interpreter() -> None:
     # Every launch shape (one pass, row splits, split columns, two passes, in token groups),
     # ring and rows, with and without a KV source, bf16 and fp32 queries: bit for bit the
