@@ -1,6 +1,7 @@
 """One CSA2 attention layer: the `TILES` choice against the two-pass shapes.
 
     python3 benchmarks/attention_passes.py [--sequences 64 256] [--prefill 4096] [--rotate-back]
+                                           [--rotate-q]
 
 The release layer of `kernel_speed --only attention` (64 heads × 512, window 128, 512 selected
 FP4 rows, 8K context): one token per sequence (window in the MXFP8 ring), or one prefill chunk
@@ -12,6 +13,11 @@ of N tokens ending at 8K (window from bf16 rows); each shape timed alone (`do_be
 bf16 and the inverse RoPE of the 64-channel tail as its own launch (`kernels.rope`), against the
 launch that rotates in its store (`sparse_mqa(..., rotate_back=freqs)`); both bit for bit the
 same (checked here), µs of each.
+
+`--rotate-q`: the model's whole call at the `TILES` choice: the queries' RoPE as its own launch
+(`kernels.rope`), then the launch that rotates its output back (`rotate_back=freqs`, main's
+call), against the launch that also rotates the queries as it loads them (`rotate_q=freqs`);
+bit for bit the same (checked here), µs of each.
 """
 
 from __future__ import annotations
@@ -47,16 +53,42 @@ def rotate_back_rows(launches: list[tuple[int, int]], device: torch.device) -> N
               f"{_bench_us(fused):>12.1f} {same!s:>9}", flush=True)  # fmt: skip
 
 
+def rotate_q_rows(launches: list[tuple[int, int]], device: torch.device) -> None:
+    """`--rotate-q` (module docstring)."""
+    freqs = 10000.0 ** (-torch.arange(ROPE_FREQS, device=device) / ROPE_FREQS)
+    print(f"{'T':>5} {'tiles':<26} {'rope first µs':>13} {'rotating µs':>12} {'same bits':>9}")
+    for num_seqs, new in launches:
+        inputs, sources = attention_inputs(num_seqs, new, device)
+        q, rest = inputs[0], inputs[1:]
+        positions = inputs[2]
+        tiles = choose_tiles(num_seqs * new)
+
+        def separate(q=q, r=rest, s=sources, p=positions, t=tiles):
+            rotated = apply_rope(q, p, freqs)
+            return sparse_mqa(rotated, *r, **s, tiles=t, rotate_back=freqs)
+
+        def fused(q=q, r=rest, s=sources, t=tiles):
+            return sparse_mqa(q, *r, **s, tiles=t, rotate_back=freqs, rotate_q=freqs)
+
+        same = bool(torch.equal(separate(), fused()))
+        print(f"{num_seqs * new:>5} {tiles!s:<26} {_bench_us(separate):>13.1f} "
+              f"{_bench_us(fused):>12.1f} {same!s:>9}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, nargs="*", default=[64, 256])
     parser.add_argument("--prefill", type=int, nargs="*", default=[])
     parser.add_argument("--rotate-back", action="store_true", help="see the docstring")
+    parser.add_argument("--rotate-q", action="store_true", help="see the docstring")
     args = parser.parse_args()
     device = torch.device("cuda")
     launches = [(num_seqs, 1) for num_seqs in args.sequences] + [(1, n) for n in args.prefill]
     if args.rotate_back:
         rotate_back_rows(launches, device)
+        return
+    if args.rotate_q:
+        rotate_q_rows(launches, device)
         return
     two_pass = [tiles for tiles in CANDIDATES if tiles.two_pass]
     print(f"{'T':>5} {'tiles':<26} {'µs':>8} {'GB/s':>7} {'TFLOP/s':>8} {'rel diff':>9}")

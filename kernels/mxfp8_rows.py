@@ -31,11 +31,23 @@ from torch import Tensor
 from kernels import check_runnable
 from kernels.row_codes import ceil_log2, e4m3_code, load_float32, pow2
 
-__all__ = ["mxfp8_rows_quantize"]
+__all__ = ["AMAX_FLOOR", "mxfp8_rows_quantize", "scale_exponent"]
 
 _BLOCK = 32
 _TILE_ELEMENTS = 4096
-_AMAX_FLOOR = 1e-4  # kv_formats.SWA_AMAX_FLOOR
+AMAX_FLOOR = 1e-4  # kv_formats.SWA_AMAX_FLOOR
+
+
+@triton.jit
+def scale_exponent(amax, NEMO_FLOOR: tl.constexpr, FLOOR: tl.constexpr):
+    """int32 exponent s of the scale 2^s of blocks whose largest |x| is `amax` (fp32), by the
+    spec's rule or NeMo's floor (module docstring); every kernel writing MXFP8 rows calls it
+    (`kernels.rms_norm_rope`'s encoded rows)."""
+    if NEMO_FLOOR:
+        ratio = tl.math.div_rn(tl.maximum(amax, FLOOR), 448.0)
+    else:
+        ratio = tl.maximum(tl.math.div_rn(amax, 448.0), FLOOR)
+    return ceil_log2(ratio, -127, 127)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # step-varying: one variant
@@ -60,11 +72,7 @@ def _mxfp8_quantize_kernel(
     x = load_float32(x_ptr, rows[:, None] * x_row_stride + cols[None, :], mask, BF16_BITS)
     x = tl.reshape(x, [BLOCK_R, NUM_BLOCKS, 32])
     amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_R, NUM_BLOCKS]
-    if NEMO_FLOOR:
-        ratio = tl.math.div_rn(tl.maximum(amax, FLOOR), 448.0)
-    else:
-        ratio = tl.maximum(tl.math.div_rn(amax, 448.0), FLOOR)
-    exponent = ceil_log2(ratio, -127, 127)
+    exponent = scale_exponent(amax, NEMO_FLOOR, FLOOR)
     y = tl.reshape(x * pow2(-exponent)[:, :, None], [BLOCK_R, BLOCK_D])
     out_rows = rows * (DIM + DIM // 32)
     tl.store(out_ptr + out_rows[:, None] + cols[None, :], e4m3_code(y).to(tl.uint8), mask=mask)
@@ -107,7 +115,7 @@ def mxfp8_rows_quantize(x: Tensor, *, nemo_floor: bool = False) -> Tensor:
             BLOCK_D=block_d,
             BLOCK_R=block_r,
             NEMO_FLOOR=nemo_floor,
-            FLOOR=_AMAX_FLOOR,
+            FLOOR=AMAX_FLOOR,
             BF16_BITS=rows.dtype == torch.bfloat16,
         )
     return out

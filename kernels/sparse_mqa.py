@@ -36,6 +36,12 @@ one-pass kernel, `_combine_kernel` after row splits, the second pass) does both 
 for bit `apply_rope(out.to(q.dtype), positions, freqs, inverse=True)`; the main loops are as
 without it.
 
+`rotate_q`, its mirror: the queries arrive before their RoPE and every program that loads them
+(the one-pass kernel, each row split's and column block's program, the first pass) rotates
+their tail as it loads them: `_rotated_query`, `kernels.rope`'s device functions, rounded to
+q's dtype as the rope launch stores them, so the result is bit for bit that of
+`apply_rope(q, positions, freqs)` as q; the main loops are as without it.
+
 `sparse_mqa` is the launcher; `sparse_mqa_reference` the torch reference (codecs' own
 dequantisation, a direct softmax).
 """
@@ -184,13 +190,39 @@ def _online_update(m, total, acc, scores, rows, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _rotated_query(q, position, freq_ptr, pass_width, DTYPE: tl.constexpr,
+                   LIBDEVICE: tl.constexpr):  # fmt: skip
+    """A token's queries q [BH, D] (fp32 values of `DTYPE`) with the pairs at columns
+    ≥ pass_width rotated by position · freq and rounded to `DTYPE`: `kernels.rope`'s launch
+    as it stores them (its device functions, on the same operands)."""
+    a, b = tl.split(tl.reshape(q, (q.shape[0], q.shape[1] // 2, 2)))
+    even = 2 * tl.arange(0, q.shape[1] // 2)
+    is_rotated = even >= pass_width
+    freq = tl.load(freq_ptr + (even - pass_width) // 2, mask=is_rotated, other=0.0)
+    c, s = cos_sin(position.to(tl.float32) * freq, 1.0, LIBDEVICE)
+    rotated_even, rotated_odd = rotate(a, b, c[None, :], s[None, :])
+    a = tl.where(is_rotated[None, :], round_to(rotated_even, DTYPE), a)
+    b = tl.where(is_rotated[None, :], round_to(rotated_odd, DTYPE), b)
+    return tl.reshape(tl.join(a, b), (q.shape[0], q.shape[1]))
+
+
+@triton.jit
 def _query_parts(q_ptr, token, heads, is_head, stride_qt, stride_qh, D: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr):  # fmt: skip
+                 DOT_DTYPE: tl.constexpr, position_ptr, freq_ptr, pass_width,
+                 ROTATE: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
     """The token's queries [BH, D] as a bf16 head and remainder, rounded once (bf16 queries:
-    the head alone, exact)."""
+    the head alone, exact). ROTATE: the RoPE tail rotated first (`_rotated_query`).
+
+    NOTE: rotated, the scores' q operand is computed rather than loaded, so Triton 3.9 feeds a
+    64-head tile's wgmma from registers instead of shared memory (more registers held through
+    the main loops: `docs/performance.md`, "The queries' RoPE in the attention launch")."""
     d = tl.arange(0, D)
     q_ptrs = q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=is_head[:, None], other=0.0).to(tl.float32)
+    if ROTATE:
+        position = tl.load(position_ptr + token)
+        dtype = q_ptr.dtype.element_ty
+        q = _rotated_query(q, position, freq_ptr, pass_width, dtype, LIBDEVICE)
     q_head = q.to(tl.bfloat16)
     q_rest = (q - q_head.to(tl.float32)).to(tl.bfloat16).to(DOT_DTYPE)
     return q_head.to(DOT_DTYPE), q_rest
@@ -369,6 +401,8 @@ def _sparse_mqa_kernel(
     stride_oh,
     freq_ptr,
     pass_width,
+    q_freq_ptr,
+    q_pass_width,
     RATIO: tl.constexpr,
     WINDOW: tl.constexpr,
     WINDOW_IN_RING: tl.constexpr,
@@ -383,11 +417,12 @@ def _sparse_mqa_kernel(
     SPLITS: tl.constexpr,
     ROTATE: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    ROTATE_Q: tl.constexpr,
 ):
     """grid (tokens, heads / BLOCK_H, SPLITS · D / BLOCK_D). With SPLITS = 1 the program
     writes its output columns (ROTATE: rounded and rotated back, `_rotated_back`); otherwise
     its split's running max and sum [SPLITS, T, H] and accumulator [SPLITS, T, H, D] for
-    `_combine_kernel`."""
+    `_combine_kernel`. ROTATE_Q: the queries' RoPE as they are loaded (`_rotated_query`)."""
     if WINDOW_SEQ_ALIGNED:  # the launcher passed stride / 16: the rows' base is known aligned
         stride_window_seq = stride_window_seq * 16  # and they load in vectors
     token = tl.program_id(0).to(tl.int64)
@@ -395,7 +430,10 @@ def _sparse_mqa_kernel(
     split = tl.program_id(2) // (D // BLOCK_D)
     d0 = (tl.program_id(2) % (D // BLOCK_D)) * BLOCK_D
     is_head = heads < num_heads
-    q_head, q_rest = _query_parts(q_ptr, token, heads, is_head, stride_qt, stride_qh, D, DOT_DTYPE)
+    q_head, q_rest = _query_parts(
+        q_ptr, token, heads, is_head, stride_qt, stride_qh, D, DOT_DTYPE, position_ptr,
+        q_freq_ptr, q_pass_width, ROTATE_Q, LIBDEVICE,
+    )  # fmt: skip
     # The running max starts finite, so an all-masked tile gives exp(...) = 0, not NaN.
     m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_H,), tl.float32)
@@ -529,6 +567,8 @@ def _mqa_scores_kernel(
     stride_table,
     stride_st,
     stride_sh,
+    q_freq_ptr,
+    q_pass_width,
     RATIO: tl.constexpr,
     WINDOW: tl.constexpr,
     WINDOW_IN_RING: tl.constexpr,
@@ -539,17 +579,23 @@ def _mqa_scores_kernel(
     DOT_DTYPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROTATE_Q: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     """Pass one of `MqaTiles.two_pass`, grid (tokens, heads / BLOCK_H): the scaled scores of
     the token's rows (window tiles, then selected tiles; −inf where a row is not real) into
     scores [T, H, columns] at column tile · BLOCK_N, and per head the max and the sum of
-    exp(score − max) over them and the sink."""
+    exp(score − max) over them and the sink. ROTATE_Q: the queries' RoPE as they are loaded
+    (`_rotated_query`)."""
     if WINDOW_SEQ_ALIGNED:
         stride_window_seq = stride_window_seq * 16
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     is_head = heads < num_heads
-    q_head, q_rest = _query_parts(q_ptr, token, heads, is_head, stride_qt, stride_qh, D, DOT_DTYPE)
+    q_head, q_rest = _query_parts(
+        q_ptr, token, heads, is_head, stride_qt, stride_qh, D, DOT_DTYPE, position_ptr,
+        q_freq_ptr, q_pass_width, ROTATE_Q, LIBDEVICE,
+    )  # fmt: skip
     m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_H,), tl.float32)
     seq, position, floor, window_index = _token_rows(
@@ -686,7 +732,7 @@ GlobalRows = tuple[Tensor, Tensor, Tensor, int]
 
 def _two_passes(
     q, seq_of_token, positions, sources, sink, out, num_selected, softmax_scale, row_strides,
-    tiles, block_d, common, rotation,
+    tiles, block_d, common, rotation, q_rotation,
 ) -> None:  # fmt: skip
     """`MqaTiles.two_pass` over the tokens of `q` (sources and out sliced to them)."""
     num_tokens, num_heads, dim = q.shape
@@ -702,6 +748,7 @@ def _two_passes(
         q, seq_of_token, positions, *sources, sink, scores, m_all, total_all, num_heads,
         num_selected, rows.shape[1], softmax_scale, q.stride(0), q.stride(1),
         *row_strides, *score_strides, Q_SPLIT=q.dtype != torch.bfloat16, **common,
+        **q_rotation, LIBDEVICE=_LIBDEVICE,
     )  # fmt: skip
     freqs, pass_width, rotating = rotation
     _mqa_values_kernel[(num_tokens, head_blocks, dim // block_d)](
@@ -726,6 +773,7 @@ def sparse_mqa(
     fixed_tiles: bool = False,
     tiles: MqaTiles | None = None,
     rotate_back: Tensor | None = None,
+    rotate_q: Tensor | None = None,
 ) -> Tensor:
     """fp32 [T, H, D] attention output of T query tokens (with `rotate_back`: in q's dtype).
 
@@ -746,6 +794,9 @@ def sparse_mqa(
     rotate_back: fp32 frequencies [R ≤ D/2] of the rotated tail: the output is
     `apply_rope(out.to(q.dtype), positions, rotate_back, inverse=True)` (`kernels.rope`), bit
     for bit, from the same launches.
+    rotate_q: fp32 frequencies [R ≤ D/2] of the queries' rotated tail, applied as the queries
+    are loaded: the result is that of `apply_rope(q, positions, rotate_q)` (`kernels.rope`,
+    rounded to q's dtype) as q, bit for bit, without that launch.
 
     Raises:
         ValueError: a shape, dtype or layout the kernel does not take (D not a power of two
@@ -785,16 +836,16 @@ def sparse_mqa(
         raise ValueError(f"tiles {tiles} need 32 <= block_d | {dim} and power-of-two splits")
     if tiles.two_pass and tiles.splits != 1:
         raise ValueError(f"tiles {tiles}: two passes take no row splits")
-    if rotate_back is not None and 2 * rotate_back.numel() > dim:
-        raise ValueError(f"{2 * rotate_back.numel()} rotated channels do not fit D = {dim}")
+    for freqs in (rotate_back, rotate_q):
+        if freqs is not None and 2 * freqs.numel() > dim:
+            raise ValueError(f"{2 * freqs.numel()} rotated channels do not fit D = {dim}")
     check_runnable(q, "sparse_mqa")
     out_dtype = torch.float32 if rotate_back is None else q.dtype
     out = torch.empty(num_tokens, num_heads, dim, dtype=out_dtype, device=q.device)
-    if rotate_back is None:
-        rotation = (sink, 0, {"ROTATE": False, "LIBDEVICE": _LIBDEVICE})
-    else:
-        freqs = rotate_back.to(device=q.device, dtype=torch.float32).contiguous()
-        rotation = (freqs, dim - 2 * freqs.numel(), {"ROTATE": True, "LIBDEVICE": _LIBDEVICE})
+    freqs, pass_width, is_rotated = _rotation(rotate_back, dim, sink)
+    rotation = (freqs, pass_width, {"ROTATE": is_rotated, "LIBDEVICE": _LIBDEVICE})
+    freqs, pass_width, is_rotated = _rotation(rotate_q, dim, sink)
+    q_rotation = {"q_freq_ptr": freqs, "q_pass_width": pass_width, "ROTATE_Q": is_rotated}
     if global_rows is None:
         pool, selection, tables, ratio = rows, positions[:, None], positions[:, None], 0
     else:
@@ -856,6 +907,7 @@ def sparse_mqa(
             _two_passes(
                 q[part], seq_of_token[part], positions[part], group_sources, sink, out[part],
                 num_selected, softmax_scale, row_strides, tiles, block_d, common, rotation,
+                q_rotation,
             )  # fmt: skip
         return out
     splits = tiles.splits
@@ -872,7 +924,7 @@ def sparse_mqa(
         num_tokens, num_heads, num_selected, rows.shape[1], softmax_scale, q.stride(0),
         q.stride(1), *row_strides, out.stride(0), out.stride(1), freqs, pass_width,
         Q_SPLIT=q.dtype != torch.bfloat16, BLOCK_D=block_d, SPLITS=splits, **common,
-        **rotating,
+        **rotating, **q_rotation,
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
@@ -881,6 +933,16 @@ def sparse_mqa(
             **rotating,
         )  # fmt: skip
     return out
+
+
+def _rotation(freqs: Tensor | None, dim: int, placeholder: Tensor) -> tuple[Tensor, int, bool]:
+    """(fp32 frequencies, width of the unrotated head, whether to rotate) of a rotated tail as
+    the kernels take them; without one, `placeholder` and 0 (the flag alone picks the variant).
+    """
+    if freqs is None:
+        return placeholder, 0, False
+    freqs = freqs.to(device=placeholder.device, dtype=torch.float32).contiguous()
+    return freqs, dim - 2 * freqs.numel(), True
 
 
 def sparse_mqa_reference(
@@ -896,9 +958,13 @@ def sparse_mqa_reference(
     global_rows: GlobalRows | None = None,
     window_floor: Tensor | None = None,
     rotate_back: Tensor | None = None,
+    rotate_q: Tensor | None = None,
 ) -> Tensor:
-    """`sparse_mqa` in plain torch: decode the rows, one softmax (then, with `rotate_back`,
-    `kernels.rope`'s reference rotation of the output rounded to q's dtype)."""
+    """`sparse_mqa` in plain torch: (with `rotate_q`, `kernels.rope`'s reference rotation of
+    q first) decode the rows, one softmax (then, with `rotate_back`, the reference rotation of
+    the output rounded to q's dtype)."""
+    if rotate_q is not None:
+        q = apply_rope_reference(q, positions, rotate_q)
     offsets = torch.arange(window, device=q.device)
     key_positions = positions[:, None] - (window - 1) + offsets[None, :]  # [T, W]
     if ring is not None:

@@ -1,4 +1,5 @@
-"""RMSNorm then RoPE in one launch against the two kernels and the torch references."""
+"""RMSNorm then RoPE in one launch against the two kernels and the torch references; and the
+same with the rotated row encoded as an MXFP8 window row against the three launches."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import triton
 
 from engine.models.deepseek_v41.primitives import rope_frequencies
-from kernels.rms_norm_rope import rms_norm_rope
+from kernels.rms_norm_rope import rms_norm_rope, rms_norm_rope_mxfp8
 from tests.kernels.interpreted import run_interpreted, sum_of_squares_ops, ulps
 
 # (x shape, rotated channels, dtype name): the released window / latent row (512, 64 rotated),
@@ -75,6 +76,38 @@ def reference_ulps(device: str = "cpu") -> list[float]:
     return result
 
 
+def mxfp8_mismatches(device: str = "cpu") -> list[str]:
+    """Cases where `rms_norm_rope_mxfp8`'s bytes differ from `mxfp8_rows_quantize` of
+    `rms_norm_rope` (the two launches it replaces), from the torch codec of the same rotated
+    rows, or from its own bytes of the rows read as a column slice of wider rows; with the
+    weight scaled up and down (scales from 2^3 to the floor), both floor rules."""
+    from engine.models.deepseek_v41.kv_formats import swa_mxfp8_quantize
+    from kernels.mxfp8_rows import mxfp8_rows_quantize
+
+    bad = []
+    for case in CASES:
+        x, weight, positions, freqs = _inputs(case, device)
+        view = torch.cat((torch.full_like(x[..., :16], 7.0), x), -1)[..., 16:]
+        for gain in (1.0, 1e3, 1e-6):
+            w = (weight.float() * gain).to(weight.dtype)
+            rotated = rms_norm_rope(x, w, EPS, positions, freqs)[0]
+            for nemo in (False, True):
+                ours = rms_norm_rope_mxfp8(x, w, EPS, positions, freqs, nemo_floor=nemo)
+                others = {
+                    "two launches": mxfp8_rows_quantize(rotated, nemo_floor=nemo),
+                    "torch codec": swa_mxfp8_quantize(rotated, nemo_floor=nemo),
+                    "strided rows": rms_norm_rope_mxfp8(
+                        view, w, EPS, positions, freqs, nemo_floor=nemo
+                    ),
+                }
+                bad += [
+                    f"{case} gain {gain} nemo {nemo}: {name}"
+                    for name, other in others.items()
+                    if not torch.equal(ours, other)
+                ]
+    return bad
+
+
 _INTERPRETED = """
 import json
 from tests.kernels.test_rms_norm_rope import mismatches, reference_ulps
@@ -89,6 +122,15 @@ def test_kernel_equals_norm_then_rope_in_the_triton_interpreter() -> None:
     assert max(gaps) <= 16
 
 
+@pytest.mark.slow  # ~8 s in the interpreter
+def test_mxfp8_rows_equal_norm_rope_then_quantize_in_the_triton_interpreter() -> None:
+    code = (
+        "import json\nfrom tests.kernels.test_rms_norm_rope import mxfp8_mismatches\n"
+        "print(json.dumps(mxfp8_mismatches()))"
+    )
+    assert run_interpreted(code) == []
+
+
 def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
     x, weight, positions, freqs = _inputs(CASES[0])
     with pytest.raises(ValueError, match="leading shape"):
@@ -99,14 +141,42 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
         rms_norm_rope(x[..., :32], weight[:32], EPS, positions, freqs)
     with pytest.raises(ValueError, match="CUDA"):
         rms_norm_rope(x, weight, EPS, positions, freqs)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        rms_norm_rope_mxfp8(x[..., :80], weight[:80], EPS, positions, freqs)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        rms_norm_rope_mxfp8(x.double(), weight.double(), EPS, positions, freqs)
 
 
-@pytest.mark.parametrize("width", [512, 128, 96])
-def test_compiled_kernel_sums_squares_as_rms_norm_does(width: int) -> None:
-    # What the interpreter cannot show: the CUDA build reduces the row as rms_norm's does (the
-    # same [BLOCK] row and num_warps; `inv_rms`'s NOTE), so the scale has the same bits.
-    from kernels.rms_norm import _rms_norm_kernel, norm_warps
+def _compiled_rms_norm_rope(width: int, mxfp8: bool, aligned: set[str]) -> str:
+    """sm90 PTX of the norm + RoPE kernel on bf16 rows (keeping the normed rows), or with
+    `mxfp8` encoding them instead."""
+    from kernels.rms_norm import norm_warps
     from kernels.rms_norm_rope import _rms_norm_rope_kernel
+    from tests.kernels.interpreted import compile_for_hopper
+
+    block = triton.next_power_of_2(width)
+    out = "*u8" if mxfp8 else "*bf16"
+    options = {"BLOCK": block, "KEEP_NORMED": not mxfp8, "LIBDEVICE": True}
+    if mxfp8:
+        options |= {"MXFP8": True, "ROW_DTYPE": triton.language.bfloat16, "FLOOR": 1e-4}
+    return compile_for_hopper(
+        _rms_norm_rope_kernel,
+        {"x_ptr": "*bf16", "weight_ptr": "*bf16", "position_ptr": "*i64", "freq_ptr": "*fp32"}
+        | {"out_ptr": out, "normed_ptr": out, "pass_pairs": "i32"}
+        | {"width": "i32", "x_row_stride": "i32", "eps": "fp32"},
+        options,
+        aligned,
+        {"num_warps": norm_warps(block)},
+    )
+
+
+@pytest.mark.parametrize("mxfp8", [False, True], ids=["rows", "mxfp8"])
+@pytest.mark.parametrize("width", [512, 128, 96])
+def test_compiled_kernel_sums_squares_as_rms_norm_does(width: int, mxfp8: bool) -> None:
+    # What the interpreter cannot show: the CUDA build reduces the row as rms_norm's does (the
+    # same [BLOCK] row and num_warps; `inv_rms`'s NOTE), so the scale has the same bits; the
+    # MXFP8 encoding keeps IEEE division and adds no flushing (ftz) operation.
+    from kernels.rms_norm import _rms_norm_kernel, norm_warps
     from tests.kernels.interpreted import compile_for_hopper
 
     block = triton.next_power_of_2(width)
@@ -115,15 +185,10 @@ def test_compiled_kernel_sums_squares_as_rms_norm_does(width: int) -> None:
     aligned = {"x_ptr", "weight_ptr", "out_ptr", "normed_ptr", "position_ptr", "freq_ptr"}
     aligned |= {"codes_ptr", "scale_ptr"}
     aligned |= {"width", "x_row_stride"} if width % 16 == 0 else set()
-    fused = compile_for_hopper(
-        _rms_norm_rope_kernel,
-        {"x_ptr": "*bf16", "weight_ptr": "*bf16", "position_ptr": "*i64", "freq_ptr": "*fp32"}
-        | {"out_ptr": "*bf16", "normed_ptr": "*bf16", "pass_pairs": "i32"}
-        | scalars,
-        {"BLOCK": block, "KEEP_NORMED": True, "LIBDEVICE": True},
-        aligned,
-        warps,
-    )
+    fused = _compiled_rms_norm_rope(width, mxfp8, aligned)
+    if mxfp8:
+        rows = _compiled_rms_norm_rope(width, False, aligned)
+        assert "div.rn.f32" in fused and fused.count(".ftz") == rows.count(".ftz")
     two = compile_for_hopper(
         _rms_norm_kernel,
         {"x_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*fp32"}
@@ -141,3 +206,4 @@ def test_compiled_kernel_sums_squares_as_rms_norm_does(width: int) -> None:
 def test_kernel_equals_norm_then_rope_on_cuda() -> None:
     assert mismatches("cuda") == [[0, 0, 0]] * len(CASES)
     assert max(reference_ulps("cuda")) <= 16
+    assert mxfp8_mismatches("cuda") == []

@@ -215,6 +215,60 @@ def test_rotated_output_equals_output_then_inverse_rope_in_the_triton_interprete
     assert max(r for r in result if isinstance(r, float)) < 1e-2  # bf16 output vs reference
 
 
+def query_rotation_mismatches(cases, tiles_list, q_dtypes, device: str = "cpu") -> list:
+    """Launches whose result with `rotate_q` differs from the launch on the queries rotated by
+    `kernels.rope` first (the two launches it replaces), alone and with `rotate_back` too (the
+    model's call); or equals the launch on unrotated queries (the rotation did nothing). Then
+    the largest relative distance to the reference's own rotation (fp32 outputs)."""
+    from engine.models.deepseek_v41.primitives import rope_frequencies
+    from kernels.rope import apply_rope
+
+    bad, worst = [], 0.0
+    for case in cases:
+        args, sources = _inputs(case, device)
+        freqs = rope_frequencies(64 if case[3] > 128 else case[3] // 2, 10000.0, None).to(device)
+        for q_dtype in q_dtypes:
+            q, rest = args[0].to(q_dtype), args[1:]
+            rotated = apply_rope(q, args[2], freqs)
+            for tiles in tiles_list:
+                run = functools.partial(sparse_mqa, **sources, tiles=tiles)
+                ours = run(q, *rest, rotate_q=freqs)
+                if not torch.equal(ours, run(rotated, *rest)) or torch.equal(ours, run(q, *rest)):
+                    bad.append(f"{case} {q_dtype} {tiles}")
+                both = run(q, *rest, rotate_q=freqs, rotate_back=freqs)
+                if not torch.equal(both, run(rotated, *rest, rotate_back=freqs)):
+                    bad.append(f"{case} {q_dtype} {tiles} rotate_back")
+            reference = sparse_mqa_reference(q, *rest, **sources, rotate_q=freqs)
+            worst = max(worst, float((ours - reference).norm() / reference.norm()))
+    return [*bad, worst]
+
+
+_INTERPRETED_QUERY_ROTATION = """
+import json, torch
+import kernels.sparse_mqa as mqa
+from tests.kernels.test_sparse_mqa import CASES, INTERPRETED_TILES, query_rotation_mismatches
+result = query_rotation_mismatches((CASES[0], CASES[2], CASES[4]), [None, *INTERPRETED_TILES],
+                                   (torch.bfloat16,))
+result += query_rotation_mismatches((CASES[0],), [None], (torch.float32,))
+mqa.TWO_PASS_TOKENS = 4  # long launches: the two passes in token groups
+result += query_rotation_mismatches((CASES[4], CASES[5]), [INTERPRETED_TILES[-1]],
+                                    (torch.bfloat16,))
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow  # ~2 min in the interpreter
+def test_rotated_queries_equal_rope_then_attention_in_the_triton_interpreter() -> None:
+    # Every launch shape (one pass, row splits, split columns, two passes, in token groups),
+    # ring and rows, with and without a KV source, bf16 and fp32 queries: bit for bit the
+    # attention of the queries `kernels.rope` rotated, with and without `rotate_back`.
+    result = run_interpreted(_INTERPRETED_QUERY_ROTATION)
+    mismatches = [r for r in result if isinstance(r, str)]
+    assert mismatches == []
+    # the reference rotates q with torch's complex multiply: an ulp of q here and there
+    assert max(r for r in result if isinstance(r, float)) < 1e-3
+
+
 _INTERPRETED_GROUPS = """
 import json
 import kernels.sparse_mqa as mqa
@@ -280,6 +334,9 @@ def test_launcher_rejects_layouts_it_cannot_take() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
                    rotate_back=torch.ones(q.shape[-1]))  # fmt: skip
+    with pytest.raises(ValueError, match="do not fit"):
+        sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
+                   rotate_q=torch.ones(q.shape[-1]))  # fmt: skip
     with pytest.raises(ValueError, match="CUDA"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring)
 
@@ -312,6 +369,14 @@ def test_kernel_matches_reference_on_cuda(case, tiles) -> None:
 def test_rotated_output_equals_output_then_inverse_rope_on_cuda(case) -> None:
     result = rotation_mismatches((case,), [None, *CUDA_TILES], (torch.bfloat16,), "cuda")
     assert result[:-1] == [] and result[-1] < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[5], CASES[6]], ids=str)
+def test_rotated_queries_equal_rope_then_attention_on_cuda(case) -> None:
+    q_dtypes = (torch.bfloat16, torch.float32) if case == CASES[0] else (torch.bfloat16,)
+    result = query_rotation_mismatches((case,), [None, *CUDA_TILES], q_dtypes, "cuda")
+    assert result[:-1] == [] and result[-1] < 1e-3
 
 
 @pytest.mark.gpu

@@ -555,3 +555,65 @@ def test_round_trip_is_decode_of_encode_on_the_cpu() -> None:
             codec = kv.make_codec(kind, dim, quantize=quantize)
             x = wide_rows(5, dim, seed=1).to(torch.bfloat16)
             assert torch.equal(bits(codec.round_trip(x)), bits(codec.decode(codec.encode(x))))
+
+
+@pytest.mark.parametrize("nemo", [False, True])
+@pytest.mark.parametrize("quantize", [True, False])
+def test_normed_rotated_encode_is_the_encoding_of_the_normed_rotated_rows(
+    quantize: bool, nemo: bool
+) -> None:
+    # the window row [T, D]: off the kernel path, the norm and rotation, then encode, as before
+    from engine.models.deepseek_v41.primitives import rope_frequencies
+    from kernels.rms_norm_rope import rms_norm_rope_reference
+
+    codec = kv.make_codec("swa_mxfp8", 64, quantize=quantize, nemo_variant=nemo)
+    x = wide_rows(5, 64, seed=2).to(torch.bfloat16)
+    weight = torch.randn(64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    positions, freqs = torch.arange(5) * 1000, rope_frequencies(16, 10000.0, None)
+    ours = codec.normed_rotated_encode(x, weight, 1e-6, positions, freqs)
+    rows = rms_norm_rope_reference(x, weight, 1e-6, positions, freqs)[0]
+    assert torch.equal(ours, codec.encode(rows))
+
+
+_NORMED_ROTATED_KERNEL_PATH = """
+import json
+import torch
+from engine.models.deepseek_v41.kv_formats import make_codec
+from engine.models.deepseek_v41.primitives import rope_frequencies
+from kernels.rms_norm_rope import rms_norm_rope
+from tests.kernels.specializations import record_launch_keys
+from tests.models.test_kv_formats import wide_rows
+
+x = wide_rows(6, 512, seed=4).to(torch.bfloat16)
+positions, freqs = torch.arange(6) * 977, rope_frequencies(64, 10000.0, None)
+out = {}
+for gain in (1.0, 1e-4):  # 1e-4: amax below the floor, where the two floor rules differ
+    weight = (torch.randn(512, generator=torch.Generator().manual_seed(5)) * gain).bfloat16()
+    rows = rms_norm_rope(x, weight, 1e-6, positions, freqs)[0]
+    for codec in (make_codec("swa_mxfp8", 512), make_codec("swa_mxfp8", 512, nemo_variant=True),
+                  make_codec("global_fp4", 512)):
+        with record_launch_keys() as launched:
+            ours = codec.normed_rotated_encode(x, weight, 1e-6, positions, freqs)
+        out[f"{codec.name} {gain}"] = [
+            torch.equal(ours, codec.encode_fn(rows)),
+            len(launched),
+            ours.sum().item(),
+        ]
+print(json.dumps(out))
+"""
+
+
+def test_normed_rotated_encode_takes_one_launch_on_the_kernel_path() -> None:
+    """In Triton's interpreter: the MXFP8 codecs' norm + RoPE + encoding is one launch storing
+    the torch codec's bytes of the norm + RoPE kernel's rows, each floor rule its own (they
+    differ below the floor); a codec without such a kernel takes the two launches."""
+    from tests.kernels.interpreted import run_interpreted
+
+    result = run_interpreted(_NORMED_ROTATED_KERNEL_PATH)
+    assert all(same for same, _, _ in result.values())
+    assert {key: launches for key, (_, launches, _) in result.items()} == {
+        f"{name} {gain}": 2 if name == "global_fp4" else 1
+        for name in ("swa_mxfp8", "swa_mxfp8/nemo", "global_fp4")
+        for gain in (1.0, 1e-4)
+    }
+    assert result["swa_mxfp8 0.0001"][2] != result["swa_mxfp8/nemo 0.0001"][2]

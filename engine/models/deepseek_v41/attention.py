@@ -105,6 +105,13 @@ class RMSNorm(nn.Module):
         rotated, normed = rms_norm_rope(x, self.weight, self.eps, positions, freqs, True)
         return rotated, normed
 
+    def rotated_encoded(
+        self, x: Tensor, positions: Tensor, freqs: Tensor, codec: KVCodec
+    ) -> Tensor:
+        """`codec.encode(self.rotated(x, positions, freqs))`, in one launch where the codec has
+        a kernel for all three (`KVCodec.normed_rotated_encode`: MXFP8 window rows)."""
+        return codec.normed_rotated_encode(x, self.weight, self.eps, positions, freqs)
+
 
 def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> Linear:
     return Linear(n_in, n_out, dtype)
@@ -347,15 +354,14 @@ class Attention(nn.Module):
     def project(
         self, x: Tensor, positions: Tensor, window_codec: KVCodec
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """(query latent qa [T, q_lora], rotated queries [T, H, hd], encoded window rows).
-        Pure and token-parallel (CUDA graphs may replay it)."""
+        """(query latent qa [T, q_lora], queries [T, H, hd] before their RoPE (`attend`
+        rotates them), encoded window rows). Pure and token-parallel (CUDA graphs may replay
+        it)."""
         cfg = self.cfg
         q_latent, kv_latent = self.latents(x)
         qa = self.q_norm(q_latent)
         q = self.wq_b(qa).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
-        q = apply_rope(q, positions, self.freqs)
-        kv = self.kv_norm.rotated(kv_latent, positions, self.freqs)
-        return qa, q, window_codec.encode(kv)
+        return qa, q, self.kv_norm.rotated_encoded(kv_latent, positions, self.freqs, window_codec)
 
     def latents(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(`wq_a(x)`, `wkv(x)`). Packed (`pack_projections`), on the kernel path and outside
@@ -373,15 +379,18 @@ class Attention(nn.Module):
     def attend(
         self, x: Tensor, qa: Tensor, q: Tensor, window_rows: Tensor, ctx: StepContext
     ) -> Tensor:
-        """Store this step's rows (window, KV source), select, attend: [T, H, hd] in x's dtype,
-        rotated back by each token's RoPE angle (the kernel path does it in the launch that
-        writes the output: `sparse_mqa(rotate_back=...)`, bit for bit the two)."""
+        """Store this step's rows (window, KV source), select, attend with the queries q
+        (`project`'s, before RoPE) rotated by each token's RoPE angle: [T, H, hd] in x's
+        dtype, rotated back by that angle. The kernel path rotates the queries as it loads them
+        and the output as it stores it (`sparse_mqa(rotate_q=..., rotate_back=...)`), bit for
+        bit the separate rotations."""
         if self.is_source and not ctx.sources_written:
             self.write_source(x, ctx)
         if self.is_index:
             self._select(x, qa, ctx)
         if self._attends_in_kernel(q, ctx):
             return self._sparse_mqa_kernel(q, window_rows, ctx)
+        q = apply_rope(q, ctx.batch.positions, self.freqs)
         attend = self._sparse_mqa_fixed_order if self.batch_invariant else self._sparse_mqa
         o = attend(q, window_rows, ctx).to(x.dtype)
         self._write_window(window_rows, ctx)
@@ -535,8 +544,9 @@ class Attention(nn.Module):
         )
 
     def _sparse_mqa_kernel(self, q: Tensor, window_rows: Tensor, ctx: StepContext) -> Tensor:
-        """`_sparse_mqa` reading the encoded rows in place, rounded to q's dtype and rotated
-        back (`sparse_mqa`'s `rotate_back`); writes the step's window rows.
+        """`_sparse_mqa` of the queries q before RoPE, rotated as the kernel loads them
+        (`sparse_mqa`'s `rotate_q`), reading the encoded rows in place; the output rounded to
+        q's dtype and rotated back (`rotate_back`). Writes the step's window rows.
 
         Decode steps read the window from the ring after writing their own rows (the ring is
         longer than the window, so writing position p never overwrites a row p reads); longer
@@ -563,7 +573,7 @@ class Attention(nn.Module):
         # the rows compile to different MMA operand paths whose results differ in the last bit
         # (`test_sparse_mqa.py`), and a decode row meets both (alone, and beside a chunk).
         sources = {"global_rows": global_rows, "window_floor": batch.window_floor_tensor}
-        sources["rotate_back"] = self.freqs
+        sources["rotate_q"] = sources["rotate_back"] = self.freqs
         if batch.max_len == 1 and not fixed:
             self._write_window(window_rows, ctx)
             ring = (state.swa[self.layer_id], batch.slots)

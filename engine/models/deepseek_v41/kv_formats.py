@@ -43,7 +43,7 @@ from functools import cache, partial
 import torch
 from torch import Tensor
 
-from engine.models.deepseek_v41.primitives import apply_rope
+from engine.models.deepseek_v41.primitives import apply_rope, rms_norm_rope
 from kernels import runs_kernels
 from kernels.fp4_rows import (
     global_fp4_rows_quantize,
@@ -53,6 +53,7 @@ from kernels.fp4_rows import (
     index_fp4_rows_round_trip,
 )
 from kernels.mxfp8_rows import mxfp8_rows_quantize
+from kernels.rms_norm_rope import rms_norm_rope_mxfp8
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -428,7 +429,9 @@ class KVCodec:
     section (`cache.md` §1.3).
     ``round_trip(x)``: ``decode(encode(x))`` without building the stored rows where a kernel
     does it in one launch; ``rotated_round_trip(x, positions, freqs)`` the round trip of x's
-    RoPE (the indexer's queries), in one launch with the rotation where a kernel does both.
+    RoPE (the indexer's queries), in one launch with the rotation where a kernel does both;
+    ``normed_rotated_encode(x, weight, eps, positions, freqs)`` the encoding of x's RMSNorm,
+    then RoPE (the window row), in one launch where a kernel does all three.
     The ``kernel_*`` functions, where set, replace the torch ones for tensors on the kernel path
     (``kernels.runs_kernels``): the same results, bit for bit, in one launch.
     """
@@ -450,6 +453,9 @@ class KVCodec:
         default=None, repr=False, compare=False
     )
     kernel_rotated_round_trip_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
+    kernel_normed_rotated_encode_fn: Callable[..., Tensor] | None = field(
         default=None, repr=False, compare=False
     )
 
@@ -486,6 +492,18 @@ class KVCodec:
             return self.kernel_rotated_round_trip_fn(x, positions, freqs)
         return self.round_trip(apply_rope(x, positions, freqs))
 
+    def normed_rotated_encode(
+        self, x: Tensor, weight: Tensor, eps: float, positions: Tensor, freqs: Tensor
+    ) -> Tensor:
+        """``encode(rms_norm_rope(x, weight, eps, positions, freqs)[0])`` (the arguments of
+        `primitives.rms_norm_rope`): one launch on the kernel path where a kernel does the
+        norm, the rotation and the encoding (MXFP8 window rows), bit for bit the two launches;
+        else the norm and rotation, then ``encode``."""
+        if self.kernel_normed_rotated_encode_fn is not None and runs_kernels(x):
+            self._check_width(x)
+            return self.kernel_normed_rotated_encode_fn(x, weight, eps, positions, freqs)
+        return self.encode(rms_norm_rope(x, weight, eps, positions, freqs)[0])
+
     def _check_width(self, x: Tensor) -> None:
         if x.shape[-1] != self.dim:
             raise ValueError(f"{self.name}: expected rows of width {self.dim}, got {x.shape[-1]}")
@@ -502,6 +520,8 @@ class _KVFormat:
     kernel_dequantize: Callable[[Tensor], Tensor] | None = None  # -> float32
     kernel_round_trip: Callable[[Tensor], Tensor] | None = None  # -> float32
     kernel_rotated_round_trip: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
+    # the same keyword arguments as quantize
+    kernel_normed_rotated_quantize: Callable[..., Tensor] | None = None
 
 
 _KV_FORMATS: Mapping[str, _KVFormat] = {
@@ -512,6 +532,7 @@ _KV_FORMATS: Mapping[str, _KVFormat] = {
         {"nemo_floor": True},
         SWA_BLOCK,
         mxfp8_rows_quantize,
+        kernel_normed_rotated_quantize=rms_norm_rope_mxfp8,
     ),
     "global_fp4": _KVFormat(
         global_fp4_quantize,
@@ -579,4 +600,9 @@ def make_codec(kind: str, dim: int, quantize: bool = True, nemo_variant: bool = 
         kernel_decode_fn=fmt.kernel_dequantize,
         kernel_round_trip_fn=fmt.kernel_round_trip,
         kernel_rotated_round_trip_fn=fmt.kernel_rotated_round_trip,
+        kernel_normed_rotated_encode_fn=(
+            partial(fmt.kernel_normed_rotated_quantize, **kwargs)
+            if fmt.kernel_normed_rotated_quantize is not None
+            else None
+        ),
     )

@@ -617,11 +617,11 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def enable_cuda_graphs(self, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
         """Replay each block's pure parts (`Block.attention_in`: mHC site, norm, projections,
-        RoPE, window-row encoding; `Block.attention_out`: output projection, mHC update, the
-        FFN sublayer) from CUDA graphs for steps of up to `buckets[-1]` tokens, captured per
-        bucket on first use (or by `capture_cuda_graphs`). Decode steps are host-bound without
-        them. Target blocks only: a DSpark stage may run several times in one step while its
-        outputs are still read."""
+        the window row's RoPE and encoding; `Block.attention_out`: output projection, mHC
+        update, the FFN sublayer) from CUDA graphs for steps of up to `buckets[-1]` tokens,
+        captured per bucket on first use (or by `capture_cuda_graphs`). Decode steps are
+        host-bound without them. Target blocks only: a DSpark stage may run several times in
+        one step while its outputs are still read."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         pool = torch.cuda.graph_pool_handle()
