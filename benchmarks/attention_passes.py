@@ -16,13 +16,15 @@ same (checked here), µs of each.
 
 `--rotate-q`: the model's whole call at the `TILES` choice: the queries' RoPE as its own launch
 (`kernels.rope`), then the launch that rotates its output back (`rotate_back=freqs`, main's
-call), against the launch that also rotates the queries as it loads them (`rotate_q=freqs`);
-bit for bit the same (checked here), µs of each.
+call), against the launch that also rotates the queries as it loads them (`rotate_q=freqs` at
+the same shape with `rotates_q` forced on; `TILES` gives it to the 16-head shapes only until
+this says where it pays); bit for bit the same (checked here), µs of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -67,7 +69,9 @@ def rotate_q_rows(launches: list[tuple[int, int]], device: torch.device) -> None
             rotated = apply_rope(q, p, freqs)
             return sparse_mqa(rotated, *r, **s, tiles=t, rotate_back=freqs)
 
-        def fused(q=q, r=rest, s=sources, t=tiles):
+        rotating = dataclasses.replace(tiles, rotates_q=True)
+
+        def fused(q=q, r=rest, s=sources, t=rotating):
             return sparse_mqa(q, *r, **s, tiles=t, rotate_back=freqs, rotate_q=freqs)
 
         same = bool(torch.equal(separate(), fused()))

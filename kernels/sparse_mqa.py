@@ -40,7 +40,8 @@ without it.
 (the one-pass kernel, each row split's and column block's program, the first pass) rotates
 their tail as it loads them: `_rotated_query`, `kernels.rope`'s device functions, rounded to
 q's dtype as the rope launch stores them, so the result is bit for bit that of
-`apply_rope(q, positions, freqs)` as q; the main loops are as without it.
+`apply_rope(q, positions, freqs)` as q; the main loops are as without it. Launch shapes
+without `MqaTiles.rotates_q` get the rope launch first instead.
 
 `sparse_mqa` is the launcher; `sparse_mqa_reference` the torch reference (codecs' own
 dequantisation, a direct softmax).
@@ -57,7 +58,7 @@ from torch import Tensor
 
 from kernels import check_runnable, interpreting
 from kernels.element_codes import fp4_rows_to_float, mxfp8_rows_to_float
-from kernels.rope import apply_rope_reference, cos_sin, rotate
+from kernels.rope import apply_rope, apply_rope_reference, cos_sin, rotate
 from kernels.rounding import round_to
 
 _INTERPRETING = interpreting()
@@ -87,6 +88,12 @@ class MqaTiles:
     the rows and computes the scores D / block_d times over (once per column program); this
     trades that for the scores' round trip through memory (fp32, 4 bytes per head and row;
     launches of `TWO_PASS_TOKENS` tokens at most). No row splits with it.
+    rotates_q: with `rotate_q`, the programs rotate the queries as they load them; otherwise
+    the launcher rotates them first with the rope launch (`kernels.rope.apply_rope`), bit for
+    bit the same result. NOTE: at 32 or 64 heads per program the rotation in the load moves the
+    scores' wgmma operand from shared memory into registers and spills more (local sm90
+    compile, 64 tokens: 188 → 664 bytes of spill stores), not yet timed on a GPU
+    (`benchmarks/attention_passes.py --rotate-q`), so only the 16-head shapes take it.
     """
 
     block_h: int
@@ -96,11 +103,16 @@ class MqaTiles:
     num_warps: int = 8
     num_stages: int = 1
     two_pass: bool = False
+    rotates_q: bool = False
 
     def __str__(self) -> str:
         d = self.block_d or "D"
         passes = " 2p" if self.two_pass else ""
-        return f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}{passes}"
+        rotates = " rq" if self.rotates_q else ""
+        return (
+            f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}{passes}"
+            f"{rotates}"
+        )
 
 
 # THE CHOICE (edit here after `benchmarks/kernel_speed.py --only attention`): per launch, the
@@ -112,7 +124,7 @@ class MqaTiles:
 # passes 138 / 325 µs at 64 / 256 (one pass 136 / 545); a 4,096-token prefill chunk 3.89 ms
 # (one pass, 32 heads: 5.58 ms).
 TILES: tuple[tuple[int, MqaTiles], ...] = (
-    (16, MqaTiles(16, 64, splits=2)),
+    (16, MqaTiles(16, 64, splits=2, rotates_q=True)),
     (64, MqaTiles(64, 32, block_d=128, num_warps=4)),
     (1 << 62, MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True)),
 )
@@ -121,7 +133,7 @@ TILES: tuple[tuple[int, MqaTiles], ...] = (
 TWO_PASS_TOKENS = 4096
 # `fixed_tiles` (batch-invariant mode): one shape whatever the launch, so a token's reduction
 # never changes with the step's other tokens. Any `MqaTiles` keeps that property.
-FIXED_TILES = MqaTiles(16, 64)
+FIXED_TILES = MqaTiles(16, 64, rotates_q=True)
 # What `kernel_speed --only attention` times (with the entries above): the legacy tiles, every
 # head in one program (M = 64: wgmma) with the output columns split so the accumulator fits
 # (sm90 ptxas, Triton 3.9: d128 at 4 warps spills nothing; d256 at 8 warps ~0.6 KB; all D at
@@ -794,9 +806,9 @@ def sparse_mqa(
     rotate_back: fp32 frequencies [R ≤ D/2] of the rotated tail: the output is
     `apply_rope(out.to(q.dtype), positions, rotate_back, inverse=True)` (`kernels.rope`), bit
     for bit, from the same launches.
-    rotate_q: fp32 frequencies [R ≤ D/2] of the queries' rotated tail, applied as the queries
-    are loaded: the result is that of `apply_rope(q, positions, rotate_q)` (`kernels.rope`,
-    rounded to q's dtype) as q, bit for bit, without that launch.
+    rotate_q: fp32 frequencies [R ≤ D/2] of the queries' rotated tail: the result is that of
+    `apply_rope(q, positions, rotate_q)` (`kernels.rope`, rounded to q's dtype) as q, bit for
+    bit; applied as the queries are loaded (without that launch) where `tiles.rotates_q`.
 
     Raises:
         ValueError: a shape, dtype or layout the kernel does not take (D not a power of two
@@ -840,6 +852,8 @@ def sparse_mqa(
         if freqs is not None and 2 * freqs.numel() > dim:
             raise ValueError(f"{2 * freqs.numel()} rotated channels do not fit D = {dim}")
     check_runnable(q, "sparse_mqa")
+    if rotate_q is not None and not tiles.rotates_q:  # the rope launch first (`MqaTiles`)
+        q, rotate_q = apply_rope(q, positions, rotate_q), None
     out_dtype = torch.float32 if rotate_back is None else q.dtype
     out = torch.empty(num_tokens, num_heads, dim, dtype=out_dtype, device=q.device)
     freqs, pass_width, is_rotated = _rotation(rotate_back, dim, sink)
