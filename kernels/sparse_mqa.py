@@ -155,9 +155,9 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(64, 64, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 32, block_d=256, num_warps=8, two_pass=True),
 )
-if _INTERPRETING:
-    TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4)),)
-    FIXED_TILES = MqaTiles(16, 16, num_warps=4)
+if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate queries in the load
+    TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4, rotates_q=True)),)
+    FIXED_TILES = MqaTiles(16, 16, num_warps=4, rotates_q=True)
 
 
 def choose_tiles(num_tokens: int) -> MqaTiles:
