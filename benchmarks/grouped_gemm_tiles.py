@@ -2,7 +2,7 @@
 5120, expert width 2304): each (tokens, use, tiles) timed alone, against the copy bandwidth.
 
     python3 benchmarks/grouped_gemm_tiles.py [--tokens 16 64 256 4096] [--baseline MODULE]
-        [--decode-rows 64] [--prefetch-tiles] [--split-gate-up]
+        [--decode-rows 64] [--prefetch-tiles] [--split-gate-up] [--register-unpack]
 
 `--decode-rows BM`: blocks of BM rows also run through the decode kernel (the launcher gives
 blocks above `DECODE_MAX_BLOCK_M` rows to the prefill kernel), with its table's tiles under
@@ -10,6 +10,9 @@ several register caps, with and without the prefetch.
 
 `--prefetch-tiles`: decode blocks run the register-prefetch kernel at each of the kernel's
 `DECODE_CANDIDATES` (weight rows per program, register cap) instead of the old explicit list.
+
+`--register-unpack`: prefill blocks (more than 32 rows) also run the prefill kernel with the
+decode kernel's in-register unpack at each of `REGISTER_PREFILL_CANDIDATES` (BLOCK_K 128).
 
 `--split-gate-up`: instead of the sweep, gate/up as the table runs it (one fused launch per
 block size) against the split candidate at blocks of 32 and 64 rows: one ungated decode-kernel
@@ -96,7 +99,8 @@ def launch_tiles(x, blocks, codes, scales, gated, row_weight, tiles):
     out = torch.empty(out_rows, n, dtype=torch.bfloat16 if gated else torch.float32, device="cuda")
     gate_limit = LIMIT if gated else None
     if isinstance(tiles, dict):
-        grouped._launch_decode(x, blocks, (codes, scales), out, gate_limit, row_weight, **tiles)
+        launch = grouped._launch_prefill if tiles.get("REGISTER_UNPACK") else grouped._launch_decode
+        launch(x, blocks, (codes, scales), out, gate_limit, row_weight, **tiles)
         return out
     if tiles is None:
         return grouped.grouped_mxfp4_gemm(
@@ -190,6 +194,7 @@ def main() -> None:
     parser.add_argument("--decode-rows", type=int, nargs="*", default=[], help="see the docstring")
     parser.add_argument("--prefetch-tiles", action="store_true", help="see the docstring")
     parser.add_argument("--split-gate-up", action="store_true", help="see the docstring")
+    parser.add_argument("--register-unpack", action="store_true", help="see the docstring")
     args = parser.parse_args()
     baseline = importlib.import_module(args.baseline) if args.baseline else None
     copy = copy_gbs()
@@ -231,6 +236,11 @@ def main() -> None:
                 candidates = [] if args.no_tuned else [("new (table)", None)]
                 if forced:
                     candidates += forced_decode_tiles(n_w, half_k * 2, block_m, gated)
+                elif args.register_unpack and block_m > grouped.DECODE_MAX_BLOCK_M:
+                    candidates += [
+                        (f"register n{t['BLOCK_N']} w{t['num_warps']} s{t['num_stages']}", t)
+                        for t in grouped.REGISTER_PREFILL_CANDIDATES
+                    ]
                 elif args.prefetch_tiles and block_m <= grouped.DECODE_MAX_BLOCK_M:
                     candidates += [
                         (f"prefetch n{t['BLOCK_N']} r{t['maxnreg']}", t)

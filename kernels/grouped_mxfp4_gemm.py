@@ -396,18 +396,33 @@ def _dequantize_tile(
 _PREFILL_DOT = tl.constexpr(tl.float32 if interpreting() else tl.bfloat16)
 
 
-def prefill_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
+# What `benchmarks/grouped_gemm_tiles.py --register-unpack` times and the `gpu` tests check:
+# the prefill kernel with the decode kernel's unpack, (BLOCK_N, warps, stages), BLOCK_K 128.
+REGISTER_PREFILL_CANDIDATES: tuple[dict, ...] = tuple(
+    {"BLOCK_N": n, "BLOCK_K": 128, "num_warps": w, "num_stages": s, "REGISTER_UNPACK": True}
+    for n, w, s in ((64, 4, 3), (64, 8, 3), (64, 4, 4), (128, 8, 3), (128, 4, 3))
+)
+
+
+def prefill_tiles(n: int, k: int, block_m: int, gated: bool, register_unpack: bool = False) -> dict:
     """The prefill kernel's launch shape (BLOCK_N, BLOCK_K, warps, stages; token rows as the
     wgmma's M) for an (N, K, block size, use), what the autotuner keyed. THE CHOICE: the
     fastest of the seven former autotuner candidates per (block size, use) at the released
     width on the H200 (`benchmarks/grouped_gemm_tiles.py --tokens 4096 --no-tuned`,
     docs/performance.md 2026-12-02): blocks of 128 rows gate/up 128 × 128 over 8 warps, down
     128 × 64; smaller blocks gate/up 64 × 64, down 128 × 128. BLOCK_K falls to the largest of
-    128, 64, 32 dividing K and not above the choice."""
+    128, 64, 32 dividing K and not above the choice. `register_unpack` (scale codes <= 128,
+    K a multiple of 128): the kernel unpacks as the decode kernel does (`REGISTER_UNPACK`)."""
     if block_m >= 128:
         block_n, block_k, warps, stages = (128, 128, 8, 3) if gated else (128, 64, 4, 4)
     else:
         block_n, block_k, warps, stages = (64, 64, 4, 4) if gated else (128, 128, 8, 3)
+    if register_unpack and k % 128 == 0:
+        # NOT TIMED YET: shapes without spills in the local sm90 compile (Triton 3.9): gate/up
+        # 64 columns (8 warps at 128 rows), down 128 columns over 8 warps.
+        block_n, warps = (64, 8 if block_m >= 128 else 4) if gated else (128, 8)
+        return {"BLOCK_N": block_n, "BLOCK_K": 128, "num_warps": warps, "num_stages": 3,
+                "REGISTER_UNPACK": True}  # fmt: skip
     block_k = next(b for b in (128, 64, 32) if b <= block_k and k % b == 0)
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
 
@@ -436,7 +451,11 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    REGISTER_UNPACK: tl.constexpr,
 ):
+    # REGISTER_UNPACK: the weight tiles unpack as the decode kernel's (`_weight_tile`: inline
+    # PTX, ~2.5 instructions per value against ~7 of `_dequantize_tile`, scale codes <= 128
+    # only), BLOCK_K = 128, codes read as int32 words, x's columns in the kernel's K order.
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -452,8 +471,12 @@ def _prefill_kernel(
         out_row = pair
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    if REGISTER_UNPACK:  # tail rows recompute row N-1, never stored
+        offs_n = tl.where(n_mask, offs_n, N - 1)
+        codes_ptr += expert.to(tl.int64) * (stride_ce // 4)
+    else:
+        codes_ptr += expert.to(tl.int64) * stride_ce
     offs_up = offs_n + N  # W3's rows follow W1's (gated only)
-    codes_ptr += expert.to(tl.int64) * stride_ce
     scales_ptr += expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -464,14 +487,21 @@ def _prefill_kernel(
             mask=is_row[:, None],
             other=0.0,
         )
-        w = _dequantize_tile(
-            codes_ptr, scales_ptr, offs_n, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
-        )
+        if REGISTER_UNPACK:
+            w = _weight_tile(codes_ptr, scales_ptr, offs_n, k0, K, stride_cn, stride_sn,
+                             BLOCK_N, True)  # fmt: skip
+        else:
+            w = _dequantize_tile(
+                codes_ptr, scales_ptr, offs_n, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
+            )
         acc = tl.dot(x.to(_PREFILL_DOT), tl.trans(w.to(_PREFILL_DOT)), acc)
         if GATED:
-            w_up = _dequantize_tile(
-                codes_ptr, scales_ptr, offs_up, n_mask, k0, stride_cn, stride_sn, BLOCK_N, BLOCK_K
-            )
+            if REGISTER_UNPACK:
+                w_up = _weight_tile(codes_ptr, scales_ptr, offs_up, k0, K, stride_cn, stride_sn,
+                                    BLOCK_N, True)  # fmt: skip
+            else:
+                w_up = _dequantize_tile(codes_ptr, scales_ptr, offs_up, n_mask, k0, stride_cn,
+                                        stride_sn, BLOCK_N, BLOCK_K)  # fmt: skip
             acc_up = tl.dot(x.to(_PREFILL_DOT), tl.trans(w_up.to(_PREFILL_DOT)), acc_up)
     if GATED:
         gate = tl.minimum(acc, gate_limit)
@@ -517,6 +547,7 @@ def grouped_mxfp4_gemm(
     row_weight: Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     fixed_tiles: bool = False,
+    register_unpack: bool = False,
 ) -> Tensor:
     """The routed GEMM of `blocks` (see the module docstring).
 
@@ -529,6 +560,8 @@ def grouped_mxfp4_gemm(
         block_m > DECODE_MAX_BLOCK_M. Triton's CPU interpreter always runs these tiles (the
         decode tiles' inline PTX has no interpreter). Otherwise `decode_tiles` or
         `prefill_tiles` by the block size.
+    register_unpack: the caller guarantees `decode_tiles_exact(scales)`: blocks of more than
+        `DECODE_MAX_BLOCK_M` rows may unpack the weights as the decode kernel does.
 
     Raises:
         ValueError: a shape, dtype or stride the kernel does not take.
@@ -565,7 +598,7 @@ def grouped_mxfp4_gemm(
         tiles = decode_tiles(n, k, blocks.block_m, gated)
         _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **tiles)
     else:
-        tiles = prefill_tiles(n, k, blocks.block_m, gated)
+        tiles = prefill_tiles(n, k, blocks.block_m, gated, register_unpack)
         _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles)
     return out
 
@@ -618,14 +651,23 @@ def _fixed_tiles(k: int) -> dict[str, int]:
     return {"BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
 
 
-def _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles) -> None:
-    """`_prefill_kernel` over `blocks` with `tiles` (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+def _launch_prefill(
+    x, blocks, weights, out, gate_limit, row_weight, REGISTER_UNPACK=False, **tiles
+) -> None:
+    """`_prefill_kernel` over `blocks` with `tiles` (BLOCK_N, BLOCK_K, num_warps, num_stages);
+    REGISTER_UNPACK (BLOCK_K 128, K a multiple of 128): x's columns go in the kernel's K
+    order first, one copy of x, as the decode launcher's."""
     codes, scales = weights
     n = out.shape[1]
+    if REGISTER_UNPACK:
+        k = x.shape[1]
+        if tiles["BLOCK_K"] != 128 or k % 128:
+            raise ValueError(f"the register unpack steps K by 128 (K = {k}, {tiles})")
+        x = x.view(x.shape[0], k // 128, 128)[:, :, _kernel_columns(x.device)].view(-1, k)
     grid = (blocks.block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
     _prefill_kernel[grid](
         x,
-        codes,
+        codes.view(torch.int32) if REGISTER_UNPACK else codes,  # strides stay in bytes
         scales,
         out,
         blocks.pair_of_pos,
@@ -644,6 +686,7 @@ def _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles) ->
         GATED=gate_limit is not None,
         HAS_ROW_WEIGHT=row_weight is not None,
         BLOCK_M=blocks.block_m,
+        REGISTER_UNPACK=REGISTER_UNPACK,
         **tiles,
     )
 

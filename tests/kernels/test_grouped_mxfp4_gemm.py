@@ -8,7 +8,9 @@ import torch
 from engine.models.deepseek_v41.moe import MoE
 from kernels.grouped_mxfp4_gemm import (
     DECODE_CANDIDATES,
+    REGISTER_PREFILL_CANDIDATES,
     _launch_decode,
+    _launch_prefill,
     align_to_experts,
     grouped_mxfp4_gemm,
     grouped_mxfp4_gemm_reference,
@@ -212,6 +214,58 @@ def test_every_decode_candidate_matches_reference(
         act_ref, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32
     )
     assert _relative_error(out, out_ref) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tiles",
+    REGISTER_PREFILL_CANDIDATES,
+    ids=lambda t: f"{t['BLOCK_N']}-{t['num_warps']}-{t['num_stages']}",
+)
+@pytest.mark.parametrize(
+    ("num_tokens", "block_m", "gate_up", "down"),
+    [
+        (600, 64, (1024, 352), (384, 1088)),  # (K, N) of each; N tails of 32 and 64 columns
+        (300, 128, (5120, 2304), (2304, 5120)),  # the released widths
+    ],
+)
+def test_every_register_prefill_candidate_matches_reference(
+    tiles: dict, num_tokens: int, block_m: int, gate_up: tuple, down: tuple
+) -> None:
+    """The prefill kernel with the decode kernel's in-register unpack (scale codes <= 128)."""
+    device, num_experts, top_k = "cuda", 8, 6
+    torch.manual_seed(num_tokens)
+    blocks = align_to_experts(
+        _routing(num_tokens, num_experts, top_k, seed=num_tokens, device=device),
+        num_experts,
+        block_m,
+    )
+    used = blocks.pair_of_pos >= 0
+    (k13, inter), (k2, n2) = gate_up, down
+    x = torch.randn(num_tokens, k13, device=device).bfloat16()
+    w13 = torch.randint(-128, 128, (num_experts, 2 * inter, k13 // 2), dtype=torch.int8)
+    s13 = torch.randint(100, 129, (num_experts, 2 * inter, k13 // 32), dtype=torch.uint8)
+    w2 = torch.randint(-128, 128, (num_experts, n2, k2 // 2), dtype=torch.int8)
+    s2 = torch.randint(100, 129, (num_experts, n2, k2 // 32), dtype=torch.uint8)
+    w13, s13, w2, s2 = (t.to(device) for t in (w13, s13, w2, s2))
+    act = torch.zeros(blocks.num_positions, inter, dtype=torch.bfloat16, device=device)
+    _launch_prefill(x, blocks, (w13, s13), act, 7.0, None, **tiles)
+    act_ref = grouped_mxfp4_gemm_reference(x, blocks, w13, s13, gate_limit=7.0)
+    assert _relative_error(act[used], act_ref[used]) < 1e-2
+    rows = torch.randn(blocks.num_positions, k2, device=device).bfloat16()
+    rows[~used] = 0
+    pair_weight = torch.rand(num_tokens * top_k, device=device)
+    out = torch.empty(num_tokens * top_k, n2, device=device)
+    _launch_prefill(rows, blocks, (w2, s2), out, None, pair_weight, **tiles)
+    out_ref = grouped_mxfp4_gemm_reference(
+        rows, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32
+    )
+    assert _relative_error(out, out_ref) < 1e-3
+    table = grouped_mxfp4_gemm(
+        rows, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32,
+        register_unpack=True,
+    )  # fmt: skip
+    assert _relative_error(table, out_ref) < 1e-3
 
 
 @pytest.mark.gpu
