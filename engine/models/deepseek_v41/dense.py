@@ -168,8 +168,11 @@ def fp32_times_bf16(x: Tensor, weight: Tensor, scale: float = 1.0) -> Tensor:
     """fp32 or bf16 x [..., K] · bf16 weight [N, K]ᵀ · scale → fp32 [..., N] in three launches:
     x's three exact bf16 parts (`kernels.bf16_split`), one bf16 GEMM with fp32 output over them
     as rows (CUDA: `torch.mm(..., out_dtype=float32)`), the three partial products added in
-    order and scaled (`kernels.parts_sum`). Bit for bit `fp32_times_bf16_reference`."""
+    order and scaled (`kernels.parts_sum`). A bf16 x is its own only part: the GEMM alone
+    (then the scale, unless it is 1). Bit for bit `fp32_times_bf16_reference`."""
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    if x.dtype == torch.bfloat16:
+        return _bf16_times_bf16(x, weight, scale)
     parts = bf16_split(x).view(-1, k)
     partials = torch.mm(parts, weight.t(), out_dtype=torch.float32)
     return parts_sum(partials.view(3, *lead, n), scale)
@@ -179,9 +182,19 @@ def fp32_times_bf16_reference(x: Tensor, weight: Tensor, scale: float = 1.0) -> 
     """`fp32_times_bf16`'s torch form: the kernels' references around the same GEMM (~11
     launches)."""
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    if x.dtype == torch.bfloat16:
+        return _bf16_times_bf16(x, weight, scale)
     parts = bf16_split_reference(x).view(-1, k)
     partials = torch.mm(parts, weight.t(), out_dtype=torch.float32)
     return parts_sum_reference(partials.view(3, *lead, n), scale)
+
+
+def _bf16_times_bf16(x: Tensor, weight: Tensor, scale: float) -> Tensor:
+    """bf16 x · bf16 weightᵀ · scale in fp32: one GEMM with fp32 output (the products exact),
+    one product by the fp32-rounded scale unless it is 1."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = torch.mm(x.reshape(-1, k), weight.t(), out_dtype=torch.float32).view(*lead, -1)
+    return y if scale == 1.0 else y * scale
 
 
 def bmm_exact_bf16(a: Tensor, b: Tensor) -> Tensor:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from engine.distributed.dispatch import Dispatcher, RecvBatch
 from engine.distributed.dispatch.base import sum_by_expert_id
-from engine.models.deepseek_v41.dense import Linear, dense_matmul
+from engine.models.deepseek_v41.dense import Linear, dense_matmul, fp32_product
 from engine.models.deepseek_v41.primitives import clamped_swiglu, sqrtsoftplus_route
 from engine.models.deepseek_v41.weight_formats import MXFP4_BLOCK, mxfp4_dequantize
 from kernels import interpreting, runs_kernels
@@ -242,7 +242,7 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(expert ids [T, k], fp32 weights [T, k]); gate logits are computed in fp32."""
-        logits = dense_matmul(x.float(), self.gate.weight.float(), self.batch_invariant)
+        logits = fp32_product(x, self.gate.weight, self.batch_invariant)
         return sqrtsoftplus_route(
             logits, self.gate.bias, self.top_k, self.route_scale, self.batch_invariant
         )
