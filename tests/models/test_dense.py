@@ -12,6 +12,7 @@ from engine.models.deepseek_v41.dense import (
     dense_matmul,
     fp32_times_bf16,
     fp32_times_bf16_reference,
+    grouped_linear,
     row_sum,
 )
 from kernels.bf16_split import bf16_split_reference
@@ -163,3 +164,21 @@ def test_fp32_products_take_the_kernels_in_the_interpreter() -> None:
     for (same, shape, dtype, gap), want in zip(result, shapes, strict=True):
         assert same and shape == want and dtype == "torch.float32"
         assert gap < 1e-6  # an fp32 GEMM of the exact parts, three exact partial products
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead", [(0,), (1,), (37,), (2, 5)])
+def test_grouped_linear_on_cuda_writes_the_groups_in_place_with_einsums_bits(lead) -> None:
+    """The attention's `wo_a` (8 groups): the batched GEMM into the flat result gives einsum's
+    values bit for bit, and with autograd on it still computes (einsum's path)."""
+    g = torch.Generator().manual_seed(len(lead))
+    linear = torch.nn.Linear(512, 8 * 128, bias=False).bfloat16().cuda().requires_grad_(False)
+    x = torch.randn(*lead, 8 * 512, generator=g).bfloat16().cuda()
+    weight = linear.weight.view(8, 128, 512)
+    expected = torch.einsum("...gi,goi->...go", x.unflatten(-1, (8, -1)), weight).flatten(-2)
+    with torch.inference_mode():
+        ours = grouped_linear(linear, x, 8)
+    assert ours.shape == (*lead, 8 * 128) and ours.is_contiguous()
+    assert torch.equal(ours, expected)
+    linear.requires_grad_(True)
+    assert torch.equal(grouped_linear(linear, x, 8).detach(), expected)

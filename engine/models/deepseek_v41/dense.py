@@ -266,7 +266,17 @@ def grouped_linear(linear: nn.Module, x: Tensor, groups: int) -> Tensor:
     if getattr(linear, "batch_invariant", False):
         parts = [dense_matmul(x[..., g, :], weight[g], True) for g in range(groups)]
         return torch.cat(parts, -1)
-    return torch.einsum("...gi,goi->...go", x, weight).flatten(-2)
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if not x.is_cuda or grad:  # the CPU's GEMM rounds differently into a strided out
+        return torch.einsum("...gi,goi->...go", x, weight).flatten(-2)
+    # CUDA: one batched GEMM over the groups that writes each group's columns of the
+    # [..., G·N] result in place (cuBLAS's strided batch with ldc = G·N), as einsum's GEMM
+    # but without its copy to flatten the groups (out= has no autograd).
+    lead, n = x.shape[:-2], weight.shape[1]
+    out = torch.empty(*lead, groups * n, dtype=x.dtype, device=x.device)
+    rows = x.reshape(-1, groups, x.shape[-1]).transpose(0, 1)
+    torch.bmm(rows, weight.transpose(1, 2), out=out.view(-1, groups, n).transpose(0, 1))
+    return out
 
 
 def keep_dense_fp8(
