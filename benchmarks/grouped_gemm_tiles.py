@@ -234,19 +234,20 @@ def main() -> None:
                 flops = 2 * num_tokens * TOP_K * n_w * half_k * 2
                 forced = block_m in args.decode_rows and block_m > grouped.DECODE_MAX_BLOCK_M
                 candidates = [] if args.no_tuned else [("new (table)", None)]
-                if forced:
-                    candidates += forced_decode_tiles(n_w, half_k * 2, block_m, gated)
-                elif args.register_unpack and block_m > grouped.DECODE_MAX_BLOCK_M:
+                registered = args.register_unpack and block_m > grouped.DECODE_MAX_BLOCK_M
+                if registered:
                     candidates += [
                         (f"register n{t['BLOCK_N']} w{t['num_warps']} s{t['num_stages']}", t)
                         for t in grouped.REGISTER_PREFILL_CANDIDATES
                     ]
+                if forced:
+                    candidates += forced_decode_tiles(n_w, half_k * 2, block_m, gated)
                 elif args.prefetch_tiles and block_m <= grouped.DECODE_MAX_BLOCK_M:
                     candidates += [
                         (f"prefetch n{t['BLOCK_N']} r{t['maxnreg']}", t)
                         for t in grouped.DECODE_CANDIDATES
                     ]
-                elif not args.tuned_only:
+                elif not args.tuned_only and not registered:
                     explicit = (
                         DECODE_TILES if block_m <= grouped.DECODE_MAX_BLOCK_M else PREFILL_TILES
                     )
