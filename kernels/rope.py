@@ -90,13 +90,17 @@ def _rope_kernel(
         tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=kept), mask=kept)
 
 
-def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False) -> Tensor:
+def apply_rope(
+    x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = False, in_place: bool = False
+) -> Tensor:
     """`apply_rope_reference` in one launch (same arguments: `positions` has `x`'s leading
-    shape, any dimensions between it and the last one share its angle).
+    shape, any dimensions between it and the last one share its angle). in_place: x (which
+    must be contiguous) is rotated and returned; only the rotated channels are read and
+    written, not the ones that pass through.
 
     Raises:
         ValueError: positions that are not a leading shape of x, a rotated tail wider than x,
-            or not on CUDA.
+            a non-contiguous x in place, or not on CUDA.
     """
     width, half = x.shape[-1], freqs.numel()
     lead = positions.dim()
@@ -106,12 +110,15 @@ def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = Fals
             f"dimension must hold the {2 * half} rotated channels"
         )
     check_runnable(x, "apply_rope")
+    if in_place and not x.is_contiguous():
+        raise ValueError("apply_rope in place needs a contiguous x")
     x = x.contiguous()
-    out = torch.empty_like(x)
+    out = x if in_place else torch.empty_like(x)
     num_positions = positions.numel()
     rows_per_position = x.numel() // max(1, num_positions * width)
     if x.numel():
         pass_width = width - 2 * half
+        copied = pass_width if not in_place else 0
         grid = (num_positions, triton.cdiv(rows_per_position, _BLOCK_R))
         _rope_kernel[grid](
             x,
@@ -124,7 +131,7 @@ def apply_rope(x: Tensor, positions: Tensor, freqs: Tensor, inverse: bool = Fals
             half,
             -1.0 if inverse else 1.0,
             BLOCK_R=_BLOCK_R,
-            BLOCK_PASS=triton.next_power_of_2(pass_width) if pass_width else 0,
+            BLOCK_PASS=triton.next_power_of_2(copied) if copied else 0,
             BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
             LIBDEVICE=_LIBDEVICE,
         )

@@ -786,6 +786,7 @@ def sparse_mqa(
     tiles: MqaTiles | None = None,
     rotate_back: Tensor | None = None,
     rotate_q: Tensor | None = None,
+    q_scratch: bool = False,
 ) -> Tensor:
     """fp32 [T, H, D] attention output of T query tokens (with `rotate_back`: in q's dtype).
 
@@ -809,6 +810,8 @@ def sparse_mqa(
     rotate_q: fp32 frequencies [R ≤ D/2] of the queries' rotated tail: the result is that of
     `apply_rope(q, positions, rotate_q)` (`kernels.rope`, rounded to q's dtype) as q, bit for
     bit; applied as the queries are loaded (without that launch) where `tiles.rotates_q`.
+    q_scratch: the caller does not read q again: where the tiles take the rope launch, it
+    rotates q in place (only the rotated channels move, `apply_rope(in_place=True)`).
 
     Raises:
         ValueError: a shape, dtype or layout the kernel does not take (D not a power of two
@@ -853,7 +856,10 @@ def sparse_mqa(
             raise ValueError(f"{2 * freqs.numel()} rotated channels do not fit D = {dim}")
     check_runnable(q, "sparse_mqa")
     if rotate_q is not None and not tiles.rotates_q:  # the rope launch first (`MqaTiles`)
-        q, rotate_q = apply_rope(q, positions, rotate_q), None
+        q, rotate_q = (
+            apply_rope(q, positions, rotate_q, in_place=q_scratch and q.is_contiguous()),
+            None,
+        )
     out_dtype = torch.float32 if rotate_back is None else q.dtype
     out = torch.empty(num_tokens, num_heads, dim, dtype=out_dtype, device=q.device)
     freqs, pass_width, is_rotated = _rotation(rotate_back, dim, sink)

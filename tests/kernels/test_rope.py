@@ -50,6 +50,41 @@ print(json.dumps([
 """
 
 
+_IN_PLACE = """
+import json, torch
+from kernels.rope import apply_rope
+from tests.kernels.test_rope import CASES, _inputs
+result = []
+for case in CASES:
+    x, positions, freqs, *rest = _inputs(case)
+    copy = apply_rope(x, positions, freqs, *rest)
+    before = x.clone()
+    ours = apply_rope(x, positions, freqs, *rest, in_place=True)
+    kept = x.shape[-1] - case[2]
+    result.append([
+        ours.data_ptr() == x.data_ptr(),
+        torch.equal(ours.view(torch.int16 if ours.element_size() == 2 else torch.int32),
+                    copy.view(torch.int16 if copy.element_size() == 2 else torch.int32)),
+        torch.equal(x[..., :kept], before[..., :kept]),
+    ])
+x, positions, freqs, _ = _inputs(CASES[0])
+try:
+    apply_rope(x.transpose(0, 1).contiguous().transpose(0, 1), positions, freqs, in_place=True)
+    result.append("accepted")
+except ValueError as error:
+    result.append(str(error))
+print(json.dumps(result))
+"""
+
+
+def test_in_place_rotation_gives_the_copys_bits_in_x_itself() -> None:
+    """`in_place`: x is the result, with the bits of the out-of-place launch; the channels that
+    pass through are neither read into nor written (they keep their values)."""
+    *cases, refused = run_interpreted(_IN_PLACE)
+    assert cases == [[True, True, True]] * len(CASES)
+    assert "contiguous" in refused
+
+
 def test_kernel_matches_reference_in_the_triton_interpreter() -> None:
     # numpy's float32 cos/sin stand in for libdevice here: a few ulps of the angle functions.
     assert max(run_interpreted(_INTERPRETED)) <= 4

@@ -574,6 +574,7 @@ class Attention(nn.Module):
         # (`test_sparse_mqa.py`), and a decode row meets both (alone, and beside a chunk).
         sources = {"global_rows": global_rows, "window_floor": batch.window_floor_tensor}
         sources["rotate_q"] = sources["rotate_back"] = self.freqs
+        sources["q_scratch"] = True  # this step's projection, read by nothing else
         if batch.max_len == 1 and not fixed:
             self._write_window(window_rows, ctx)
             ring = (state.swa[self.layer_id], batch.slots)
