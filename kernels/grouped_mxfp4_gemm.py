@@ -216,6 +216,16 @@ def _x_columns():
     return 8 * word + ((k >> 3) & 3) + 4 * (k & 1)
 
 
+@triton.jit
+def _kernel_order(n):
+    """Where natural column n goes when a row is written in the kernel's K order (the inverse
+    of `_x_columns` within each 128): a gate/up output the down GEMM then reads as it is."""
+    c = n & 127
+    word = c >> 3
+    within = c & 7
+    return (n - c) + ((within >> 2) | ((word >> 2) << 1) | ((within & 3) << 3) | ((word & 3) << 5))
+
+
 @functools.cache
 def _kernel_columns(device: torch.device) -> Tensor:
     """`_x_columns` as an index: x's columns in the kernel's K order, per 128."""
@@ -285,6 +295,7 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREFETCH: tl.constexpr,
+    STORE_KERNEL_ORDER: tl.constexpr,
 ):
     # Computed transposed, out[rows]ᵀ = W · x[rows]ᵀ: the dequantised weight tile is the wgmma's
     # A operand, straight from registers, and a block's few token rows are its N, so decode
@@ -354,8 +365,9 @@ def _decode_kernel(
     if HAS_ROW_WEIGHT:
         weight = tl.load(row_weight_ptr + tl.where(is_row, pair, 0), mask=is_row, other=0.0)
         acc = acc * weight[None, :]
+    out_col = _kernel_order(out_n) if STORE_KERNEL_ORDER else out_n
     tl.store(
-        out_ptr + out_row[None, :].to(tl.int64) * stride_om + out_n[:, None],
+        out_ptr + out_row[None, :].to(tl.int64) * stride_om + out_col[:, None],
         acc.to(out_ptr.dtype.element_ty),
         mask=is_row[None, :] & (out_n < N)[:, None],
     )
@@ -452,6 +464,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     REGISTER_UNPACK: tl.constexpr,
+    STORE_KERNEL_ORDER: tl.constexpr,
 ):
     # REGISTER_UNPACK: the weight tiles unpack as the decode kernel's (`_weight_tile`: inline
     # PTX, ~2.5 instructions per value against ~7 of `_dequantize_tile`, scale codes <= 128
@@ -509,8 +522,9 @@ def _prefill_kernel(
     if HAS_ROW_WEIGHT:
         weight = tl.load(row_weight_ptr + tl.where(is_row, pair, 0), mask=is_row, other=0.0)
         acc = acc * weight[:, None]
+    out_col = _kernel_order(offs_n) if STORE_KERNEL_ORDER else offs_n
     tl.store(
-        out_ptr + out_row[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+        out_ptr + out_row[:, None].to(tl.int64) * stride_om + out_col[None, :],
         acc.to(out_ptr.dtype.element_ty),
         mask=is_row[:, None] & n_mask[None, :],
     )
@@ -548,6 +562,8 @@ def grouped_mxfp4_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     fixed_tiles: bool = False,
     register_unpack: bool = False,
+    x_kernel_order: bool = False,
+    out_kernel_order: bool = False,
 ) -> Tensor:
     """The routed GEMM of `blocks` (see the module docstring).
 
@@ -562,6 +578,10 @@ def grouped_mxfp4_gemm(
         `prefill_tiles` by the block size.
     register_unpack: the caller guarantees `decode_tiles_exact(scales)`: blocks of more than
         `DECODE_MAX_BLOCK_M` rows may unpack the weights as the decode kernel does.
+    x_kernel_order: x's columns are already in the kernel's K order (a gate/up output written
+        with `out_kernel_order`); only where `reads_kernel_order` says the launch reads it so.
+    out_kernel_order: gate/up, N a multiple of 128: each output row's columns are written in
+        the kernel's K order, as the down GEMM reads them (no reordering copy of x there).
 
     Raises:
         ValueError: a shape, dtype or stride the kernel does not take.
@@ -584,6 +604,13 @@ def grouped_mxfp4_gemm(
         or row_weight.numel() != blocks.num_pairs
     ):
         raise ValueError(f"row_weight must be contiguous fp32 [{blocks.num_pairs}]")
+    orders = {"x_kernel_order": x_kernel_order, "out_kernel_order": out_kernel_order}
+    if x_kernel_order and not reads_kernel_order(
+        k, blocks.block_m, fixed_tiles=fixed_tiles, register_unpack=register_unpack
+    ):
+        raise ValueError(f"this launch (K = {k}, blocks of {blocks.block_m}) reads x as it is")
+    if out_kernel_order and (not gated or n % 128):
+        raise ValueError(f"only a gate/up output of N % 128 == 0 goes in kernel order (N = {n})")
     out_rows = blocks.num_positions if gated else blocks.num_pairs
     out = torch.empty(out_rows, n, dtype=out_dtype, device=x.device)
     weights = (codes, scales.view(torch.uint8))
@@ -592,29 +619,51 @@ def grouped_mxfp4_gemm(
     if fixed_tiles or interpreting():
         if blocks.block_m <= DECODE_MAX_BLOCK_M:
             raise ValueError(f"fixed tiles need blocks of more than {DECODE_MAX_BLOCK_M} rows")
-        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **_fixed_tiles(k))
+        tiles = _fixed_tiles(k)
+        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **orders, **tiles)
     elif blocks.block_m <= DECODE_MAX_BLOCK_M:
         # NOTE: the caller guarantees `decode_tiles_exact(scales)` for such blocks (`_block_m`).
         tiles = decode_tiles(n, k, blocks.block_m, gated)
-        _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **tiles)
+        _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **orders, **tiles)
     else:
         tiles = prefill_tiles(n, k, blocks.block_m, gated, register_unpack)
-        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles)
+        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **orders, **tiles)
     return out
 
 
+def reads_kernel_order(
+    k: int, block_m: int, *, fixed_tiles: bool = False, register_unpack: bool = False
+) -> bool:
+    """Whether `grouped_mxfp4_gemm` of inner dimension k over blocks of `block_m` rows (with
+    these options) reads x in the kernel's K order, so that a producer may hand x so
+    (`x_kernel_order`, `out_kernel_order`) instead of the launcher reordering a copy."""
+    if k % 128 or fixed_tiles or interpreting():
+        return False
+    return block_m <= DECODE_MAX_BLOCK_M or register_unpack
+
+
 def _launch_decode(
-    x, blocks, weights, out, gate_limit, row_weight, token_rows=None, **tiles
+    x,
+    blocks,
+    weights,
+    out,
+    gate_limit,
+    row_weight,
+    token_rows=None,
+    x_kernel_order=False,
+    out_kernel_order=False,
+    **tiles,
 ) -> None:
     """`_decode_kernel` over `blocks` with `tiles` (BLOCK_N, PREFETCH and launch options).
     token_rows: x holds token rows and out position rows (default: whether gated); True with
     no gate_limit multiplies gate and up as plain rows, out [positions, N_w] (a candidate:
-    `benchmarks/grouped_gemm_tiles.py --split-gate-up`)."""
+    `benchmarks/grouped_gemm_tiles.py --split-gate-up`). x_kernel_order, out_kernel_order:
+    as `grouped_mxfp4_gemm`'s."""
     codes, scales = weights
     token_rows = gate_limit is not None if token_rows is None else token_rows
     k, n = x.shape[1], out.shape[1]
     even_k = k % 128 == 0
-    if even_k:  # x's columns in the weights' K order, so the kernel reads contiguous runs
+    if even_k and not x_kernel_order:  # x's columns in the weights' K order: contiguous runs
         x = x.view(x.shape[0], k // 128, 128)[:, :, _kernel_columns(x.device)].view(-1, k)
     grid = (blocks.block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
     _decode_kernel[grid](
@@ -640,6 +689,7 @@ def _launch_decode(
         HAS_ROW_WEIGHT=row_weight is not None,
         EVEN_K=even_k,
         BLOCK_M=blocks.block_m,
+        STORE_KERNEL_ORDER=out_kernel_order,
         **tiles,
     )
 
@@ -652,17 +702,28 @@ def _fixed_tiles(k: int) -> dict[str, int]:
 
 
 def _launch_prefill(
-    x, blocks, weights, out, gate_limit, row_weight, REGISTER_UNPACK=False, **tiles
+    x,
+    blocks,
+    weights,
+    out,
+    gate_limit,
+    row_weight,
+    REGISTER_UNPACK=False,
+    x_kernel_order=False,
+    out_kernel_order=False,
+    **tiles,
 ) -> None:
     """`_prefill_kernel` over `blocks` with `tiles` (BLOCK_N, BLOCK_K, num_warps, num_stages);
     REGISTER_UNPACK (BLOCK_K 128, K a multiple of 128): x's columns go in the kernel's K
-    order first, one copy of x, as the decode launcher's."""
+    order first (one copy of x, as the decode launcher's, unless `x_kernel_order`)."""
     codes, scales = weights
     n = out.shape[1]
-    if REGISTER_UNPACK:
-        k = x.shape[1]
-        if tiles["BLOCK_K"] != 128 or k % 128:
-            raise ValueError(f"the register unpack steps K by 128 (K = {k}, {tiles})")
+    k = x.shape[1]
+    if x_kernel_order and not REGISTER_UNPACK:
+        raise ValueError("only the register unpack reads x in the kernel's K order")
+    if REGISTER_UNPACK and (tiles["BLOCK_K"] != 128 or k % 128):
+        raise ValueError(f"the register unpack steps K by 128 (K = {k}, {tiles})")
+    if REGISTER_UNPACK and not x_kernel_order:
         x = x.view(x.shape[0], k // 128, 128)[:, :, _kernel_columns(x.device)].view(-1, k)
     grid = (blocks.block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
     _prefill_kernel[grid](
@@ -687,6 +748,7 @@ def _launch_prefill(
         HAS_ROW_WEIGHT=row_weight is not None,
         BLOCK_M=blocks.block_m,
         REGISTER_UNPACK=REGISTER_UNPACK,
+        STORE_KERNEL_ORDER=out_kernel_order,
         **tiles,
     )
 

@@ -14,7 +14,9 @@ from kernels.grouped_mxfp4_gemm import (
     align_to_experts,
     grouped_mxfp4_gemm,
     grouped_mxfp4_gemm_reference,
+    reads_kernel_order,
 )
+from tests.kernels.interpreted import run_interpreted
 
 
 def _routing(num_tokens: int, num_experts: int, top_k: int, seed: int, device="cpu"):
@@ -297,3 +299,86 @@ def test_alignment_skips_pairs_marked_minus_one() -> None:
     assert blocks.num_positions == (40 * 3 // 16 + 8) * 16  # the bound counts every slot
     nothing = align_to_experts(torch.full((4, 3), -1), 8, 16)
     assert (nothing.pair_of_pos == -1).all() and (nothing.block_expert == -1).all()
+
+
+_KERNEL_ORDER = """
+import json, torch
+from kernels.grouped_mxfp4_gemm import _kernel_columns, align_to_experts, grouped_mxfp4_gemm
+from kernels.grouped_mxfp4_gemm import reads_kernel_order
+from tests.kernels.test_grouped_mxfp4_gemm import _routing
+torch.manual_seed(0)
+experts, top_k, k, n = 4, 2, 128, 256
+x = torch.randn(40, k).bfloat16()
+blocks = align_to_experts(_routing(40, experts, top_k, seed=3), experts, 64)
+codes = torch.randint(-128, 128, (experts, 2 * n, k // 2), dtype=torch.int8)
+scales = torch.randint(118, 126, (experts, 2 * n, k // 32), dtype=torch.uint8)
+plain = grouped_mxfp4_gemm(x, blocks, codes, scales, gate_limit=7.0)
+ordered = grouped_mxfp4_gemm(x, blocks, codes, scales, gate_limit=7.0, out_kernel_order=True)
+used = blocks.pair_of_pos >= 0
+expected = plain.view(-1, n // 128, 128)[:, :, _kernel_columns(x.device)].view(-1, n)
+refused = []
+rows = torch.zeros(blocks.num_positions, k).bfloat16()
+try:
+    grouped_mxfp4_gemm(rows, blocks, codes[:, :n], scales[:, :n], x_kernel_order=True)
+except ValueError as error:
+    refused.append(str(error))
+try:
+    grouped_mxfp4_gemm(x, blocks, codes[:, :96], scales[:, :96], gate_limit=7.0,
+                       out_kernel_order=True)
+except ValueError as error:
+    refused.append(str(error))
+print(json.dumps([torch.equal(ordered[used].view(torch.int16), expected[used].view(torch.int16)),
+                  refused, reads_kernel_order(2304, 16)]))
+"""
+
+
+def test_a_gate_up_output_in_kernel_order_is_the_plain_one_reordered() -> None:
+    """`out_kernel_order`: each row's columns written where the down GEMM's reordering copy
+    would put them (bit for bit, the prefill kernel in the interpreter); what cannot take the
+    order is refused, and the interpreter never reads it (its tiles read x as it is)."""
+    same, refused, interpreter_reads = run_interpreted(_KERNEL_ORDER)
+    assert same
+    assert "reads x as it is" in refused[0] and "N % 128" in refused[1]
+    assert not interpreter_reads
+
+
+def test_the_kernel_order_is_read_by_the_tiles_that_reorder_x() -> None:
+    assert reads_kernel_order(2304, 16) and reads_kernel_order(5120, 32)
+    assert not reads_kernel_order(2304, 64)  # the prefill tiles read x as it is
+    assert reads_kernel_order(2304, 128, register_unpack=True)
+    assert not reads_kernel_order(224, 16)  # K not a multiple of 128: no reordering
+    assert not reads_kernel_order(2304, 16, fixed_tiles=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("block_m", "register_unpack"), [(16, False), (32, False), (128, True)])
+def test_kernel_order_between_gate_up_and_down_gives_the_plain_results_on_cuda(
+    block_m: int, register_unpack: bool
+) -> None:
+    """The decode kernel (and the register-unpack prefill) writing the SwiGLU rows in the
+    kernel's K order, and the down GEMM reading them as they are: the same bits as the plain
+    order with the launcher's reordering copy."""
+    device, num_experts, top_k, dim, inter, num_tokens = "cuda", 8, 6, 1024, 384, 200
+    torch.manual_seed(block_m)
+    x = torch.randn(num_tokens, dim, device=device).bfloat16()
+    blocks = align_to_experts(
+        _routing(num_tokens, num_experts, top_k, seed=5, device=device), num_experts, block_m
+    )
+    w13 = torch.randint(-128, 128, (num_experts, 2 * inter, dim // 2), dtype=torch.int8)
+    s13 = torch.randint(119, 129, (num_experts, 2 * inter, dim // 32), dtype=torch.uint8)
+    w2 = torch.randint(-128, 128, (num_experts, dim, inter // 2), dtype=torch.int8)
+    s2 = torch.randint(110, 129, (num_experts, dim, inter // 32), dtype=torch.uint8)
+    w13, s13, w2, s2 = (t.to(device) for t in (w13, s13, w2, s2))
+    assert reads_kernel_order(inter, block_m, register_unpack=register_unpack)
+    options = {"register_unpack": register_unpack}
+    results = []
+    for order in (False, True):
+        act = grouped_mxfp4_gemm(x, blocks, w13, s13, gate_limit=7.0, out_kernel_order=order,
+                                 **options)  # fmt: skip
+        act[blocks.pair_of_pos < 0] = 0
+        results.append(
+            grouped_mxfp4_gemm(
+                act, blocks, w2, s2, out_dtype=torch.float32, x_kernel_order=order, **options
+            )  # fmt: skip
+        )
+    assert torch.equal(results[0], results[1])

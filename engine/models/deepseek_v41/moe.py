@@ -352,9 +352,12 @@ class MoE(nn.Module):
     def _grouped_pairs(self, x: Tensor, blocks, pair_weight: Tensor) -> Tensor:
         """fp32 weighted outputs [T · top_k, D] of the routing `blocks` (token rows `x`):
         gate/up + clamped SwiGLU, then down, each one grouped-kernel launch."""
-        from kernels.grouped_mxfp4_gemm import grouped_mxfp4_gemm
+        from kernels.grouped_mxfp4_gemm import grouped_mxfp4_gemm, reads_kernel_order
 
         pair_weight = pair_weight.float().contiguous()
+        # The SwiGLU rows go in the order the down GEMM reads them, where it reads them so.
+        inter = self.w2_codes.shape[-1] * 2
+        order = reads_kernel_order(inter, blocks.block_m, fixed_tiles=self.batch_invariant)
         act = grouped_mxfp4_gemm(
             x,
             blocks,
@@ -363,6 +366,7 @@ class MoE(nn.Module):
             gate_limit=self.experts[0].limit,
             row_weight=pair_weight if self.weight_before_down else None,
             fixed_tiles=self.batch_invariant,
+            out_kernel_order=order,
         )
         return grouped_mxfp4_gemm(
             act,
@@ -372,6 +376,7 @@ class MoE(nn.Module):
             row_weight=None if self.weight_before_down else pair_weight,
             out_dtype=torch.float32,
             fixed_tiles=self.batch_invariant,
+            x_kernel_order=order,
         )
 
 
