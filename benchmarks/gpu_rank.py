@@ -17,6 +17,9 @@ the two ceilings (device copy bandwidth; bf16 and fp8 matmul rates), then:
   every token), step time and tokens/s;
 * decode: S sequences at `--context` tokens each (one sequence is prefilled, its state copied to
   the others), one new token each per step, step time (forward + greedy pick) and tokens/s;
+* `--engram-vocab N`: the Engram tables' vocabulary (default 2 M: ~25 GB of tables). A lookup
+  gathers 24 random rows per token whatever the size, so 500,000 (~6 GB) lets the rank fit an
+  H100 and changes the lookups' cost little;
 
 each as a percentage of the roofline: max(FLOPs / fp8 rate, bytes / bandwidth) with FLOPs and
 bytes counted from the configuration (`count_work`). `--profile` adds a `torch.profiler` summary
@@ -62,11 +65,11 @@ GLOBAL_ROW_BYTES = 288
 INDEX_ROW_BYTES = 68
 
 
-def rank_config() -> DeepseekV41Config:
+def rank_config(engram_vocab: int = RANK_ENGRAM_VOCAB) -> DeepseekV41Config:
     return config_with(
         n_routed_experts=RANK_EXPERTS,
         dspark_n_routed_experts=RANK_DSPARK_EXPERTS,
-        engram_vocab_size=RANK_ENGRAM_VOCAB,
+        engram_vocab_size=engram_vocab,
     )
 
 
@@ -495,6 +498,12 @@ def main() -> None:
         help="step: decode steps replay whole from one CUDA graph each (`step_graph.py`)",
     )
     parser.add_argument("--dense-gemm", choices=["bf16", "fp8"], default="bf16")
+    parser.add_argument(
+        "--engram-vocab",
+        type=int,
+        default=RANK_ENGRAM_VOCAB,
+        help="Engram vocabulary (tables of ~12.7 GB a layer at 2 M; 500000 fits an H100)",
+    )
     parser.add_argument("--out", type=Path, default=envs.benchmark_out_dir())
     parser.add_argument(
         "--batch-invariant", action="store_true", help="step times with and without the mode"
@@ -503,12 +512,13 @@ def main() -> None:
     if args.smoke:
         cfg, device, dtype = preset_config("tiny"), torch.device("cpu"), torch.float32
     else:
-        cfg, device, dtype = rank_config(), torch.device("cuda"), torch.bfloat16
+        cfg, device, dtype = rank_config(args.engram_vocab), torch.device("cuda"), torch.bfloat16
     args.out.mkdir(parents=True, exist_ok=True)
     if args.batch_invariant:
         batch_invariant_cost(cfg, device, dtype, args)
         return
     results: dict = {"config": "tiny (smoke)" if args.smoke else "EP8 rank", "device": str(device)}
+    results["engram_vocab"] = cfg.engram_vocab_size
 
     def save() -> None:
         (args.out / "gpu_rank.json").write_text(json.dumps(results, indent=2))
