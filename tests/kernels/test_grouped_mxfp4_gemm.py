@@ -203,19 +203,29 @@ def test_every_decode_candidate_matches_reference(
     w2 = torch.randint(-128, 128, (num_experts, dim, inter // 2), dtype=torch.int8)
     s2 = torch.randint(110, 129, (num_experts, dim, inter // 32), dtype=torch.uint8)
     w13, s13, w2, s2 = (t.to(device) for t in (w13, s13, w2, s2))
+    _both_launches_match_reference(_launch_decode, x, None, blocks, (w13, s13, w2, s2), tiles)
+
+
+def _both_launches_match_reference(launch, x, down_rows, blocks, weights, tiles) -> tuple:
+    """`launch` (a kernel launcher) of gate/up on x, then of down on `down_rows` (None: the
+    reference's SwiGLU rows), each against the reference; returns the down's inputs."""
+    w13, s13, w2, s2 = weights
     used = blocks.pair_of_pos >= 0
-    act = torch.zeros(blocks.num_positions, inter, dtype=torch.bfloat16, device=device)
-    _launch_decode(x, blocks, (w13, s13), act, 7.0, None, **tiles)
+    act = torch.zeros(blocks.num_positions, w13.shape[1] // 2, dtype=torch.bfloat16,
+                      device=x.device)  # fmt: skip
+    launch(x, blocks, (w13, s13), act, 7.0, None, **tiles)
     act_ref = grouped_mxfp4_gemm_reference(x, blocks, w13, s13, gate_limit=7.0)
     assert _relative_error(act[used], act_ref[used]) < 1e-2
     act_ref[~used] = 0
-    pair_weight = torch.rand(num_tokens * top_k, device=device)
-    out = torch.empty(num_tokens * top_k, dim, device=device)
-    _launch_decode(act_ref, blocks, (w2, s2), out, None, pair_weight, **tiles)
+    rows = act_ref if down_rows is None else down_rows
+    pair_weight = torch.rand(blocks.num_pairs, device=x.device)
+    out = torch.empty(blocks.num_pairs, w2.shape[1], device=x.device)
+    launch(rows, blocks, (w2, s2), out, None, pair_weight, **tiles)
     out_ref = grouped_mxfp4_gemm_reference(
-        act_ref, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32
+        rows, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32
     )
     assert _relative_error(out, out_ref) < 1e-3
+    return rows, pair_weight, out_ref
 
 
 @pytest.mark.gpu
@@ -250,19 +260,12 @@ def test_every_register_prefill_candidate_matches_reference(
     w2 = torch.randint(-128, 128, (num_experts, n2, k2 // 2), dtype=torch.int8)
     s2 = torch.randint(100, 129, (num_experts, n2, k2 // 32), dtype=torch.uint8)
     w13, s13, w2, s2 = (t.to(device) for t in (w13, s13, w2, s2))
-    act = torch.zeros(blocks.num_positions, inter, dtype=torch.bfloat16, device=device)
-    _launch_prefill(x, blocks, (w13, s13), act, 7.0, None, **tiles)
-    act_ref = grouped_mxfp4_gemm_reference(x, blocks, w13, s13, gate_limit=7.0)
-    assert _relative_error(act[used], act_ref[used]) < 1e-2
     rows = torch.randn(blocks.num_positions, k2, device=device).bfloat16()
     rows[~used] = 0
-    pair_weight = torch.rand(num_tokens * top_k, device=device)
-    out = torch.empty(num_tokens * top_k, n2, device=device)
-    _launch_prefill(rows, blocks, (w2, s2), out, None, pair_weight, **tiles)
-    out_ref = grouped_mxfp4_gemm_reference(
-        rows, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32
+    weights = (w13, s13, w2, s2)
+    _, pair_weight, out_ref = _both_launches_match_reference(
+        _launch_prefill, x, rows, blocks, weights, tiles
     )
-    assert _relative_error(out, out_ref) < 1e-3
     table = grouped_mxfp4_gemm(
         rows, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32,
         register_unpack=True,
