@@ -424,15 +424,17 @@ def prefill_tiles(n: int, k: int, block_m: int, gated: bool, register_unpack: bo
     docs/performance.md 2026-12-02): blocks of 128 rows gate/up 128 × 128 over 8 warps, down
     128 × 64; smaller blocks gate/up 64 × 64, down 128 × 128. BLOCK_K falls to the largest of
     128, 64, 32 dividing K and not above the choice. `register_unpack` (scale codes <= 128,
-    K a multiple of 128): the kernel unpacks as the decode kernel does (`REGISTER_UNPACK`)."""
+    K a multiple of 128): gate/up unpacks as the decode kernel does (`REGISTER_UNPACK`)."""
     if block_m >= 128:
         block_n, block_k, warps, stages = (128, 128, 8, 3) if gated else (128, 64, 4, 4)
     else:
         block_n, block_k, warps, stages = (64, 64, 4, 4) if gated else (128, 128, 8, 3)
-    if register_unpack and k % 128 == 0:
-        # NOT TIMED YET: shapes without spills in the local sm90 compile (Triton 3.9): gate/up
-        # 64 columns (8 warps at 128 rows), down 128 columns over 8 warps.
-        block_n, warps = (64, 8 if block_m >= 128 else 4) if gated else (128, 8)
+    if register_unpack and gated and k % 128 == 0:
+        # H100, 4,096 tokens (`grouped_gemm_tiles.py --register-unpack`, 2026-12-06): gate/up
+        # 128 rows 3.87 ms (128 columns, 8 warps) against the table's 4.33, 64 rows 4.47 (64
+        # columns, 4 warps) against 5.20; the down lost at every shape (3.24-4.62 against
+        # 2.32-2.87 ms) and keeps the table.
+        block_n, warps = (128, 8) if block_m >= 128 else (64, 4)
         return {"BLOCK_N": block_n, "BLOCK_K": 128, "num_warps": warps, "num_stages": 3,
                 "REGISTER_UNPACK": True}  # fmt: skip
     block_k = next(b for b in (128, 64, 32) if b <= block_k and k % b == 0)
@@ -576,8 +578,8 @@ def grouped_mxfp4_gemm(
         block_m > DECODE_MAX_BLOCK_M. Triton's CPU interpreter always runs these tiles (the
         decode tiles' inline PTX has no interpreter). Otherwise `decode_tiles` or
         `prefill_tiles` by the block size.
-    register_unpack: the caller guarantees `decode_tiles_exact(scales)`: blocks of more than
-        `DECODE_MAX_BLOCK_M` rows may unpack the weights as the decode kernel does.
+    register_unpack: the caller guarantees `decode_tiles_exact(scales)`: gate/up blocks of
+        more than `DECODE_MAX_BLOCK_M` rows unpack the weights as the decode kernel does.
     x_kernel_order: x's columns are already in the kernel's K order (a gate/up output written
         with `out_kernel_order`); only where `reads_kernel_order` says the launch reads it so.
     out_kernel_order: gate/up, N a multiple of 128: each output row's columns are written in
@@ -605,9 +607,7 @@ def grouped_mxfp4_gemm(
     ):
         raise ValueError(f"row_weight must be contiguous fp32 [{blocks.num_pairs}]")
     orders = {"x_kernel_order": x_kernel_order, "out_kernel_order": out_kernel_order}
-    if x_kernel_order and not reads_kernel_order(
-        k, blocks.block_m, fixed_tiles=fixed_tiles, register_unpack=register_unpack
-    ):
+    if x_kernel_order and not reads_kernel_order(k, blocks.block_m, fixed_tiles=fixed_tiles):
         raise ValueError(f"this launch (K = {k}, blocks of {blocks.block_m}) reads x as it is")
     if out_kernel_order and (not gated or n % 128):
         raise ValueError(f"only a gate/up output of N % 128 == 0 goes in kernel order (N = {n})")
@@ -631,15 +631,14 @@ def grouped_mxfp4_gemm(
     return out
 
 
-def reads_kernel_order(
-    k: int, block_m: int, *, fixed_tiles: bool = False, register_unpack: bool = False
-) -> bool:
-    """Whether `grouped_mxfp4_gemm` of inner dimension k over blocks of `block_m` rows (with
-    these options) reads x in the kernel's K order, so that a producer may hand x so
-    (`x_kernel_order`, `out_kernel_order`) instead of the launcher reordering a copy."""
+def reads_kernel_order(k: int, block_m: int, *, fixed_tiles: bool = False) -> bool:
+    """Whether the down `grouped_mxfp4_gemm` of inner dimension k over blocks of `block_m`
+    rows reads x in the kernel's K order (the decode tiles), so that the gate/up launch may
+    write it so (`out_kernel_order`, then `x_kernel_order`) instead of the launcher
+    reordering a copy."""
     if k % 128 or fixed_tiles or interpreting():
         return False
-    return block_m <= DECODE_MAX_BLOCK_M or register_unpack
+    return block_m <= DECODE_MAX_BLOCK_M
 
 
 def _launch_decode(

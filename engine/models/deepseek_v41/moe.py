@@ -366,6 +366,7 @@ class MoE(nn.Module):
             gate_limit=self.experts[0].limit,
             row_weight=pair_weight if self.weight_before_down else None,
             fixed_tiles=self.batch_invariant,
+            register_unpack=self._decode_tiles(),  # exact where the decode tiles are
             out_kernel_order=order,
         )
         return grouped_mxfp4_gemm(
