@@ -168,9 +168,10 @@ def test_fp32_products_take_the_kernels_in_the_interpreter() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lead", [(0,), (1,), (37,), (2, 5)])
-def test_grouped_linear_on_cuda_writes_the_groups_in_place_with_einsums_bits(lead) -> None:
+def test_grouped_linear_on_cuda_writes_each_group_in_place(lead) -> None:
     """The attention's `wo_a` (8 groups): the batched GEMM into the flat result gives einsum's
-    values bit for bit, and with autograd on it still computes (einsum's path)."""
+    values (to a GEMM's rounding: cuBLAS may pick another kernel for the strided output),
+    and with autograd on it still computes (einsum's path, bit for bit)."""
     g = torch.Generator().manual_seed(len(lead))
     linear = torch.nn.Linear(512, 8 * 128, bias=False).bfloat16().cuda().requires_grad_(False)
     x = torch.randn(*lead, 8 * 512, generator=g).bfloat16().cuda()
@@ -179,6 +180,8 @@ def test_grouped_linear_on_cuda_writes_the_groups_in_place_with_einsums_bits(lea
     with torch.inference_mode():
         ours = grouped_linear(linear, x, 8)
     assert ours.shape == (*lead, 8 * 128) and ours.is_contiguous()
-    assert torch.equal(ours, expected)
+    if expected.numel():  # a group in the wrong place would be off by ~1, not by ~1e-3
+        error = (ours.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 2e-3
     linear.requires_grad_(True)
     assert torch.equal(grouped_linear(linear, x, 8).detach(), expected)
