@@ -226,6 +226,13 @@ def _kernel_order(n):
     return (n - c) + ((within >> 2) | ((word >> 2) << 1) | ((within & 3) << 3) | ((word & 3) << 5))
 
 
+def _in_kernel_order(x: Tensor) -> Tensor:
+    """A copy of x [rows, K] (K a multiple of 128) with each 128 columns in the kernel's K
+    order (`_kernel_columns`), so a step's 128 columns of a row are one contiguous run."""
+    k = x.shape[1]
+    return x.view(x.shape[0], k // 128, 128)[:, :, _kernel_columns(x.device)].view(-1, k)
+
+
 @functools.cache
 def _kernel_columns(device: torch.device) -> Tensor:
     """`_x_columns` as an index: x's columns in the kernel's K order, per 128."""
@@ -606,7 +613,6 @@ def grouped_mxfp4_gemm(
         or row_weight.numel() != blocks.num_pairs
     ):
         raise ValueError(f"row_weight must be contiguous fp32 [{blocks.num_pairs}]")
-    orders = {"x_kernel_order": x_kernel_order, "out_kernel_order": out_kernel_order}
     if x_kernel_order and not reads_kernel_order(k, blocks.block_m, fixed_tiles=fixed_tiles):
         raise ValueError(f"this launch (K = {k}, blocks of {blocks.block_m}) reads x as it is")
     if out_kernel_order and (not gated or n % 128):
@@ -619,15 +625,17 @@ def grouped_mxfp4_gemm(
     if fixed_tiles or interpreting():
         if blocks.block_m <= DECODE_MAX_BLOCK_M:
             raise ValueError(f"fixed tiles need blocks of more than {DECODE_MAX_BLOCK_M} rows")
-        tiles = _fixed_tiles(k)
-        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **orders, **tiles)
+        tiles = {**_fixed_tiles(k), "out_kernel_order": out_kernel_order}
+        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles)
     elif blocks.block_m <= DECODE_MAX_BLOCK_M:
         # NOTE: the caller guarantees `decode_tiles_exact(scales)` for such blocks (`_block_m`).
         tiles = decode_tiles(n, k, blocks.block_m, gated)
+        orders = {"x_kernel_order": x_kernel_order, "out_kernel_order": out_kernel_order}
         _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **orders, **tiles)
     else:
         tiles = prefill_tiles(n, k, blocks.block_m, gated, register_unpack)
-        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **orders, **tiles)
+        tiles["out_kernel_order"] = out_kernel_order
+        _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles)
     return out
 
 
@@ -663,7 +671,7 @@ def _launch_decode(
     k, n = x.shape[1], out.shape[1]
     even_k = k % 128 == 0
     if even_k and not x_kernel_order:  # x's columns in the weights' K order: contiguous runs
-        x = x.view(x.shape[0], k // 128, 128)[:, :, _kernel_columns(x.device)].view(-1, k)
+        x = _in_kernel_order(x)
     grid = (blocks.block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
     _decode_kernel[grid](
         x,
@@ -708,22 +716,20 @@ def _launch_prefill(
     gate_limit,
     row_weight,
     REGISTER_UNPACK=False,
-    x_kernel_order=False,
     out_kernel_order=False,
     **tiles,
 ) -> None:
     """`_prefill_kernel` over `blocks` with `tiles` (BLOCK_N, BLOCK_K, num_warps, num_stages);
     REGISTER_UNPACK (BLOCK_K 128, K a multiple of 128): x's columns go in the kernel's K
-    order first (one copy of x, as the decode launcher's, unless `x_kernel_order`)."""
+    order first (one copy of x, as the decode launcher's); out_kernel_order as
+    `grouped_mxfp4_gemm`'s."""
     codes, scales = weights
     n = out.shape[1]
     k = x.shape[1]
-    if x_kernel_order and not REGISTER_UNPACK:
-        raise ValueError("only the register unpack reads x in the kernel's K order")
     if REGISTER_UNPACK and (tiles["BLOCK_K"] != 128 or k % 128):
         raise ValueError(f"the register unpack steps K by 128 (K = {k}, {tiles})")
-    if REGISTER_UNPACK and not x_kernel_order:
-        x = x.view(x.shape[0], k // 128, 128)[:, :, _kernel_columns(x.device)].view(-1, k)
+    if REGISTER_UNPACK:
+        x = _in_kernel_order(x)
     grid = (blocks.block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))
     _prefill_kernel[grid](
         x,
