@@ -1,4 +1,4 @@
-"""One hyper-connection site's whole mHC triplet in two launches (`model.md` §3.2).
+"""One hyper-connection site's whole mHC triplet in one launch, or two (`model.md` §3.2).
 
 From the residual streams z = f32(R) [T, N·D] of each token (N streams of width D):
 
@@ -13,6 +13,15 @@ The torch version (`mhc_triplet_reference`, below) is ~8 launches before `mhc_mi
               [splits, T, MIX_PAD] (column 2N + N² holds Σ z²)
     launch 2  per tile of tokens: the partials summed in split order, rsqrt, the fused
               multiply-add, then `mhc_mix`'s gates and Sinkhorn (`mix_and_store`)
+
+`one_launch` (the default where it can run) folds launch 2 into launch 1: each program, once
+its partials are stored, counts itself done on its token tile's counter (one atomic add), and
+the tile's last program to finish resets the counter and runs launch 2's work for the tile.
+The sums are the same, in the same order: the outputs are bit for bit the two launches'. The
+counters are one persistent int32 buffer per device (`tile_counters`), zero between launches
+(each tile's last program puts its counter back), so a captured CUDA graph replays the launch
+as it is. A launch whose tiles outgrow the buffer while a graph is being captured (where no
+zeroed buffer can be made) takes the two launches.
 
 Launch 1's dots run on tensor cores with fp32 accuracy (`TripletConfig.precision`): "bf16x6"
 splits x and fn exactly into three bf16 parts each (hi + mid + lo, from the bits) and sums the
@@ -131,13 +140,23 @@ def _chunk_dot(x, w, PRECISION: tl.constexpr, X_IS_BF16: tl.constexpr, BF16_DOTS
     return out
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # step-varying: one variant
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])  # step-varying: one variant
 def _mhc_partials_kernel(
     x_ptr,
     fn_ptr,
     part_ptr,
     num_tokens,
     width,
+    counter_ptr,
+    base_ptr,
+    scale_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    num_splits,
+    inv_width,
+    norm_eps,
+    hc_eps,
     MIX: tl.constexpr,
     MIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -145,6 +164,9 @@ def _mhc_partials_kernel(
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_DOTS: tl.constexpr,
+    ONE_LAUNCH: tl.constexpr,
+    ITERS: tl.constexpr,
+    N: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
@@ -170,6 +192,79 @@ def _mhc_partials_kernel(
     dots = tl.where(m[None, :] == MIX, squares[:, None], dots)
     out = (split.to(tl.int64) * num_tokens + t[:, None]) * MIX_PAD + m[None, :]
     tl.store(part_ptr + out, dots, mask=is_token[:, None])
+    if ONE_LAUNCH:
+        tile = tl.program_id(0)
+        tl.debug_barrier()  # every thread's partials stored before the (releasing) count
+        done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:
+            tl.store(counter_ptr + tile, 0)
+            _finish_tile(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, t,
+                         is_token, num_tokens, num_splits, inv_width, norm_eps, hc_eps, ITERS,
+                         N, MIX_PAD, BLOCK_T)  # fmt: skip
+
+
+@triton.jit
+def _finish_tile(
+    part_ptr,
+    base_ptr,
+    scale_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    t,
+    is_token,
+    num_tokens,
+    num_splits,
+    inv_width,
+    norm_eps,
+    hc_eps,
+    ITERS: tl.constexpr,
+    N: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Launch 2's work for the tokens `t`: their partials summed in split order, then the
+    gates and Sinkhorn, stored. The loads skip L1 (`.cg`): in one launch the partials were
+    written by other programs of the same grid."""
+    i = tl.arange(0, N)
+    j = tl.arange(0, N)
+    gate_mask = is_token[:, None]
+    cell_mask = is_token[:, None, None]
+    cell = 2 * N + j[None, :, None] * N + i[None, None, :]
+    row = part_ptr + t.to(tl.int64) * MIX_PAD
+    split_stride = tl.full((), MIX_PAD, tl.int64) * num_tokens  # num_tokens may be a constexpr 1
+    pre = tl.zeros((BLOCK_T, N), dtype=tl.float32)
+    post = tl.zeros((BLOCK_T, N), dtype=tl.float32)
+    comb = tl.zeros((BLOCK_T, N, N), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    # NOTE: one split per loop step, in split order (no atomics). Loading 16 splits per step
+    # as one [16, BLOCK_T, N, N] tree made the launch 3x slower on the H200 (40 vs 12 µs per
+    # site at 64 tokens, `gpu_rank --profile`, 2026-12-02)
+    for split in range(num_splits):
+        p = row + split * split_stride
+        pre += tl.load(p[:, None] + i[None, :], mask=gate_mask, other=0.0, cache_modifier=".cg")
+        post += tl.load(p[:, None] + N + i[None, :], mask=gate_mask, other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
+        comb += tl.load(p[:, None, None] + cell, mask=cell_mask, other=0.0, cache_modifier=".cg")
+        squares += tl.load(p + (2 * N + N * N), mask=is_token, other=0.0, cache_modifier=".cg")
+    r = tl.rsqrt(squares * inv_width + norm_eps)
+    # mix = dots · r, rounded, then one fused multiply-add, as the released kernel rounds it
+    pre = tl.fma(
+        pre * r[:, None],
+        tl.load(scale_ptr).to(tl.float32),
+        tl.load(base_ptr + i).to(tl.float32)[None, :],
+    )
+    post = tl.fma(
+        post * r[:, None],
+        tl.load(scale_ptr + 1).to(tl.float32),
+        tl.load(base_ptr + N + i).to(tl.float32)[None, :],
+    )
+    comb = tl.fma(
+        comb * r[:, None, None],
+        tl.load(scale_ptr + 2).to(tl.float32),
+        tl.load(base_ptr + cell).to(tl.float32),
+    )
+    mix_and_store(pre, post, comb, t, is_token, pre_ptr, post_ptr, comb_ptr, hc_eps, ITERS, N)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # step-varying: one variant
@@ -191,45 +286,9 @@ def _mhc_finish_kernel(
     BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    is_token = t < num_tokens
-    i = tl.arange(0, N)
-    j = tl.arange(0, N)
-    gate_mask = is_token[:, None]
-    cell_mask = is_token[:, None, None]
-    cell = 2 * N + j[None, :, None] * N + i[None, None, :]
-    row = part_ptr + t.to(tl.int64) * MIX_PAD
-    split_stride = tl.full((), MIX_PAD, tl.int64) * num_tokens  # num_tokens may be a constexpr 1
-    pre = tl.zeros((BLOCK_T, N), dtype=tl.float32)
-    post = tl.zeros((BLOCK_T, N), dtype=tl.float32)
-    comb = tl.zeros((BLOCK_T, N, N), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    # NOTE: one split per loop step, in split order (no atomics). Loading 16 splits per step
-    # as one [16, BLOCK_T, N, N] tree made the launch 3x slower on the H200 (40 vs 12 µs per
-    # site at 64 tokens, `gpu_rank --profile`, 2026-12-02)
-    for split in range(num_splits):
-        p = row + split * split_stride
-        pre += tl.load(p[:, None] + i[None, :], mask=gate_mask, other=0.0)
-        post += tl.load(p[:, None] + N + i[None, :], mask=gate_mask, other=0.0)
-        comb += tl.load(p[:, None, None] + cell, mask=cell_mask, other=0.0)
-        squares += tl.load(p + (2 * N + N * N), mask=is_token, other=0.0)
-    r = tl.rsqrt(squares * inv_width + norm_eps)
-    # mix = dots · r, rounded, then one fused multiply-add, as the released kernel rounds it
-    pre = tl.fma(
-        pre * r[:, None],
-        tl.load(scale_ptr).to(tl.float32),
-        tl.load(base_ptr + i).to(tl.float32)[None, :],
-    )
-    post = tl.fma(
-        post * r[:, None],
-        tl.load(scale_ptr + 1).to(tl.float32),
-        tl.load(base_ptr + N + i).to(tl.float32)[None, :],
-    )
-    comb = tl.fma(
-        comb * r[:, None, None],
-        tl.load(scale_ptr + 2).to(tl.float32),
-        tl.load(base_ptr + cell).to(tl.float32),
-    )
-    mix_and_store(pre, post, comb, t, is_token, pre_ptr, post_ptr, comb_ptr, hc_eps, ITERS, N)
+    _finish_tile(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, t, t < num_tokens,
+                 num_tokens, num_splits, inv_width, norm_eps, hc_eps, ITERS, N, MIX_PAD,
+                 BLOCK_T)  # fmt: skip
 
 
 def mhc_triplet(
@@ -241,8 +300,10 @@ def mhc_triplet(
     hc_eps: float,
     iters: int,
     config: TripletConfig | None = None,
+    one_launch: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`mhc_triplet_reference` in two launches: residual [T, N, D] (any float dtype), fn
+    """`mhc_triplet_reference` in one launch (`one_launch`, where its counters are at hand;
+    module docstring) or two, bit for bit the same: residual [T, N, D] (any float dtype), fn
     [2N + N², N·D], base [2N + N²], scale [3] → fp32 pre [T, N], post [T, N], comb [T, N, N].
     config: launch 1's shape (default `config_for(T)`).
 
@@ -271,14 +332,30 @@ def mhc_triplet(
     mix_pad = max(16, triton.next_power_of_2(mix + 1))
     split = min(config.split_cols, triton.cdiv(width, BLOCK_K) * BLOCK_K)
     num_splits = triton.cdiv(width, split)
+    num_tiles = triton.cdiv(num_tokens, config.block_t)
+    counters = tile_counters(device, num_tiles) if one_launch else None
     partials = torch.empty(num_splits, num_tokens, mix_pad, dtype=torch.float32, device=device)
     x = residual.reshape(num_tokens, width).contiguous()
-    _mhc_partials_kernel[(triton.cdiv(num_tokens, config.block_t), num_splits)](
+    fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
+    # torch's mean multiplies the sum by the fp32 reciprocal of the count: the float64 1/width
+    # rounds to it (no double-rounding tie for integers below 2²⁴), as Triton passes it as fp32
+    inv_width = 1.0 / width
+    _mhc_partials_kernel[(num_tiles, num_splits)](
         x,
-        fn.contiguous(),
+        fn,
         partials,
         num_tokens,
         width,
+        partials if counters is None else counters,
+        base,
+        scale,
+        pre,
+        post,
+        comb,
+        num_splits,
+        inv_width,
+        norm_eps,
+        hc_eps,
         MIX=mix,
         MIX_PAD=mix_pad,
         BLOCK_T=config.block_t,
@@ -286,15 +363,17 @@ def mhc_triplet(
         SPLIT=split,
         PRECISION=config.precision,
         BF16_DOTS=not interpreting(),
+        ONE_LAUNCH=counters is not None,
+        ITERS=iters,
+        N=n,
         num_warps=config.num_warps,
     )
-    # torch's mean multiplies the sum by the fp32 reciprocal of the count: the float64 1/width
-    # rounds to it (no double-rounding tie for integers below 2²⁴), as Triton passes it as fp32
-    inv_width = 1.0 / width
+    if counters is not None:
+        return pre, post, comb
     _mhc_finish_kernel[(triton.cdiv(num_tokens, _FINISH_BLOCK_T),)](
         partials,
-        base.contiguous(),
-        scale.contiguous(),
+        base,
+        scale,
         pre,
         post,
         comb,
@@ -309,6 +388,29 @@ def mhc_triplet(
         BLOCK_T=_FINISH_BLOCK_T,
     )
     return pre, post, comb
+
+
+# device → int32 tile counters, zero between launches (`mhc_triplet`'s one launch). One buffer
+# per device: the model's launches on a device run in one stream's order (a graph's capture
+# warms up on a side stream first, then captures, never both at once). A buffer that grows
+# stays alive in `_OUTGROWN`: graphs captured before still point at it.
+_COUNTERS: dict[torch.device, Tensor] = {}
+_OUTGROWN: list[Tensor] = []
+_MIN_COUNTERS = 1024  # tiles: 65,536 tokens at the 64-token tile
+
+
+def tile_counters(device: torch.device, num_tiles: int) -> Tensor | None:
+    """`device`'s zeroed counters for `num_tiles` token tiles, made (or grown) here; None
+    where they must grow while a CUDA graph is being captured (the launch then takes two)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < num_tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if counters is not None:
+            _OUTGROWN.append(counters)
+        size = max(_MIN_COUNTERS, triton.next_power_of_2(num_tiles))
+        counters = _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters
 
 
 def mhc_logits_reference(mix: Tensor, base: Tensor, scale: Tensor, n: int) -> Tensor:

@@ -1,4 +1,5 @@
-"""The two-launch mHC triplet against its torch reference (BLAS matmul, torch mean).
+"""The mHC triplet's launches against its torch reference (BLAS matmul, torch mean), and its
+one launch against its two (bit for bit).
 
 The kernel sums the [T, N·D] × [N·D, 2N + N²] product in another order than BLAS, so its
 outputs are compared by relative norm and by ulps (fp32, of the reference's pre, post and
@@ -137,27 +138,48 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
 
 
 @pytest.mark.parametrize(
-    ("one_token", "precision", "block_t"),
-    [(False, "bf16x6", 64), (True, "bf16x6", 16), (False, "tf32x3", 64), (False, "ieee", 16)],
+    ("one_token", "precision", "block_t", "one_launch"),
+    [
+        (False, "bf16x6", 64, True),
+        (True, "bf16x6", 16, True),
+        (False, "bf16x6", 16, False),
+        (False, "tf32x3", 64, False),
+        (False, "ieee", 16, True),
+    ],
 )
-def test_kernels_compile_for_hopper(one_token: bool, precision: str, block_t: int) -> None:
-    # A launch with T = 1 (or one split) passes them as constexprs, which the interpreter
-    # never does.
+def test_kernels_compile_for_hopper(
+    one_token: bool, precision: str, block_t: int, one_launch: bool
+) -> None:
+    # A launch with T = 1 passes it as a constexpr, which the interpreter never does.
     from kernels.mhc_triplet import _mhc_finish_kernel, _mhc_partials_kernel
 
     count = {"num_tokens": 1} if one_token else {}
     count_type = {} if one_token else {"num_tokens": "i32"}
+    pointers = ("base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr")
     types = {"x_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "width": "i32"}
+    types |= {"counter_ptr": "*i32", **{name: "*fp32" for name in pointers}}
+    types |= {"num_splits": "i32", "inv_width": "fp32", "norm_eps": "fp32", "hc_eps": "fp32"}
     constexprs = {"MIX": 24, "MIX_PAD": 32, "BLOCK_T": block_t, "BLOCK_K": 64, "SPLIT": 512}
-    constexprs |= {"PRECISION": precision, "BF16_DOTS": True}
+    constexprs |= {"PRECISION": precision, "BF16_DOTS": True, "ONE_LAUNCH": one_launch}
+    constexprs |= {"ITERS": 20, "N": 4}
     ptx = compile_for_hopper(
-        _mhc_partials_kernel, {**types, **count_type}, {**constexprs, **count}, set(types)
+        _mhc_partials_kernel,
+        {**types, **count_type},
+        {**constexprs, **count},
+        {"x_ptr", "fn_ptr", "part_ptr", "width", "counter_ptr", *pointers},
     )
     if precision == "ieee":
         assert "fma.rn.f32" in ptx and "mma" not in ptx  # IEEE fp32 dots, no TF32
     else:  # tensor cores: wgmma for 64-token tiles, mma.sync for 16
         kind = {"bf16x6": "bf16.bf16", "tf32x3": "tf32.tf32"}[precision]
         assert re.search(rf"(wgmma\.mma_async|mma\.sync)\S*{kind}", ptx)
+    # one launch: the count is an acquire-release atomic at GPU scope after a barrier, and the
+    # last program reads the others' partials past L1
+    atom = ptx.find("atom.global.gpu.acq_rel.add")
+    assert (atom >= 0) == one_launch
+    if one_launch:  # a barrier between the partials' last store and the count
+        assert "bar.sync" in ptx[ptx.rindex("st.global", 0, atom) : atom]
+    assert ("ld.global.cg" in ptx) == one_launch
     pointers = ("part_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr")
     types = {name: "*fp32" for name in pointers}
     types |= {"inv_width": "fp32", "norm_eps": "fp32", "hc_eps": "fp32", **count_type}
@@ -170,9 +192,71 @@ def test_kernels_compile_for_hopper(one_token: bool, precision: str, block_t: in
     assert "fma.rn.f32" in ptx
 
 
+def one_and_two_launches(cases, device: str = "cpu") -> list[list[bool]]:
+    """Per (tokens, D, config) case: whether the one launch's pre, post and comb equal the two
+    launches' bit for bit (twice: the counters must be back at zero for the second), and
+    whether the counters are all zero after."""
+    from kernels.mhc_triplet import tile_counters
+
+    rows = []
+    for seed, (num_tokens, d, config) in enumerate(cases):
+        inputs = triplet_inputs(num_tokens, d, seed, device)
+        two = mhc_triplet(*inputs, NORM_EPS, HC_EPS, ITERS, config=config, one_launch=False)
+        row = []
+        for _ in range(2):
+            one = mhc_triplet(*inputs, NORM_EPS, HC_EPS, ITERS, config=config)
+            row += [torch.equal(a, b) for a, b in zip(one, two, strict=True)]
+        row.append(not tile_counters(torch.device(device), 1).any().item())
+        rows.append(row)
+    return rows
+
+
+# several tiles of tokens and several splits each, a ragged last tile, a lone token
+ONE_LAUNCH_CASES = [
+    (40, 64, TripletConfig("bf16x6", 16, 64)),
+    (70, 256, TripletConfig("bf16x6", 64, 128)),
+    (1, 256, None),
+    (33, 64, TripletConfig("ieee", 16, 128)),
+]
+
+
+@pytest.mark.slow  # ~4 s in the interpreter
+def test_one_launch_equals_two_launches_in_the_triton_interpreter() -> None:
+    code = (
+        "import json\n"
+        "from tests.kernels.test_mhc_triplet import ONE_LAUNCH_CASES, one_and_two_launches\n"
+        "print(json.dumps(one_and_two_launches(ONE_LAUNCH_CASES)))\n"
+    )
+    for case, row in zip(ONE_LAUNCH_CASES, run_interpreted(code), strict=True):
+        assert all(row), (case, row)
+
+
 @pytest.mark.gpu
 def test_kernel_matches_reference_on_cuda() -> None:
     _check(triplet_errors(GPU_CASES, "cuda"), GPU_CASES)
+
+
+@pytest.mark.gpu
+def test_one_launch_equals_two_launches_on_cuda() -> None:
+    cases = ONE_LAUNCH_CASES + [(n, 4096, config) for n in (16, 256, 4096) for _, config in CONFIGS]
+    for case, row in zip(cases, one_and_two_launches(cases, "cuda"), strict=True):
+        assert all(row), (case, row)
+
+
+@pytest.mark.gpu
+def test_one_launch_replays_in_a_cuda_graph() -> None:
+    # captured once, replayed on new inputs: each replay equals the two launches on them
+    inputs = triplet_inputs(256, 4096, 0, "cuda")
+    static = inputs[0].clone()
+    mhc_triplet(static, *inputs[1:], NORM_EPS, HC_EPS, ITERS)  # warm-up: compile, counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = mhc_triplet(static, *inputs[1:], NORM_EPS, HC_EPS, ITERS)
+    for seed in (1, 2, 3):
+        static.copy_(triplet_inputs(256, 4096, seed * 2, "cuda")[0])
+        graph.replay()
+        two = mhc_triplet(static, *inputs[1:], NORM_EPS, HC_EPS, ITERS, one_launch=False)
+        assert all(torch.equal(a, b) for a, b in zip(outputs, two, strict=True)), seed
 
 
 @pytest.mark.gpu
