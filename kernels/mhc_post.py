@@ -5,6 +5,11 @@
 The torch version (`mhc_post_reference`, below) materialises the
 [T, N, N, D] fp32 products (1.3 GB for a 4K-token chunk at D = 5120) over ~7 launches; here each
 program reads its token's N rows of R and y once and writes N rows of R'.
+
+`mhc_post_combine_norm` also forms the next sublayer's input from R' in the same launch:
+`rms_norm(mhc_combine(R', w), norm_weight)` (`kernels.mhc_combine.mhc_combine_norm`, bit for
+bit: one program per whole row, the same chains and the same reduction), one launch instead of
+two where a block's FFN input follows its attention update.
 """
 
 from __future__ import annotations
@@ -15,11 +20,29 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
+from kernels.rms_norm import MAX_WIDTH, inv_rms, norm_warps
 from kernels.rounding import round_to
 
-__all__ = ["mhc_post", "mhc_post_reference"]
+__all__ = ["mhc_post", "mhc_post_combine_norm", "mhc_post_reference"]
 
 _BLOCK_D = 512
+
+
+@triton.jit
+def _updated_stream(residual_ptr, post_ptr, comb_ptr, y, token, d, in_row, dim, i,
+                    N: tl.constexpr):  # fmt: skip
+    """fp32 `post[i] · y + Σ_j comb[j, i] · R[j]` of one token over the columns d, as one fixed
+    chain: comb[0, i]·R[0], a fused multiply-add per further source stream j in order, then
+    fma(post[i], y, ·). No plain add of products is left for the compiler to contract its own
+    way, so both kernels here get the same bits for a column (`mhc_combine._combine_streams`'
+    NOTE)."""
+    rows = residual_ptr + token * N * dim + d
+    comb = comb_ptr + token * N * N + i  # comb[t, j, i] at j · N + i
+    acc = tl.load(comb) * tl.load(rows, mask=in_row, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, N):
+        r = tl.load(rows + j * dim, mask=in_row, other=0.0).to(tl.float32)
+        acc = tl.fma(r, tl.load(comb + j * N), acc)
+    return tl.fma(y, tl.load(post_ptr + token * N + i), acc)
 
 
 @triton.jit
@@ -36,20 +59,66 @@ def _mhc_post_kernel(
     token = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_row = d < dim
-    streams = tl.arange(0, N)
-    rows = token * N * dim + streams[:, None] * dim + d[None, :]
-    residual = tl.load(residual_ptr + rows, mask=in_row[None, :], other=0.0).to(tl.float32)
     y = tl.load(y_ptr + token * dim + d, mask=in_row, other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + token * N + streams)
-    # comb[t, j, i]: j (source stream) on axis 0, i (target stream) on axis 1.
-    comb = tl.load(comb_ptr + token * N * N + streams[:, None] * N + streams[None, :])
-    mixed = tl.sum(comb[:, :, None] * residual[:, None, :], axis=0)  # [N (i), BLOCK_D]
-    out = post[:, None] * y[None, :] + mixed
-    tl.store(
-        out_ptr + rows,
-        round_to(out, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
-        mask=in_row[None, :],
+    dtype = out_ptr.dtype.element_ty
+    for i in tl.static_range(N):
+        out = _updated_stream(residual_ptr, post_ptr, comb_ptr, y, token, d, in_row, dim, i, N)
+        tl.store(out_ptr + token * N * dim + i * dim + d, round_to(out, dtype).to(dtype),
+                 mask=in_row)  # fmt: skip
+
+
+@triton.jit
+def _mhc_post_combine_norm_kernel(
+    residual_ptr,
+    post_ptr,
+    comb_ptr,
+    y_ptr,
+    out_ptr,
+    weights_ptr,
+    norm_ptr,
+    x_ptr,
+    dim,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One token's whole row: R' as `_mhc_post_kernel` stores it, then the combination of the
+    rounded R' rows as `mhc_combine._combine_streams` chains it (w₀·r₀, then a fused
+    multiply-add per stream) and `rms_norm`'s steps as `_mhc_combine_norm_kernel` takes them
+    (`inv_rms` over the same [BLOCK] row, rms_norm's num_warps)."""
+    token = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    in_row = d < dim
+    dtype = out_ptr.dtype.element_ty
+    y = tl.load(y_ptr + token * dim + d, mask=in_row, other=0.0).to(tl.float32)
+    weights = weights_ptr + token * N
+    r = round_to(
+        _updated_stream(residual_ptr, post_ptr, comb_ptr, y, token, d, in_row, dim, 0, N), dtype
     )
+    tl.store(out_ptr + token * N * dim + d, r.to(dtype), mask=in_row)
+    x = tl.load(weights) * r
+    for i in tl.static_range(1, N):
+        r = round_to(
+            _updated_stream(residual_ptr, post_ptr, comb_ptr, y, token, d, in_row, dim, i, N),
+            dtype,
+        )
+        tl.store(out_ptr + token * N * dim + i * dim + d, r.to(dtype), mask=in_row)
+        x = tl.fma(r, tl.load(weights + i), x)
+    x = round_to(x, dtype)
+    normed = x * inv_rms(x, dim, eps)
+    normed = normed * tl.load(norm_ptr + d, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(x_ptr + token * dim + d, round_to(normed, dtype).to(dtype), mask=in_row)
+
+
+def _check(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> None:
+    num_tokens, n, dim = residual.shape
+    if n < 1 or n & (n - 1) or y.shape != (num_tokens, dim):
+        raise ValueError(f"need residual [T, N, D] with N a power of two and y [T, D]; got "
+                         f"{tuple(residual.shape)}, {tuple(y.shape)}")  # fmt: skip
+    if post.shape != (num_tokens, n) or comb.shape != (num_tokens, n, n):
+        raise ValueError(f"post must be [T, {n}] and comb [T, {n}, {n}]")
+    if post.dtype != torch.float32 or comb.dtype != torch.float32:
+        raise ValueError("post and comb must be fp32")
 
 
 def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
@@ -60,15 +129,9 @@ def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
     Raises:
         ValueError: shapes or dtypes other than those, N not a power of two, or not on CUDA.
     """
-    num_tokens, n, dim = residual.shape
-    if n < 1 or n & (n - 1) or y.shape != (num_tokens, dim):
-        raise ValueError(f"need residual [T, N, D] with N a power of two and y [T, D]; got "
-                         f"{tuple(residual.shape)}, {tuple(y.shape)}")  # fmt: skip
-    if post.shape != (num_tokens, n) or comb.shape != (num_tokens, n, n):
-        raise ValueError(f"post must be [T, {n}] and comb [T, {n}, {n}]")
-    if post.dtype != torch.float32 or comb.dtype != torch.float32:
-        raise ValueError("post and comb must be fp32")
+    _check(residual, post, comb, y)
     check_runnable(residual, "mhc_post")
+    num_tokens, n, dim = residual.shape
     residual, y = residual.contiguous(), y.contiguous()
     out = torch.empty_like(residual)
     if num_tokens:
@@ -77,6 +140,54 @@ def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
             residual, post.contiguous(), comb.contiguous(), y, out, dim, N=n, BLOCK_D=_BLOCK_D
         )
     return out
+
+
+def mhc_post_combine_norm(
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    y: Tensor,
+    weights: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """(R' = `mhc_post(residual, post, comb, y)`, `mhc_combine_norm(R', weights, norm_weight,
+    eps)`) in one launch, bit for bit the two kernels. weights fp32 [T, N]; norm_weight [D].
+
+    Raises:
+        ValueError: as `mhc_post`; weights not [T, N] fp32, a norm weight not of the row's
+            width, rows wider than `rms_norm.MAX_WIDTH`.
+    """
+    _check(residual, post, comb, y)
+    num_tokens, n, dim = residual.shape
+    if weights.shape != (num_tokens, n) or weights.dtype != torch.float32:
+        raise ValueError(f"weights must be fp32 [T, {n}], got {weights.dtype} "
+                         f"{tuple(weights.shape)}")  # fmt: skip
+    if norm_weight.shape != (dim,) or dim > MAX_WIDTH:
+        raise ValueError(f"norm weight [{dim}] for rows of at most {MAX_WIDTH}, got "
+                         f"{tuple(norm_weight.shape)}")  # fmt: skip
+    check_runnable(residual, "mhc_post_combine_norm")
+    residual, y = residual.contiguous(), y.contiguous()
+    out = torch.empty_like(residual)
+    x = torch.empty(num_tokens, dim, dtype=residual.dtype, device=residual.device)
+    if num_tokens and dim:
+        size = triton.next_power_of_2(dim)
+        _mhc_post_combine_norm_kernel[(num_tokens,)](
+            residual,
+            post.contiguous(),
+            comb.contiguous(),
+            y,
+            out,
+            weights.contiguous(),
+            norm_weight.contiguous(),
+            x,
+            dim,
+            eps,
+            N=n,
+            BLOCK=size,
+            num_warps=norm_warps(size),  # rms_norm's: the same reduction
+        )
+    return out, x
 
 
 def mhc_post_reference(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:

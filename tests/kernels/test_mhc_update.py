@@ -45,13 +45,14 @@ import json
 from kernels.mhc_combine import mhc_combine, mhc_combine_reference
 from kernels.mhc_post import mhc_post, mhc_post_reference
 from tests.kernels.interpreted import ulps
-from tests.kernels.test_mhc_update import CASES, _combine_terms, _inputs
+from tests.kernels.test_mhc_update import CASES, _combine_terms, _inputs, _post_terms
 result = []
 for case in CASES:
     residual, post, comb, y, weights = _inputs(case)
     combined, reference = mhc_combine(residual, weights), mhc_combine_reference(residual, weights)
     result.append([
-        ulps(mhc_post(residual, post, comb, y), mhc_post_reference(residual, post, comb, y)),
+        ulps(mhc_post(residual, post, comb, y), mhc_post_reference(residual, post, comb, y),
+             _post_terms(residual, post, comb, y)),
         ulps(combined, reference, _combine_terms(residual, weights)),
     ])
 print(json.dumps(result))
@@ -59,8 +60,8 @@ print(json.dumps(result))
 
 
 def test_kernels_match_reference_in_the_triton_interpreter() -> None:
-    # At most one rounding step apart (fp32 sums of N terms in another order, then the cast);
-    # the combination's chain of fused multiply-adds at the scale of its summed terms.
+    # At most one rounding step apart at the scale of the summed terms: both kernels sum in
+    # chains of fused multiply-adds (the reference rounds each product), then the cast.
     assert max(max(pair) for pair in run_interpreted(_INTERPRETED)) <= 2.0
 
 
@@ -179,6 +180,90 @@ def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -
     fused = compile_for_hopper(
         _mhc_combine_norm_kernel,
         {"residual_ptr": elem, "weights_ptr": "*fp32", "norm_ptr": elem, "out_ptr": elem} | scalars,
+        {"N": case[1], "BLOCK": block},
+        aligned,
+        warps,
+    )
+    two = compile_for_hopper(
+        _rms_norm_kernel,
+        {"x_ptr": elem, "weight_ptr": elem, "out_ptr": elem, "codes_ptr": "*fp32"}
+        | {"scale_ptr": "*fp32"}
+        | scalars,
+        {"HAS_WEIGHT": True, "EMIT_FP8": False, "BLOCK": block, "GROUP": 1},
+        aligned,
+        warps,
+    )
+    per_thread = block // (32 * warps["num_warps"])
+    assert sum_of_squares_ops(fused, per_thread) == sum_of_squares_ops(two, per_thread)
+
+
+def post_and_norm_in_one_launch(cases, device: str = "cpu") -> list[list[bool]]:
+    """Per (tokens, streams, width, dtype) case: whether `mhc_post_combine_norm`'s R' and
+    normed input equal `mhc_post`'s and then `mhc_combine_norm`'s, bit for bit."""
+    from kernels.mhc_combine import mhc_combine_norm
+    from kernels.mhc_post import mhc_post_combine_norm
+
+    rows = []
+    for case in cases:
+        residual, post, comb, y, weights = _inputs(case, device)
+        norm_weight = _norm_inputs(case, device)[2]
+        updated, x = mhc_post_combine_norm(residual, post, comb, y, weights, norm_weight, EPS)
+        two = mhc_post(residual, post, comb, y)
+        expected = mhc_combine_norm(two, weights, norm_weight, EPS)
+        rows.append([torch.equal(updated, two), torch.equal(x, expected)])
+    return rows
+
+
+@pytest.mark.slow  # ~3 s in the interpreter
+def test_update_and_norm_in_one_launch_equal_the_two_kernels_in_the_interpreter() -> None:
+    code = (
+        "import json\n"
+        "from tests.kernels.test_mhc_update import NORM_CASES, post_and_norm_in_one_launch\n"
+        "print(json.dumps(post_and_norm_in_one_launch(NORM_CASES)))\n"
+    )
+    for case, row in zip(NORM_CASES, run_interpreted(code), strict=True):
+        assert all(row), (case, row)
+
+
+def test_update_and_norm_launcher_rejects_what_it_cannot_take() -> None:
+    from kernels.mhc_post import mhc_post_combine_norm
+
+    residual, post, comb, y, weights = _inputs(NORM_CASES[1])
+    norm_weight = _norm_inputs(NORM_CASES[1])[2]
+    with pytest.raises(ValueError, match="norm weight"):
+        mhc_post_combine_norm(residual, post, comb, y, weights, norm_weight[:10], EPS)
+    with pytest.raises(ValueError, match="weights"):
+        mhc_post_combine_norm(residual, post, comb, y, weights[:, :2], norm_weight, EPS)
+    with pytest.raises(ValueError, match="CUDA"):
+        mhc_post_combine_norm(residual, post, comb, y, weights, norm_weight, EPS)
+
+
+@pytest.mark.gpu
+def test_update_and_norm_in_one_launch_equal_the_two_kernels_on_cuda() -> None:
+    cases = NORM_CASES + [(256, 4, 4096, "bfloat16"), (7, 4, 7168, "bfloat16")]
+    for case, row in zip(cases, post_and_norm_in_one_launch(cases, "cuda"), strict=True):
+        assert all(row), (case, row)
+
+
+@pytest.mark.parametrize("case", NORM_CASES[:3])
+def test_update_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -> None:
+    # as the combination + norm kernel's test above: the same reduction as rms_norm's
+    from kernels.mhc_post import _mhc_post_combine_norm_kernel
+    from kernels.rms_norm import _rms_norm_kernel
+    from tests.kernels.interpreted import compile_for_hopper
+
+    _, _, dim, dtype = case
+    block = triton.next_power_of_2(dim)
+    warps = {"num_warps": min(16, max(1, block // 512))}
+    elem = {"float32": "*fp32", "bfloat16": "*bf16"}[dtype]
+    scalars = {"dim": "i32", "width": "i32", "x_row_stride": "i32", "eps": "fp32"}
+    tensors = {"residual_ptr": elem, "post_ptr": "*fp32", "comb_ptr": "*fp32", "y_ptr": elem}
+    tensors |= {"out_ptr": elem, "weights_ptr": "*fp32", "norm_ptr": elem, "x_ptr": elem}
+    aligned = set(tensors) | {"weight_ptr", "codes_ptr", "scale_ptr"}
+    aligned |= {"dim", "width", "x_row_stride"} if dim % 16 == 0 else set()
+    fused = compile_for_hopper(
+        _mhc_post_combine_norm_kernel,
+        tensors | scalars,
         {"N": case[1], "BLOCK": block},
         aligned,
         warps,

@@ -30,6 +30,7 @@ from engine.models.deepseek_v41.kv_formats import KVCodec
 from engine.models.deepseek_v41.primitives import (
     apply_rope,
     mhc_combine_norm,
+    mhc_post_combine_norm,
     pair_softmax,
     rms_norm,
     rms_norm_rope,
@@ -91,6 +92,13 @@ class RMSNorm(nn.Module):
         """`self(mhc_combine(residual, weights))`, a sublayer's input, in one launch on the
         kernel path (`primitives.mhc_combine_norm`)."""
         return mhc_combine_norm(residual, weights, self.weight, self.eps)
+
+    def of_updated_combination(
+        self, residual: Tensor, post: Tensor, comb: Tensor, y: Tensor, weights: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(R' = `mhc_post(residual, post, comb, y)`, `self.of_combination(R', weights)`) in
+        one launch on the kernel path (`primitives.mhc_post_combine_norm`)."""
+        return mhc_post_combine_norm(residual, post, comb, y, weights, self.weight, self.eps)
 
     def rotated(self, x: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
         """`apply_rope(self(x), positions, freqs)` (one position per row), in one launch on the

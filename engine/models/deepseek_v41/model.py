@@ -215,8 +215,9 @@ class Block(nn.Module):
         if graphs is None:
             pre_a, post_a, comb_a = self.triplet("attn", residual)
             x_attn = self.attn_norm.of_combination(residual, pre_prev)
-            residual = mhc_post(residual, post_a, comb_a, (mixer or self.attn)(x_attn, ctx))
-            return self.ffn_half(residual, pre_a)
+            y = (mixer or self.attn)(x_attn, ctx)
+            return self.ffn_half(*self.ffn_norm.of_updated_combination(
+                residual, post_a, comb_a, y, pre_a))  # fmt: skip
         positions = ctx.batch.positions
         if pre_prev is not None:
             parts = graphs.attention_in(residual, pre_prev, positions)
@@ -242,14 +243,15 @@ class Block(nn.Module):
         """Attention output projection (of `Attention.attend`'s output, rotated back already)
         and residual update, then the FFN sublayer: (residual, FFN `pre`). Pure and
         token-parallel."""
-        residual = mhc_post(residual, post_a, comb_a, self.attn.output(o))
-        return self.ffn_half(residual, pre_a)
+        y = self.attn.output(o)
+        return self.ffn_half(*self.ffn_norm.of_updated_combination(
+            residual, post_a, comb_a, y, pre_a))  # fmt: skip
 
-    def ffn_half(self, residual: Tensor, pre_a: Tensor) -> tuple[Tensor, Tensor]:
-        """The FFN sublayer with its mHC site: (residual, attention `pre`) → (residual, FFN
-        `pre`)."""
+    def ffn_half(self, residual: Tensor, x_ffn: Tensor) -> tuple[Tensor, Tensor]:
+        """The FFN sublayer with its mHC site: (residual after the attention's update, the FFN
+        input: the norm of its combination by the attention `pre`, formed in the update's
+        launch) → (residual, FFN `pre`)."""
         pre_f, post_f, comb_f = self.triplet("ffn", residual)
-        x_ffn = self.ffn_norm.of_combination(residual, pre_a)
         residual = mhc_post(residual, post_f, comb_f, self.ffn(x_ffn))
         return residual, pre_f
 

@@ -157,6 +157,27 @@ def mhc_combine_norm(
     return rms_norm(mhc_combine(residual, weights), norm_weight, eps)
 
 
+def mhc_post_combine_norm(
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    y: Tensor,
+    weights: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """(R' = `mhc_post(residual, post, comb, y)`, `mhc_combine_norm(R', weights, norm_weight,
+    eps)`): a site's residual update and the next sublayer's input
+    (`kernels.mhc_post.mhc_post_combine_norm` on the kernel path: one launch, bit for bit the
+    two)."""
+    if runs_kernels(residual):
+        return mhc_post_kernel.mhc_post_combine_norm(
+            residual, post, comb, y, weights, norm_weight, eps
+        )
+    updated = mhc_post(residual, post, comb, y)
+    return updated, mhc_combine_norm(updated, weights, norm_weight, eps)
+
+
 def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
     """`R'[i] = post[i]·y + Σ_j comb[j][i]·R[j]` in fp32, cast to R's dtype (`kernels.mhc_post`
     on CUDA: one launch, no [T, N, N, D] intermediate).
