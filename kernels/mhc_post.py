@@ -9,7 +9,9 @@ program reads its token's N rows of R and y once and writes N rows of R'.
 `mhc_post_combine_norm` also forms the next sublayer's input from R' in the same launch:
 `rms_norm(mhc_combine(R', w), norm_weight)` (`kernels.mhc_combine.mhc_combine_norm`, bit for
 bit: one program per whole row, the same chains and the same reduction), one launch instead of
-two where a block's FFN input follows its attention update.
+two where a block's FFN input follows its attention update; with `kernel_order`, a second copy
+of that input with each 128 columns in the grouped MXFP4 GEMM's K order, which its decode tiles
+read as it is (`grouped_mxfp4_gemm(x_kernel_order=True)`: no reordering copy there).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
+from kernels.grouped_mxfp4_gemm import _kernel_order
 from kernels.rms_norm import MAX_WIDTH, inv_rms, norm_warps
 from kernels.rounding import round_to
 
@@ -77,15 +80,18 @@ def _mhc_post_combine_norm_kernel(
     weights_ptr,
     norm_ptr,
     x_ptr,
+    x_kernel_order_ptr,
     dim,
     eps,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
+    KERNEL_ORDER: tl.constexpr,
 ):
     """One token's whole row: R' as `_mhc_post_kernel` stores it, then the combination of the
     rounded R' rows as `mhc_combine._combine_streams` chains it (w₀·r₀, then a fused
     multiply-add per stream) and `rms_norm`'s steps as `_mhc_combine_norm_kernel` takes them
-    (`inv_rms` over the same [BLOCK] row, rms_norm's num_warps)."""
+    (`inv_rms` over the same [BLOCK] row, rms_norm's num_warps). KERNEL_ORDER: the normed row
+    stored a second time, each 128 columns in the grouped GEMM's K order (`_kernel_order`)."""
     token = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     in_row = d < dim
@@ -107,7 +113,10 @@ def _mhc_post_combine_norm_kernel(
     x = round_to(x, dtype)
     normed = x * inv_rms(x, dim, eps)
     normed = normed * tl.load(norm_ptr + d, mask=in_row, other=0.0).to(tl.float32)
-    tl.store(x_ptr + token * dim + d, round_to(normed, dtype).to(dtype), mask=in_row)
+    normed = round_to(normed, dtype).to(dtype)
+    tl.store(x_ptr + token * dim + d, normed, mask=in_row)
+    if KERNEL_ORDER:
+        tl.store(x_kernel_order_ptr + token * dim + _kernel_order(d), normed, mask=in_row)
 
 
 def _check(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> None:
@@ -150,13 +159,16 @@ def mhc_post_combine_norm(
     weights: Tensor,
     norm_weight: Tensor,
     eps: float,
-) -> tuple[Tensor, Tensor]:
-    """(R' = `mhc_post(residual, post, comb, y)`, `mhc_combine_norm(R', weights, norm_weight,
-    eps)`) in one launch, bit for bit the two kernels. weights fp32 [T, N]; norm_weight [D].
+    kernel_order: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(R' = `mhc_post(residual, post, comb, y)`, x = `mhc_combine_norm(R', weights,
+    norm_weight, eps)`, x in the grouped GEMM's K order or None) in one launch, bit for bit
+    the two kernels. weights fp32 [T, N]; norm_weight [D]; kernel_order: make the third (D a
+    multiple of 128).
 
     Raises:
         ValueError: as `mhc_post`; weights not [T, N] fp32, a norm weight not of the row's
-            width, rows wider than `rms_norm.MAX_WIDTH`.
+            width, rows wider than `rms_norm.MAX_WIDTH`, kernel order for D % 128 != 0.
     """
     _check(residual, post, comb, y)
     num_tokens, n, dim = residual.shape
@@ -166,10 +178,13 @@ def mhc_post_combine_norm(
     if norm_weight.shape != (dim,) or dim > MAX_WIDTH:
         raise ValueError(f"norm weight [{dim}] for rows of at most {MAX_WIDTH}, got "
                          f"{tuple(norm_weight.shape)}")  # fmt: skip
+    if kernel_order and dim % 128:
+        raise ValueError(f"the kernel's K order is per 128 columns, rows have {dim}")
     check_runnable(residual, "mhc_post_combine_norm")
     residual, y = residual.contiguous(), y.contiguous()
     out = torch.empty_like(residual)
     x = torch.empty(num_tokens, dim, dtype=residual.dtype, device=residual.device)
+    x_kernel_order = torch.empty_like(x) if kernel_order else None
     if num_tokens and dim:
         size = triton.next_power_of_2(dim)
         _mhc_post_combine_norm_kernel[(num_tokens,)](
@@ -181,13 +196,15 @@ def mhc_post_combine_norm(
             weights.contiguous(),
             norm_weight.contiguous(),
             x,
+            x if x_kernel_order is None else x_kernel_order,
             dim,
             eps,
             N=n,
             BLOCK=size,
+            KERNEL_ORDER=kernel_order,
             num_warps=norm_warps(size),  # rms_norm's: the same reduction
         )
-    return out, x
+    return out, x, x_kernel_order
 
 
 def mhc_post_reference(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:

@@ -377,3 +377,28 @@ def test_kernel_order_between_gate_up_and_down_gives_the_plain_results_on_cuda(
             grouped_mxfp4_gemm(act, blocks, w2, s2, out_dtype=torch.float32, x_kernel_order=order)
         )
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+def test_moe_reading_its_input_in_kernel_order_gives_the_plain_results_on_cuda(
+    num_tokens: int,
+) -> None:
+    """A decode step's MoE handed its input in the kernel's K order too (what the block's
+    fused residual update writes): its gate/up reads that copy, the result is the same bits."""
+    from kernels.grouped_mxfp4_gemm import _in_kernel_order
+
+    moe = _quantized_moe(dim=512, inter=256, num_experts=16, top_k=6, seed=3).cuda()
+    moe.pack_experts()
+    x = torch.randn(num_tokens, 512, device="cuda").bfloat16()
+    assert moe.reads_x_in_kernel_order(x)
+    assert torch.equal(moe(x, _in_kernel_order(x)), moe(x))
+    prefill = torch.randn(4096, 512, device="cuda").bfloat16()
+    assert not moe.reads_x_in_kernel_order(prefill)  # 128-row blocks: the prefill tiles
+
+
+def test_moe_off_the_kernel_path_reads_its_input_as_it_is() -> None:
+    moe = _quantized_moe(dim=256, inter=128, num_experts=8, top_k=2, seed=4)
+    moe.pack_experts()
+    x = torch.randn(5, 256).bfloat16()
+    assert not moe.reads_x_in_kernel_order(x)  # the CPU (no interpreter): the torch path

@@ -199,7 +199,10 @@ def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -
 
 def post_and_norm_in_one_launch(cases, device: str = "cpu") -> list[list[bool]]:
     """Per (tokens, streams, width, dtype) case: whether `mhc_post_combine_norm`'s R' and
-    normed input equal `mhc_post`'s and then `mhc_combine_norm`'s, bit for bit."""
+    normed input equal `mhc_post`'s and then `mhc_combine_norm`'s, bit for bit; for widths of
+    whole 128s also with `kernel_order`, whether its third output is the grouped GEMM's own
+    reordering of the second (`_in_kernel_order`)."""
+    from kernels.grouped_mxfp4_gemm import _in_kernel_order
     from kernels.mhc_combine import mhc_combine_norm
     from kernels.mhc_post import mhc_post_combine_norm
 
@@ -207,10 +210,16 @@ def post_and_norm_in_one_launch(cases, device: str = "cpu") -> list[list[bool]]:
     for case in cases:
         residual, post, comb, y, weights = _inputs(case, device)
         norm_weight = _norm_inputs(case, device)[2]
-        updated, x = mhc_post_combine_norm(residual, post, comb, y, weights, norm_weight, EPS)
+        args = (residual, post, comb, y, weights, norm_weight, EPS)
+        updated, x, none = mhc_post_combine_norm(*args)
         two = mhc_post(residual, post, comb, y)
         expected = mhc_combine_norm(two, weights, norm_weight, EPS)
-        rows.append([torch.equal(updated, two), torch.equal(x, expected)])
+        row = [torch.equal(updated, two), torch.equal(x, expected), none is None]
+        if case[2] % 128 == 0:
+            updated, x, ordered = mhc_post_combine_norm(*args, kernel_order=True)
+            row += [torch.equal(updated, two), torch.equal(x, expected)]
+            row.append(torch.equal(ordered, _in_kernel_order(expected)))
+        rows.append(row)
     return rows
 
 
@@ -234,6 +243,10 @@ def test_update_and_norm_launcher_rejects_what_it_cannot_take() -> None:
         mhc_post_combine_norm(residual, post, comb, y, weights, norm_weight[:10], EPS)
     with pytest.raises(ValueError, match="weights"):
         mhc_post_combine_norm(residual, post, comb, y, weights[:, :2], norm_weight, EPS)
+    residual, post, comb, y, weights = _inputs(NORM_CASES[2])  # D = 1000
+    norm_weight = _norm_inputs(NORM_CASES[2])[2]
+    with pytest.raises(ValueError, match="per 128 columns"):
+        mhc_post_combine_norm(residual, post, comb, y, weights, norm_weight, EPS, True)
     with pytest.raises(ValueError, match="CUDA"):
         mhc_post_combine_norm(residual, post, comb, y, weights, norm_weight, EPS)
 
@@ -259,12 +272,13 @@ def test_update_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -> Non
     scalars = {"dim": "i32", "width": "i32", "x_row_stride": "i32", "eps": "fp32"}
     tensors = {"residual_ptr": elem, "post_ptr": "*fp32", "comb_ptr": "*fp32", "y_ptr": elem}
     tensors |= {"out_ptr": elem, "weights_ptr": "*fp32", "norm_ptr": elem, "x_ptr": elem}
+    tensors |= {"x_kernel_order_ptr": elem}
     aligned = set(tensors) | {"weight_ptr", "codes_ptr", "scale_ptr"}
     aligned |= {"dim", "width", "x_row_stride"} if dim % 16 == 0 else set()
     fused = compile_for_hopper(
         _mhc_post_combine_norm_kernel,
         tensors | scalars,
-        {"N": case[1], "BLOCK": block},
+        {"N": case[1], "BLOCK": block, "KERNEL_ORDER": dim % 128 == 0},
         aligned,
         warps,
     )

@@ -94,11 +94,20 @@ class RMSNorm(nn.Module):
         return mhc_combine_norm(residual, weights, self.weight, self.eps)
 
     def of_updated_combination(
-        self, residual: Tensor, post: Tensor, comb: Tensor, y: Tensor, weights: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """(R' = `mhc_post(residual, post, comb, y)`, `self.of_combination(R', weights)`) in
-        one launch on the kernel path (`primitives.mhc_post_combine_norm`)."""
-        return mhc_post_combine_norm(residual, post, comb, y, weights, self.weight, self.eps)
+        self,
+        residual: Tensor,
+        post: Tensor,
+        comb: Tensor,
+        y: Tensor,
+        weights: Tensor,
+        kernel_order: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(R' = `mhc_post(residual, post, comb, y)`, `self.of_combination(R', weights)`, that
+        in the grouped GEMM's K order where asked for and on the kernel path, else None) in one
+        launch on the kernel path (`primitives.mhc_post_combine_norm`)."""
+        return mhc_post_combine_norm(
+            residual, post, comb, y, weights, self.weight, self.eps, kernel_order
+        )
 
     def rotated(self, x: Tensor, positions: Tensor, freqs: Tensor) -> Tensor:
         """`apply_rope(self(x), positions, freqs)` (one position per row), in one launch on the

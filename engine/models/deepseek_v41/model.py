@@ -216,8 +216,7 @@ class Block(nn.Module):
             pre_a, post_a, comb_a = self.triplet("attn", residual)
             x_attn = self.attn_norm.of_combination(residual, pre_prev)
             y = (mixer or self.attn)(x_attn, ctx)
-            return self.ffn_half(*self.ffn_norm.of_updated_combination(
-                residual, post_a, comb_a, y, pre_a))  # fmt: skip
+            return self.ffn_half(residual, y, post_a, comb_a, pre_a)
         positions = ctx.batch.positions
         if pre_prev is not None:
             parts = graphs.attention_in(residual, pre_prev, positions)
@@ -243,16 +242,22 @@ class Block(nn.Module):
         """Attention output projection (of `Attention.attend`'s output, rotated back already)
         and residual update, then the FFN sublayer: (residual, FFN `pre`). Pure and
         token-parallel."""
-        y = self.attn.output(o)
-        return self.ffn_half(*self.ffn_norm.of_updated_combination(
-            residual, post_a, comb_a, y, pre_a))  # fmt: skip
+        return self.ffn_half(residual, self.attn.output(o), post_a, comb_a, pre_a)
 
-    def ffn_half(self, residual: Tensor, x_ffn: Tensor) -> tuple[Tensor, Tensor]:
-        """The FFN sublayer with its mHC site: (residual after the attention's update, the FFN
-        input: the norm of its combination by the attention `pre`, formed in the update's
-        launch) → (residual, FFN `pre`)."""
+    def ffn_half(
+        self, residual: Tensor, y: Tensor, post_a: Tensor, comb_a: Tensor, pre_a: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The attention's residual update (its output y) and the FFN sublayer with its mHC
+        site → (residual, FFN `pre`). The update's launch also forms the FFN input (the norm
+        of the combination by the attention `pre`), in the expert GEMM's K order too where
+        that reads it so."""
+        kernel_order = self.ffn.reads_x_in_kernel_order(y)
+        residual, x_ffn, x_ffn_kernel_order = self.ffn_norm.of_updated_combination(
+            residual, post_a, comb_a, y, pre_a, kernel_order
+        )
         pre_f, post_f, comb_f = self.triplet("ffn", residual)
-        residual = mhc_post(residual, post_f, comb_f, self.ffn(x_ffn))
+        y_ffn = self.ffn(x_ffn, x_ffn_kernel_order)
+        residual = mhc_post(residual, post_f, comb_f, y_ffn)
         return residual, pre_f
 
 

@@ -247,13 +247,27 @@ class MoE(nn.Module):
             logits, self.gate.bias, self.top_k, self.route_scale, self.batch_invariant
         )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def reads_x_in_kernel_order(self, x: Tensor) -> bool:
+        """Whether `forward` of token rows like x ([T, D]: the same count, dtype and device)
+        reads a copy of them in the grouped GEMM's K order (`x_kernel_order`) rather than
+        reordering one itself: the gate/up launch runs the decode tiles."""
+        if self.dispatcher is not None or self.batch_invariant or not self._use_grouped_kernel(x):
+            return False
+        from kernels.grouped_mxfp4_gemm import reads_kernel_order
+
+        block_m = self._block_m(x.shape[0] * self.top_k)
+        return reads_kernel_order(x.shape[1], block_m, fixed_tiles=self.batch_invariant)
+
+    def forward(self, x: Tensor, x_kernel_order: Tensor | None = None) -> Tensor:
+        """x [T, D] → [T, D]. x_kernel_order: x with each 128 columns in the grouped GEMM's K
+        order, where `reads_x_in_kernel_order(x)` (the gate/up launch reads it as it is)."""
         ids, weights = self.route(x)
         if self.dispatcher is None and self._use_grouped_kernel(x) and not self.batch_invariant:
             from kernels.moe_combine import moe_combine
 
             # the slots added in slot order and the shared output, in one launch
-            return moe_combine(self.shared_experts(x), self._routed_slots(x, ids, weights))
+            routed = self._routed_slots(x, ids, weights, x_kernel_order)
+            return moe_combine(self.shared_experts(x), routed)
         out = self.shared_experts(x).float()
         if self.dispatcher is not None:
             routed = self._routed_expert_parallel(x, ids, weights)
@@ -326,17 +340,19 @@ class MoE(nn.Module):
         valid = (recv.local_ids >= 0).flatten()[:, None]
         return torch.where(valid, per_slot, 0.0).view(num_rows, k, dim)  # skipped: unwritten
 
-    def _routed_slots(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    def _routed_slots(
+        self, x: Tensor, ids: Tensor, weights: Tensor, x_kernel_order: Tensor | None = None
+    ) -> Tensor:
         """The grouped kernels' weighted outputs per (token, slot): fp32 [T, k, D]. (Batch-
         invariant mode adds them by expert id, `sum_by_expert_id`: the EP ordered combine's
-        order.)"""
+        order.) x_kernel_order: as `forward`'s."""
         from kernels.grouped_mxfp4_gemm import align_to_experts
 
         num_tokens = x.shape[0]
         if num_tokens == 0:
             return torch.zeros(0, self.top_k, x.shape[1], dtype=torch.float32, device=x.device)
         blocks = align_to_experts(ids, len(self.experts), self._block_m(num_tokens * self.top_k))
-        per_slot = self._grouped_pairs(x.contiguous(), blocks, weights.flatten())
+        per_slot = self._grouped_pairs(x.contiguous(), blocks, weights.flatten(), x_kernel_order)
         return per_slot.view(num_tokens, self.top_k, -1)
 
     def _block_m(self, num_pairs: int) -> int:
@@ -349,17 +365,23 @@ class MoE(nn.Module):
         interpreter (their inline PTX has no interpreter)."""
         return self.decode_tiles_exact and not interpreting()
 
-    def _grouped_pairs(self, x: Tensor, blocks, pair_weight: Tensor) -> Tensor:
+    def _grouped_pairs(
+        self, x: Tensor, blocks, pair_weight: Tensor, x_kernel_order: Tensor | None = None
+    ) -> Tensor:
         """fp32 weighted outputs [T · top_k, D] of the routing `blocks` (token rows `x`):
-        gate/up + clamped SwiGLU, then down, each one grouped-kernel launch."""
+        gate/up + clamped SwiGLU, then down, each one grouped-kernel launch. x_kernel_order:
+        x in the kernel's K order, read instead where the gate/up launch reads it so."""
         from kernels.grouped_mxfp4_gemm import grouped_mxfp4_gemm, reads_kernel_order
 
         pair_weight = pair_weight.float().contiguous()
+        ordered_x = x_kernel_order is not None and reads_kernel_order(
+            x.shape[1], blocks.block_m, fixed_tiles=self.batch_invariant
+        )
         # The SwiGLU rows go in the order the down GEMM reads them, where it reads them so.
         inter = self.w2_codes.shape[-1] * 2
         order = reads_kernel_order(inter, blocks.block_m, fixed_tiles=self.batch_invariant)
         act = grouped_mxfp4_gemm(
-            x,
+            x_kernel_order if ordered_x else x,
             blocks,
             self.w13_codes,
             self.w13_scales,
@@ -367,6 +389,7 @@ class MoE(nn.Module):
             row_weight=pair_weight if self.weight_before_down else None,
             fixed_tiles=self.batch_invariant,
             register_unpack=self._decode_tiles(),  # exact where the decode tiles are
+            x_kernel_order=ordered_x,
             out_kernel_order=order,
         )
         return grouped_mxfp4_gemm(

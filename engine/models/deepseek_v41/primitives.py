@@ -165,17 +165,19 @@ def mhc_post_combine_norm(
     weights: Tensor,
     norm_weight: Tensor,
     eps: float,
-) -> tuple[Tensor, Tensor]:
+    kernel_order: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """(R' = `mhc_post(residual, post, comb, y)`, `mhc_combine_norm(R', weights, norm_weight,
-    eps)`): a site's residual update and the next sublayer's input
+    eps)`, and with `kernel_order` on the kernel path the latter in the grouped MXFP4 GEMM's K
+    order, else None): a site's residual update and the next sublayer's input
     (`kernels.mhc_post.mhc_post_combine_norm` on the kernel path: one launch, bit for bit the
     two)."""
     if runs_kernels(residual):
         return mhc_post_kernel.mhc_post_combine_norm(
-            residual, post, comb, y, weights, norm_weight, eps
+            residual, post, comb, y, weights, norm_weight, eps, kernel_order
         )
     updated = mhc_post(residual, post, comb, y)
-    return updated, mhc_combine_norm(updated, weights, norm_weight, eps)
+    return updated, mhc_combine_norm(updated, weights, norm_weight, eps), None
 
 
 def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
