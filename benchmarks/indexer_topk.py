@@ -9,7 +9,9 @@ source keeps `candidate_topk_blocks` (2048) of its J / 8 block maxima with `torc
 mask. Scores are random fp32 rows of [rows, J] (rows = decode sequences or prefill tokens).
 Variants, median µs per call: "topk" (what the model runs), "topk unsorted + sort k" (the same
 best-first order from an unsorted selection: the same set, order equal unless scores tie),
-"sort" (a full descending sort, what the selection would cost without topk), and for the
+"sort" (a full descending sort, what the selection would cost without topk), on CUDA "kernel"
+(`kernels.index_topk`, what the kernel path runs: one launch, the torch path's −1 masking
+included; the same indices where no scores tie), and for the
 candidate mask "kthvalue mask" (the k-th largest as a threshold: the same set unless the k-th
 value ties). "same" says whether the variant returned the same indices in the same order (mask
 variants: the same mask). Writes indexer_topk.json.
@@ -68,7 +70,12 @@ def selection_variants(scores: torch.Tensor, k: int) -> dict[str, Callable[[], t
     def full_sort() -> torch.Tensor:
         return scores.sort(dim=-1, descending=True).indices[:, :k]
 
-    return {"topk": topk, "topk unsorted + sort k": unsorted_then_sort, "sort": full_sort}
+    variants = {"topk": topk, "topk unsorted + sort k": unsorted_then_sort, "sort": full_sort}
+    if scores.is_cuda:
+        from kernels.index_topk import index_topk
+
+        variants["kernel"] = lambda: index_topk(scores, k)
+    return variants
 
 
 def mask_variants(keys: torch.Tensor, k: int) -> dict[str, Callable[[], torch.Tensor]]:

@@ -672,11 +672,15 @@ class Attention(nn.Module):
         if self.is_candidate_consumer and ctx.candidates is not None:
             scores = scores.masked_fill(~ctx.candidates[..., :num_visible_max], float("-inf"))
         k = min(cfg.index_topk, num_visible_max)
-        top = torch.topk(scores, k, dim=-1) if k else None
-        if top is None:
-            sel = torch.full((*scores.shape[:2], 0), -1, dtype=torch.long, device=x.device)
-        else:
+        if runs_kernels(scores) and not self.batch_invariant:
+            from kernels.index_topk import index_topk
+
+            sel = index_topk(scores, k)  # one launch; equal scores by the lower position
+        elif k:
+            top = torch.topk(scores, k, dim=-1)
             sel = torch.where(torch.isfinite(top.values), top.indices, -1)
+        else:
+            sel = torch.full((*scores.shape[:2], 0), -1, dtype=torch.long, device=x.device)
         if self.batch_invariant:
             sel = _ascending_selection(sel, cfg.index_topk)
         ctx.selection[r] = batch.unpad(sel)

@@ -1,0 +1,134 @@
+"""The indexer's top-k selection (`model.md` §3.7) in one launch, without a sort of the row.
+
+For each row of fp32 scores x [J] and a count k ≤ J, the k largest entries, best first, as
+their column indices, −1 in place of a −inf entry:
+
+    v_k   the k-th largest value: a count search over the ordered integer keys of the values
+          (`kernels.nucleus_cutoff._search`: each pass counts the entries at or above 16 keys
+          spread over the interval still open; ~8 passes over the row for 32 bits)
+    take  every entry above v_k, then entries equal to v_k in column order until there are
+          k: one pass, each tile's picks placed by a prefix count after the ones before
+    order the k picks sorted in registers by (value descending, column ascending)
+
+which is `torch.topk(x, k)` followed by `where(isfinite(values), indices, −1)`
+(`index_topk_reference`), with ties broken by the lower column (torch leaves their order
+open). The sort is what keeps a selection's order that of the torch path: the attention sums its
+rows in selection order. On CUDA torch's top-k of a few hundred rows of thousands of entries is
+a multi-block radix select of ~14 launches; the masking of −inf entries two more.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import check_runnable
+from kernels.nucleus_cutoff import _KEY_NEG_INF, _keys, _search, _value
+
+__all__ = ["index_topk", "index_topk_reference"]
+
+BLOCK = 1024
+NUM_THRESHOLDS = 16
+# the low half of a packed pick: 2³² − 1 − column, so that lower columns sort first
+_COLUMN_MASK = tl.constexpr(0xFFFFFFFF)
+
+
+@triton.jit(do_not_specialize=["width", "row_stride", "k"])
+def _index_topk_kernel(
+    x_ptr,
+    out_ptr,
+    width,
+    row_stride,
+    k,
+    KEY_NEG_INF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM: tl.constexpr,
+    K_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + row * row_stride
+    out_row = out_ptr + row * k
+    row_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < width, other=-float("inf"))
+        row_max = tl.maximum(row_max, x)
+    row_max = tl.max(row_max, axis=0)
+    lo = tl.full([], KEY_NEG_INF, tl.int64)
+    hi = _keys(row_max).to(tl.int64) + 1
+    if row_max == -float("inf"):
+        hi = lo + 1  # every entry is −inf: v_k is
+    # v_k's key: the largest key with at least k entries at or above it
+    kth = _search(row_ptr, width, 0.0, lo, hi, k.to(tl.float64), False, BLOCK, NUM).to(tl.int32)
+    above = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < width, other=-float("inf"))
+        above += ((_keys(x) > kth) & (cols < width)).to(tl.int32)
+    ties = k - tl.sum(above, axis=0)  # entries equal to v_k to take, the first by column
+    taken = tl.zeros([], dtype=tl.int32)
+    tied = tl.zeros([], dtype=tl.int32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < width
+        keys = _keys(tl.load(row_ptr + cols, mask=inside, other=-float("inf")))
+        is_tie = (keys == kth) & inside
+        tie_rank = tied + tl.cumsum(is_tie.to(tl.int32), axis=0) - 1
+        pick = ((keys > kth) & inside) | (is_tie & (tie_rank < ties))
+        slot = taken + tl.cumsum(pick.to(tl.int32), axis=0) - 1
+        packed = (keys.to(tl.int64) << 32) | (_COLUMN_MASK - cols.to(tl.int64))
+        tl.store(out_row + slot, packed, mask=pick)
+        taken += tl.sum(pick.to(tl.int32), axis=0)
+        tied += tl.sum(is_tie.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the picks, stored by any thread, read back by others
+    slots = tl.arange(0, K_PAD)
+    smallest = tl.full([K_PAD], -(2**63), tl.int64)
+    packed = tl.load(out_row + slots, mask=slots < k, other=smallest)
+    packed = tl.sort(packed, descending=True)
+    columns = _COLUMN_MASK - (packed & _COLUMN_MASK)
+    finite = _value(packed >> 32) != -float("inf")
+    tl.debug_barrier()  # every pick read before any slot is overwritten
+    tl.store(out_row + slots, tl.where(finite, columns, -1), mask=slots < k)
+
+
+def index_topk(scores: Tensor, k: int) -> Tensor:
+    """`index_topk_reference` in one launch: fp32 scores [..., J] (unit column stride), 0 ≤ k
+    ≤ J → int64 [..., k] column indices, best first (ties: lower column first), −1 where
+    the score is −inf.
+
+    Raises:
+        ValueError: another dtype, k outside [0, J], or not on CUDA (nor in Triton's
+            interpreter).
+    """
+    if scores.dtype != torch.float32 or scores.dim() < 1 or scores.stride(-1) != 1:
+        raise ValueError(f"fp32 scores [..., J] with unit column stride; got {scores.dtype} "
+                         f"{tuple(scores.shape)}")  # fmt: skip
+    width = scores.shape[-1]
+    if not 0 <= k <= width:
+        raise ValueError(f"k must be in [0, {width}], got {k}")
+    check_runnable(scores, "index_topk")
+    rows = scores.reshape(-1, width)
+    out = torch.empty(*scores.shape[:-1], k, dtype=torch.int64, device=scores.device)
+    if rows.shape[0] and k:
+        _index_topk_kernel[(rows.shape[0],)](
+            rows,
+            out,
+            width,
+            rows.stride(0),
+            k,
+            KEY_NEG_INF=_KEY_NEG_INF,
+            BLOCK=BLOCK,
+            NUM=NUM_THRESHOLDS,
+            K_PAD=triton.next_power_of_2(k),
+            num_warps=8,
+        )
+    return out
+
+
+def index_topk_reference(scores: Tensor, k: int) -> Tensor:
+    """`torch.topk` of the last dimension, −1 in place of −inf scores (the order of equal
+    scores is torch's)."""
+    top = torch.topk(scores, k, dim=-1)
+    return torch.where(torch.isfinite(top.values), top.indices, -1)
