@@ -83,6 +83,8 @@ def _rms_norm_rope_kernel(
     x_row_stride,
     pass_pairs,
     eps,
+    copy_ptr,
+    copy_row_ptr,
     BLOCK: tl.constexpr,
     KEEP_NORMED: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -90,10 +92,12 @@ def _rms_norm_rope_kernel(
     ROW_DTYPE: tl.constexpr = None,
     NEMO_FLOOR: tl.constexpr = False,
     FLOOR: tl.constexpr = AMAX_FLOOR,
+    COPY: tl.constexpr = False,
 ):
     """grid (rows,). MXFP8: out_ptr holds uint8 rows of width + width / 32 bytes, each the
     MXFP8 encoding (`_store_mxfp8_row`) of the rotated row in `ROW_DTYPE` (x's dtype), in
-    place of that row."""
+    place of that row; COPY (MXFP8 only): the encoding stored again at row copy_row[row] of
+    copy_ptr's rows of the same width."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < width, other=0.0).to(tl.float32)
@@ -116,6 +120,10 @@ def _rms_norm_rope_kernel(
     if MXFP8:
         row_ptr = out_ptr + row * (width + width // 32)
         _store_mxfp8_row(row_ptr, a, b, width, BLOCK, NEMO_FLOOR, FLOOR)
+        if COPY:
+            copy_row = tl.load(copy_row_ptr + row).to(tl.int64)
+            row_ptr = copy_ptr + copy_row * (width + width // 32)
+            _store_mxfp8_row(row_ptr, a, b, width, BLOCK, NEMO_FLOOR, FLOOR)
     else:
         tl.store(out_ptr + row * width + even, a.to(dtype), mask=in_row)
         tl.store(out_ptr + row * width + even + 1, b.to(dtype), mask=in_row)
@@ -157,23 +165,35 @@ def rms_norm_rope_mxfp8(
     freqs: Tensor,
     *,
     nemo_floor: bool = False,
+    copy_to: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """`mxfp8_rows_quantize(rms_norm_rope(x, weight, eps, positions, freqs)[0], nemo_floor=...)`
     in one launch, bit for bit the two (`kernels.mxfp8_rows`): uint8 [..., D + D/32]. The
-    rotated row itself is not written.
+    rotated row itself is not written. copy_to (rows, index): each encoded row r also
+    stored as rows[index[r]] (rows: contiguous uint8 [R, D + D/32], a KV ring's rows; index:
+    int [x's rows], each row's own destination), in the same launch.
 
     Raises:
-        ValueError: as `rms_norm_rope`, a row width that is not a multiple of 32, or rows
-            neither fp32 nor bf16.
+        ValueError: as `rms_norm_rope`, a row width that is not a multiple of 32, rows neither
+            fp32 nor bf16, or copy_to rows of another width or an index of another length.
     """
     if x.shape[-1] % 32 or x.dtype not in _TRITON_DTYPES:
         raise ValueError(f"MXFP8 rows are blocks of 32 of {tuple(_TRITON_DTYPES)}; got "
                          f"{x.dtype} rows of {x.shape[-1]}")  # fmt: skip
-    _check(x, weight, positions, freqs)
     width = x.shape[-1]
-    out = torch.empty((*x.shape[:-1], width + width // 32), dtype=torch.uint8, device=x.device)
+    row_bytes = width + width // 32
     options = {"KEEP_NORMED": False, "MXFP8": True, "NEMO_FLOOR": nemo_floor}
     options["ROW_DTYPE"] = _TRITON_DTYPES[x.dtype]
+    if copy_to is not None:
+        rows, index = copy_to
+        good_rows = rows.dtype == torch.uint8 and rows.dim() == 2 and rows.is_contiguous()
+        if not good_rows or rows.shape[1] != row_bytes or index.numel() != x[..., 0].numel():
+            raise ValueError(f"copy_to: contiguous uint8 rows of {row_bytes} bytes and one "
+                             f"index per row; got {rows.dtype} {tuple(rows.shape)}, index "
+                             f"{tuple(index.shape)}")  # fmt: skip
+        options |= {"COPY": True, "copy": (rows, index.reshape(-1).contiguous())}
+    _check(x, weight, positions, freqs)
+    out = torch.empty((*x.shape[:-1], row_bytes), dtype=torch.uint8, device=x.device)
     _launch(x, weight, eps, positions, freqs, out, None, options)
     return out
 
@@ -199,6 +219,7 @@ def _launch(x, weight, eps, positions, freqs, out, normed, options) -> None:
     if not (num_rows and width):
         return
     block = triton.next_power_of_2(width)
+    copy_rows, copy_index = options.pop("copy", (out, positions))
     _rms_norm_rope_kernel[(num_rows,)](
         rows,
         weight.contiguous(),
@@ -210,6 +231,8 @@ def _launch(x, weight, eps, positions, freqs, out, normed, options) -> None:
         rows.stride(0),
         width // 2 - freqs.numel(),
         eps,
+        copy_rows,
+        copy_index,
         BLOCK=block,
         LIBDEVICE=_LIBDEVICE,
         num_warps=norm_warps(block),  # rms_norm's: the same reduction

@@ -105,7 +105,30 @@ def mxfp8_mismatches(device: str = "cpu") -> list[str]:
                     for name, other in others.items()
                     if not torch.equal(ours, other)
                 ]
+            bad += [
+                f"{case} gain {gain}: {why}" for why in _copy_mismatches(x, w, positions, freqs)
+            ]
     return bad
+
+
+def _copy_mismatches(x, weight, positions, freqs) -> list[str]:
+    """`copy_to`: the encoded rows also land at their ring rows, nothing else moves."""
+    plain = rms_norm_rope_mxfp8(x, weight, EPS, positions, freqs)
+    rows = plain.reshape(-1, plain.shape[-1])
+    ring = torch.full((2 * rows.shape[0] + 3, rows.shape[1]), 0x5A, dtype=torch.uint8)
+    ring = ring.to(x.device)
+    index = torch.randperm(ring.shape[0], generator=torch.Generator().manual_seed(1))
+    index = index[: rows.shape[0]].to(x.device)
+    before = ring.clone()
+    ours = rms_norm_rope_mxfp8(x, weight, EPS, positions, freqs, copy_to=(ring, index))
+    untouched = torch.ones(ring.shape[0], dtype=torch.bool, device=x.device)
+    untouched[index] = False
+    checks = {
+        "copy: its own output": torch.equal(ours, plain),
+        "copy: the ring rows": torch.equal(ring[index], rows),
+        "copy: the other rows": torch.equal(ring[untouched], before[untouched]),
+    }
+    return [name for name, ok in checks.items() if not ok]
 
 
 _INTERPRETED = """
@@ -145,6 +168,12 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
         rms_norm_rope_mxfp8(x[..., :80], weight[:80], EPS, positions, freqs)
     with pytest.raises(ValueError, match="blocks of 32"):
         rms_norm_rope_mxfp8(x.double(), weight.double(), EPS, positions, freqs)
+    ring = torch.zeros(64, x.shape[-1] + x.shape[-1] // 32, dtype=torch.uint8)
+    index = torch.arange(positions.numel())
+    with pytest.raises(ValueError, match="copy_to"):
+        rms_norm_rope_mxfp8(x, weight, EPS, positions, freqs, copy_to=(ring[:, :-1], index))
+    with pytest.raises(ValueError, match="copy_to"):
+        rms_norm_rope_mxfp8(x, weight, EPS, positions, freqs, copy_to=(ring, index[:-1]))
 
 
 def _compiled_rms_norm_rope(width: int, mxfp8: bool, aligned: set[str]) -> str:
@@ -163,6 +192,7 @@ def _compiled_rms_norm_rope(width: int, mxfp8: bool, aligned: set[str]) -> str:
         _rms_norm_rope_kernel,
         {"x_ptr": "*bf16", "weight_ptr": "*bf16", "position_ptr": "*i64", "freq_ptr": "*fp32"}
         | {"out_ptr": out, "normed_ptr": out, "pass_pairs": "i32"}
+        | {"copy_ptr": out, "copy_row_ptr": "*i64"}
         | {"width": "i32", "x_row_stride": "i32", "eps": "fp32"},
         options,
         aligned,

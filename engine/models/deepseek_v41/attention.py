@@ -123,11 +123,17 @@ class RMSNorm(nn.Module):
         return rotated, normed
 
     def rotated_encoded(
-        self, x: Tensor, positions: Tensor, freqs: Tensor, codec: KVCodec
+        self,
+        x: Tensor,
+        positions: Tensor,
+        freqs: Tensor,
+        codec: KVCodec,
+        copy_to: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """`codec.encode(self.rotated(x, positions, freqs))`, in one launch where the codec has
-        a kernel for all three (`KVCodec.normed_rotated_encode`: MXFP8 window rows)."""
-        return codec.normed_rotated_encode(x, self.weight, self.eps, positions, freqs)
+        a kernel for all three (`KVCodec.normed_rotated_encode`: MXFP8 window rows); copy_to:
+        as that method's."""
+        return codec.normed_rotated_encode(x, self.weight, self.eps, positions, freqs, copy_to)
 
 
 def _linear(n_in: int, n_out: int, dtype: torch.dtype) -> Linear:
@@ -365,20 +371,49 @@ class Attention(nn.Module):
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
-        qa, q, window_rows = self.project(x, ctx.batch.positions, ctx.codecs.swa)
-        return self.output(self.attend(x, qa, q, window_rows, ctx))
+        ring_rows = self._ring_rows_written_in_projection(x, ctx)
+        qa, q, window_rows = self.project(x, ctx.batch.positions, ctx.codecs.swa, ring_rows)
+        return self.output(self.attend(x, qa, q, window_rows, ctx, ring_rows is not None))
 
     def project(
-        self, x: Tensor, positions: Tensor, window_codec: KVCodec
+        self,
+        x: Tensor,
+        positions: Tensor,
+        window_codec: KVCodec,
+        ring_rows: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(query latent qa [T, q_lora], queries [T, H, hd] before their RoPE (`attend`
         rotates them), encoded window rows). Pure and token-parallel (CUDA graphs may replay
-        it)."""
+        it), unless ring_rows (the ring's rows, each token's row index: from
+        `_ring_rows_written_in_projection`) asks for the window rows to be stored there too."""
         cfg = self.cfg
         q_latent, kv_latent = self.latents(x)
         qa = self.q_norm(q_latent)
         q = self.wq_b(qa).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
-        return qa, q, self.kv_norm.rotated_encoded(kv_latent, positions, self.freqs, window_codec)
+        window_rows = self.kv_norm.rotated_encoded(
+            kv_latent, positions, self.freqs, window_codec, ring_rows
+        )
+        return qa, q, window_rows
+
+    def _ring_rows_written_in_projection(
+        self, x: Tensor, ctx: StepContext
+    ) -> tuple[Tensor, Tensor] | None:
+        """Where a kernel-path decode step (one token per sequence, every token's row kept)
+        has the window rows' encoding launch store them into the ring directly: (the ring's
+        rows [slots · ring_len, row bytes], each token's row index), else None (`attend`
+        writes them). Such a step's attention reads the window from the ring only, after its
+        own rows are in (`_sparse_mqa_kernel`), and nothing reads the ring before."""
+        batch, codecs = ctx.batch, ctx.codecs
+        encoded = codecs.swa.storage_dtype == torch.uint8
+        global_encoded = not self.ratio or codecs.global_kv.storage_dtype == torch.uint8
+        kernel = runs_kernels(x) and encoded and global_encoded  # `_attends_in_kernel`
+        if not kernel or batch.max_len != 1 or self.batch_invariant:
+            return None
+        ring = ctx.state.swa[self.layer_id]
+        keep, _, _ = batch.ring_writes(ring.shape[1])
+        if keep is not None:
+            return None
+        return ring.view(-1, ring.shape[-1]), batch.ring_flat_rows(ring.shape[1])
 
     def latents(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(`wq_a(x)`, `wkv(x)`). Packed (`pack_projections`), on the kernel path and outside
@@ -394,19 +429,26 @@ class Attention(nn.Module):
         return self.wq_a(x), self.wkv(x)
 
     def attend(
-        self, x: Tensor, qa: Tensor, q: Tensor, window_rows: Tensor, ctx: StepContext
+        self,
+        x: Tensor,
+        qa: Tensor,
+        q: Tensor,
+        window_rows: Tensor,
+        ctx: StepContext,
+        window_written: bool = False,
     ) -> Tensor:
         """Store this step's rows (window, KV source), select, attend with the queries q
         (`project`'s, before RoPE) rotated by each token's RoPE angle: [T, H, hd] in x's
         dtype, rotated back by that angle. The kernel path rotates the queries as it loads them
         and the output as it stores it (`sparse_mqa(rotate_q=..., rotate_back=...)`), bit for
-        bit the separate rotations."""
+        bit the separate rotations. window_written: `project` stored the window rows in the
+        ring already (`_ring_rows_written_in_projection`)."""
         if self.is_source and not ctx.sources_written:
             self.write_source(x, ctx)
         if self.is_index:
             self._select(x, qa, ctx)
         if self._attends_in_kernel(q, ctx):
-            return self._sparse_mqa_kernel(q, window_rows, ctx)
+            return self._sparse_mqa_kernel(q, window_rows, ctx, window_written)
         q = apply_rope(q, ctx.batch.positions, self.freqs)
         attend = self._sparse_mqa_fixed_order if self.batch_invariant else self._sparse_mqa
         o = attend(q, window_rows, ctx).to(x.dtype)
@@ -560,7 +602,9 @@ class Attention(nn.Module):
             and (not self.ratio or codecs.global_kv.storage_dtype == torch.uint8)
         )
 
-    def _sparse_mqa_kernel(self, q: Tensor, window_rows: Tensor, ctx: StepContext) -> Tensor:
+    def _sparse_mqa_kernel(
+        self, q: Tensor, window_rows: Tensor, ctx: StepContext, window_written: bool = False
+    ) -> Tensor:
         """`_sparse_mqa` of the queries q before RoPE, rotated as the kernel loads them
         (`sparse_mqa`'s `rotate_q`), reading the encoded rows in place; the output rounded to
         q's dtype and rotated back (`rotate_back`). Writes the step's window rows.
@@ -593,7 +637,8 @@ class Attention(nn.Module):
         sources["rotate_q"] = sources["rotate_back"] = self.freqs
         sources["q_scratch"] = True  # this step's projection, read by nothing else
         if batch.max_len == 1 and not fixed:
-            self._write_window(window_rows, ctx)
+            if not window_written:
+                self._write_window(window_rows, ctx)
             ring = (state.swa[self.layer_id], batch.slots)
             return sparse_mqa(*args, ring=ring, fixed_tiles=fixed, **sources)
         keys, _ = self._window_keys(window_rows, ctx)

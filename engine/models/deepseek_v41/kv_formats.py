@@ -493,16 +493,29 @@ class KVCodec:
         return self.round_trip(apply_rope(x, positions, freqs))
 
     def normed_rotated_encode(
-        self, x: Tensor, weight: Tensor, eps: float, positions: Tensor, freqs: Tensor
+        self,
+        x: Tensor,
+        weight: Tensor,
+        eps: float,
+        positions: Tensor,
+        freqs: Tensor,
+        copy_to: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``encode(rms_norm_rope(x, weight, eps, positions, freqs)[0])`` (the arguments of
         `primitives.rms_norm_rope`): one launch on the kernel path where a kernel does the
         norm, the rotation and the encoding (MXFP8 window rows), bit for bit the two launches;
-        else the norm and rotation, then ``encode``."""
+        else the norm and rotation, then ``encode``. copy_to (rows, index): the encoded rows
+        also stored as rows[index] (rows [R, row bytes]: a ring's rows; in the same launch
+        where the kernel encodes)."""
         if self.kernel_normed_rotated_encode_fn is not None and runs_kernels(x):
             self._check_width(x)
-            return self.kernel_normed_rotated_encode_fn(x, weight, eps, positions, freqs)
-        return self.encode(rms_norm_rope(x, weight, eps, positions, freqs)[0])
+            fn = self.kernel_normed_rotated_encode_fn
+            return fn(x, weight, eps, positions, freqs, copy_to=copy_to)
+        encoded = self.encode(rms_norm_rope(x, weight, eps, positions, freqs)[0])
+        if copy_to is not None:
+            rows, index = copy_to
+            rows[index] = encoded
+        return encoded
 
     def _check_width(self, x: Tensor) -> None:
         if x.shape[-1] != self.dim:

@@ -255,6 +255,18 @@ class StepBatch:
         batch: every layer's window ring writes the same places."""
         return self.shared(("ring writes", ring_len), lambda: self._ring_writes(ring_len))
 
+    def ring_flat_rows(self, ring_len: int) -> Tensor:
+        """`ring_writes`' (slot, ring row) of every token as one row index into the ring's
+        rows [slots · ring_len, ...] (where every token's row is kept). Once per batch."""
+
+        def build() -> Tensor:
+            keep, slots, rows = self.ring_writes(ring_len)
+            if keep is not None:
+                raise ValueError("some of this step's rows are not kept in the ring")
+            return slots * ring_len + rows
+
+        return self.shared(("ring flat rows", ring_len), build)
+
     def _ring_writes(self, ring_len: int) -> tuple[Tensor | None, Tensor, Tensor]:
         if all(n <= ring_len for n in self.lengths):
             return None, self.slots[self.seq_of_token], self.positions % ring_len
