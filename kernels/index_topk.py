@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
-from kernels.nucleus_cutoff import _KEY_NEG_INF, _keys, _search, _value
+from kernels.nucleus_cutoff import _KEY_NEG_INF, _keys, _row_max, _search, _value
 
 __all__ = ["index_topk", "index_topk_reference"]
 
@@ -50,12 +50,7 @@ def _index_topk_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + row * row_stride
     out_row = out_ptr + row * k
-    row_max = tl.full([BLOCK], -float("inf"), tl.float32)
-    for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < width, other=-float("inf"))
-        row_max = tl.maximum(row_max, x)
-    row_max = tl.max(row_max, axis=0)
+    row_max = _row_max(row_ptr, width, BLOCK)
     lo = tl.full([], KEY_NEG_INF, tl.int64)
     hi = _keys(row_max).to(tl.int64) + 1
     if row_max == -float("inf"):

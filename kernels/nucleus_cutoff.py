@@ -94,6 +94,18 @@ def _search(
 
 
 @triton.jit
+def _row_max(row_ptr, width, BLOCK: tl.constexpr):
+    """The largest of a row's `width` fp32 values (−inf for none), read in tiles of BLOCK."""
+    row_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        row_max = tl.maximum(
+            row_max, tl.load(row_ptr + cols, mask=cols < width, other=-float("inf"))
+        )
+    return tl.max(row_max, axis=0)
+
+
+@triton.jit
 def _value(key):
     """The fp32 value of an ordered key."""
     bits = key.to(tl.int32)
@@ -116,13 +128,7 @@ def _nucleus_cutoff_kernel(
     row_ptr = x_ptr + row * row_stride
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
-    row_max = tl.full([BLOCK], -float("inf"), tl.float32)
-    for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        row_max = tl.maximum(
-            row_max, tl.load(row_ptr + cols, mask=cols < width, other=-float("inf"))
-        )
-    row_max = tl.max(row_max, axis=0)
+    row_max = _row_max(row_ptr, width, BLOCK)
     lo = tl.full([], KEY_NEG_INF, tl.int64)
     hi = _keys(row_max).to(tl.int64) + 1
     if row_max == -float("inf"):

@@ -160,12 +160,10 @@ def test_combination_and_norm_in_one_launch_equal_the_two_kernels_on_cuda(case) 
     assert torch.equal(fused, rms_norm(mhc_combine(residual, weights), norm_weight, EPS))
 
 
-@pytest.mark.parametrize("case", NORM_CASES[:3])
-def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -> None:
-    # The CUDA build contracts multiplies into adds per program (why the fused kernel once
-    # differed from the two on the H200): the sum of squares must hold no plain multiply, cover
-    # as many elements per thread and lower to as many adds and shuffles as rms_norm's.
-    from kernels.mhc_combine import _mhc_combine_norm_kernel
+def _reduces_as_rms_norm(case, kernel, types: dict[str, str], constexprs: dict) -> bool:
+    """Whether `kernel` (types: its tensors, `elem` for the row dtype's) compiled for sm90 sums
+    a row's squares as `rms_norm`'s kernel does: no plain multiply, as many elements per
+    thread, as many adds and shuffles."""
     from kernels.rms_norm import _rms_norm_kernel
     from tests.kernels.interpreted import compile_for_hopper
 
@@ -173,16 +171,12 @@ def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -
     block = triton.next_power_of_2(dim)
     warps = {"num_warps": min(16, max(1, block // 512))}
     elem = {"float32": "*fp32", "bfloat16": "*bf16"}[dtype]
+    types = {name: elem if kind == "elem" else kind for name, kind in types.items()}
     scalars = {"dim": "i32", "width": "i32", "x_row_stride": "i32", "eps": "fp32"}
-    aligned = {"residual_ptr", "weights_ptr", "norm_ptr", "out_ptr", "x_ptr", "weight_ptr"}
-    aligned |= {"codes_ptr", "scale_ptr"}
+    aligned = set(types) | {"x_ptr", "weight_ptr", "out_ptr", "codes_ptr", "scale_ptr"}
     aligned |= {"dim", "width", "x_row_stride"} if dim % 16 == 0 else set()
     fused = compile_for_hopper(
-        _mhc_combine_norm_kernel,
-        {"residual_ptr": elem, "weights_ptr": "*fp32", "norm_ptr": elem, "out_ptr": elem} | scalars,
-        {"N": case[1], "BLOCK": block},
-        aligned,
-        warps,
+        kernel, types | scalars, constexprs | {"BLOCK": block}, aligned, warps
     )
     two = compile_for_hopper(
         _rms_norm_kernel,
@@ -194,7 +188,18 @@ def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -
         warps,
     )
     per_thread = block // (32 * warps["num_warps"])
-    assert sum_of_squares_ops(fused, per_thread) == sum_of_squares_ops(two, per_thread)
+    return sum_of_squares_ops(fused, per_thread) == sum_of_squares_ops(two, per_thread)
+
+
+@pytest.mark.parametrize("case", NORM_CASES[:3])
+def test_combination_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -> None:
+    # The CUDA build contracts multiplies into adds per program (why the fused kernel once
+    # differed from the two on the H200): the sum of squares must hold no plain multiply, cover
+    # as many elements per thread and lower to as many adds and shuffles as rms_norm's.
+    from kernels.mhc_combine import _mhc_combine_norm_kernel
+
+    types = {"residual_ptr": "elem", "weights_ptr": "*fp32", "norm_ptr": "elem", "out_ptr": "elem"}
+    assert _reduces_as_rms_norm(case, _mhc_combine_norm_kernel, types, {"N": case[1]})
 
 
 def post_and_norm_in_one_launch(cases, device: str = "cpu") -> list[list[bool]]:
@@ -262,34 +267,9 @@ def test_update_and_norm_in_one_launch_equal_the_two_kernels_on_cuda() -> None:
 def test_update_and_norm_sum_squares_as_rms_norm_does_when_compiled(case) -> None:
     # as the combination + norm kernel's test above: the same reduction as rms_norm's
     from kernels.mhc_post import _mhc_post_combine_norm_kernel
-    from kernels.rms_norm import _rms_norm_kernel
-    from tests.kernels.interpreted import compile_for_hopper
 
-    _, _, dim, dtype = case
-    block = triton.next_power_of_2(dim)
-    warps = {"num_warps": min(16, max(1, block // 512))}
-    elem = {"float32": "*fp32", "bfloat16": "*bf16"}[dtype]
-    scalars = {"dim": "i32", "width": "i32", "x_row_stride": "i32", "eps": "fp32"}
-    tensors = {"residual_ptr": elem, "post_ptr": "*fp32", "comb_ptr": "*fp32", "y_ptr": elem}
-    tensors |= {"out_ptr": elem, "weights_ptr": "*fp32", "norm_ptr": elem, "x_ptr": elem}
-    tensors |= {"x_kernel_order_ptr": elem}
-    aligned = set(tensors) | {"weight_ptr", "codes_ptr", "scale_ptr"}
-    aligned |= {"dim", "width", "x_row_stride"} if dim % 16 == 0 else set()
-    fused = compile_for_hopper(
-        _mhc_post_combine_norm_kernel,
-        tensors | scalars,
-        {"N": case[1], "BLOCK": block, "KERNEL_ORDER": dim % 128 == 0},
-        aligned,
-        warps,
-    )
-    two = compile_for_hopper(
-        _rms_norm_kernel,
-        {"x_ptr": elem, "weight_ptr": elem, "out_ptr": elem, "codes_ptr": "*fp32"}
-        | {"scale_ptr": "*fp32"}
-        | scalars,
-        {"HAS_WEIGHT": True, "EMIT_FP8": False, "BLOCK": block, "GROUP": 1},
-        aligned,
-        warps,
-    )
-    per_thread = block // (32 * warps["num_warps"])
-    assert sum_of_squares_ops(fused, per_thread) == sum_of_squares_ops(two, per_thread)
+    types = {"residual_ptr": "elem", "post_ptr": "*fp32", "comb_ptr": "*fp32", "y_ptr": "elem"}
+    types |= {"out_ptr": "elem", "weights_ptr": "*fp32", "norm_ptr": "elem", "x_ptr": "elem"}
+    types |= {"x_kernel_order_ptr": "elem"}
+    constexprs = {"N": case[1], "KERNEL_ORDER": case[2] % 128 == 0}
+    assert _reduces_as_rms_norm(case, _mhc_post_combine_norm_kernel, types, constexprs)
