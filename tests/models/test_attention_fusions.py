@@ -1,9 +1,13 @@
-"""The attention's fused launches against the unfused calls they replace, on the whole `tiny`
-model in Triton's interpreter (the kernel paths): logits and state bit for bit.
+"""The fused launches against the unfused calls they replace, on the whole `tiny` model in
+Triton's interpreter (the kernel paths): logits and state bit for bit.
 
 `unfused()` patches the fusions back to separate calls: the queries' RoPE as its own launch
 before `sparse_mqa` (instead of its `rotate_q`); the window row's norm + RoPE launch, then the
-MXFP8 encoding launch (instead of `KVCodec.normed_rotated_encode`'s one launch).
+MXFP8 encoding launch, then the ring's index put (instead of `KVCodec.normed_rotated_encode`'s
+one launch that also stores a decode step's rows into the ring); `mhc_post` then
+`mhc_combine_norm` (instead of `mhc_post_combine_norm`); the mHC triplet's two launches
+(instead of one); torch's top-k and the −1 masking (instead of `kernels.index_topk`: the same
+selection where no scores tie, as here).
 `fusion_outputs` runs a prefill of two sequences, a chunk beside a decode row, plain decode
 steps, padded decode steps (what a step graph captures; not in batch-invariant mode, which has
 none) and a prefix-cache replay (window floor and reuse end), and returns every step's logits
@@ -33,26 +37,46 @@ from tests.kernels.interpreted import run_interpreted
 @contextlib.contextmanager
 def unfused() -> Iterator[None]:
     """The fused launches replaced by the calls they fuse, for the duration."""
+    import kernels.index_topk as topk
+    import kernels.mhc_post as post
+    import kernels.mhc_triplet as triplet
     import kernels.sparse_mqa as mqa
     from engine.models.deepseek_v41.kv_formats import KVCodec
     from engine.models.deepseek_v41.primitives import rms_norm_rope
+    from kernels.mhc_combine import mhc_combine_norm
     from kernels.rope import apply_rope
 
-    fused_attention, fused_encode = mqa.sparse_mqa, KVCodec.normed_rotated_encode
+    fused = (mqa.sparse_mqa, KVCodec.normed_rotated_encode, post.mhc_post_combine_norm)
+    fused += (triplet.mhc_triplet, topk.index_topk)
 
     def attention(q, seq_of_token, positions, *args, rotate_q=None, **kwargs):
         if rotate_q is not None:
             q = apply_rope(q, positions, rotate_q)
-        return fused_attention(q, seq_of_token, positions, *args, **kwargs)
+        return fused[0](q, seq_of_token, positions, *args, **kwargs)
 
-    def encode(codec, x, weight, eps, positions, freqs):
-        return codec.encode(rms_norm_rope(x, weight, eps, positions, freqs)[0])
+    def encode(codec, x, weight, eps, positions, freqs, copy_to=None):
+        encoded = codec.encode(rms_norm_rope(x, weight, eps, positions, freqs)[0])
+        if copy_to is not None:
+            rows, index = copy_to
+            rows[index] = encoded
+        return encoded
+
+    def update_and_norm(residual, post_w, comb, y, weights, norm_weight, eps, kernel_order=False):
+        assert not kernel_order  # the decode tiles do not run in the interpreter
+        updated = post.mhc_post(residual, post_w, comb, y)
+        return updated, mhc_combine_norm(updated, weights, norm_weight, eps), None
+
+    def two_launches(*args, **kwargs):
+        return fused[3](*args, **kwargs, one_launch=False)
 
     mqa.sparse_mqa, KVCodec.normed_rotated_encode = attention, encode
+    post.mhc_post_combine_norm, triplet.mhc_triplet = update_and_norm, two_launches
+    topk.index_topk = topk.index_topk_reference
     try:
         yield
     finally:
-        mqa.sparse_mqa, KVCodec.normed_rotated_encode = fused_attention, fused_encode
+        mqa.sparse_mqa, KVCodec.normed_rotated_encode, post.mhc_post_combine_norm = fused[:3]
+        triplet.mhc_triplet, topk.index_topk = fused[3:]
 
 
 def _state_tensors(state: ModelState, label: str) -> dict[str, torch.Tensor]:
