@@ -3,9 +3,11 @@
 For each row of fp32 scores x [J] and a count k ≤ J, the k largest entries, best first, as
 their column indices, −1 in place of a −inf entry:
 
-    v_k   the k-th largest value: a count search over the ordered integer keys of the values
-          (`kernels.nucleus_cutoff._search`: each pass counts the entries at or above 16 keys
-          spread over the interval still open; ~8 passes over the row for 32 bits)
+    v_k   the k-th largest value: a radix select over the ordered integer keys of the values
+          (`kernels.nucleus_cutoff._keys`), 8 bits per pass from the top: each pass counts
+          the keys that match the digits found so far by their next digit (`tl.histogram`)
+          and keeps the digit whose keys at or above it reach the count still wanted; 4
+          passes over the row
     take  every entry above v_k, then entries equal to v_k in column order until there are
           k: one pass, each tile's picks placed by a prefix count after the ones before
     order the k picks sorted in registers by (value descending, column ascending)
@@ -25,14 +27,29 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import check_runnable
-from kernels.nucleus_cutoff import _KEY_NEG_INF, _keys, _row_max, _search, _value
+from kernels.nucleus_cutoff import _keys, _value
 
 __all__ = ["index_topk", "index_topk_reference"]
 
 BLOCK = 1024
-NUM_THRESHOLDS = 16
 # the low half of a packed pick: 2³² − 1 − column, so that lower columns sort first
 _COLUMN_MASK = tl.constexpr(0xFFFFFFFF)
+
+
+@triton.jit
+def _radix_digits(row_ptr, width, prefix, prefix_mask, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """Counts [256] of the 8-bit digit at SHIFT of the unsigned ordered keys that match
+    `prefix` on `prefix_mask`, over the row (the others counted in bins past 256, dropped)."""
+    counts = tl.zeros([2 * 256], dtype=tl.int32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < width
+        x = tl.load(row_ptr + cols, mask=inside, other=-float("inf"))
+        u = _keys(x).to(tl.uint32, bitcast=True) ^ 0x80000000  # unsigned, ordered as x
+        digit = ((u >> SHIFT) & 255).to(tl.int32)
+        match = inside & ((u & prefix_mask) == prefix)
+        counts += tl.histogram(tl.where(match, digit, 256 + (digit & 255)), 2 * 256)
+    return counts
 
 
 @triton.jit(do_not_specialize=["width", "row_stride", "k"])
@@ -42,27 +59,30 @@ def _index_topk_kernel(
     width,
     row_stride,
     k,
-    KEY_NEG_INF: tl.constexpr,
     BLOCK: tl.constexpr,
-    NUM: tl.constexpr,
     K_PAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + row * row_stride
     out_row = out_ptr + row * k
-    row_max = _row_max(row_ptr, width, BLOCK)
-    lo = tl.full([], KEY_NEG_INF, tl.int64)
-    hi = _keys(row_max).to(tl.int64) + 1
-    if row_max == -float("inf"):
-        hi = lo + 1  # every entry is −inf: v_k is
-    # v_k's key: the largest key with at least k entries at or above it
-    kth = _search(row_ptr, width, 0.0, lo, hi, k.to(tl.float64), False, BLOCK, NUM).to(tl.int32)
-    above = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < width, other=-float("inf"))
-        above += ((_keys(x) > kth) & (cols < width)).to(tl.int32)
-    ties = k - tl.sum(above, axis=0)  # entries equal to v_k to take, the first by column
+    # v_k's key, a digit of 8 bits per pass from the top (a radix select): among the keys
+    # matching the digits found so far, the digit whose keys at or above it reach the count
+    # still wanted
+    prefix = tl.zeros([], dtype=tl.uint32)
+    prefix_mask = tl.zeros([], dtype=tl.uint32)
+    wanted = k
+    bins = tl.arange(0, 2 * 256)
+    for step in tl.static_range(4):
+        counts = _radix_digits(row_ptr, width, prefix, prefix_mask, 24 - 8 * step, BLOCK)
+        counts = tl.where(bins < 256, counts, 0)
+        at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
+        digit = tl.max(tl.where((at_or_above >= wanted) & (bins < 256), bins, 0), axis=0)
+        above = tl.sum(tl.where(bins > digit, counts, 0), axis=0)
+        wanted -= above
+        prefix |= digit.to(tl.uint32) << (24 - 8 * step)
+        prefix_mask |= tl.full([], 255, tl.uint32) << (24 - 8 * step)
+    kth = (prefix ^ 0x80000000).to(tl.int32, bitcast=True)  # back to the signed key
+    ties = wanted  # entries equal to v_k to take, the first by column
     taken = tl.zeros([], dtype=tl.int32)
     tied = tl.zeros([], dtype=tl.int32)
     for start in range(0, width, BLOCK):
@@ -104,21 +124,20 @@ def index_topk(scores: Tensor, k: int) -> Tensor:
     if not 0 <= k <= width:
         raise ValueError(f"k must be in [0, {width}], got {k}")
     check_runnable(scores, "index_topk")
-    rows = scores.reshape(-1, width)
     out = torch.empty(*scores.shape[:-1], k, dtype=torch.int64, device=scores.device)
-    if rows.shape[0] and k:
-        _index_topk_kernel[(rows.shape[0],)](
-            rows,
-            out,
-            width,
-            rows.stride(0),
-            k,
-            KEY_NEG_INF=_KEY_NEG_INF,
-            BLOCK=BLOCK,
-            NUM=NUM_THRESHOLDS,
-            K_PAD=triton.next_power_of_2(k),
-            num_warps=8,
-        )
+    if not out.numel():
+        return out
+    rows = scores.reshape(-1, width)
+    _index_topk_kernel[(rows.shape[0],)](
+        rows,
+        out,
+        width,
+        rows.stride(0),
+        k,
+        BLOCK=BLOCK,
+        K_PAD=triton.next_power_of_2(k),
+        num_warps=8,
+    )
     return out
 
 

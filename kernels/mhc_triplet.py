@@ -83,7 +83,7 @@ class TripletConfig:
             raise ValueError(f"split_cols must be a multiple of {BLOCK_K}, got {self.split_cols}")
 
 
-_FINISH_BLOCK_T = 16
+_FINISH_BLOCK_T = 16  # launch 2's token tile (and the one launch's finishing sub-tiles)
 # (largest T, config): the first row with T <= its bound runs; the last row takes every larger
 # T. Chosen by `python3 benchmarks/mhc_tiles.py` on the H200 (2026-12-02, docs/performance.md):
 # per site 53.9 / 53.8 / 64.4 / 206.7 µs at T = 16 / 64 / 256 / 4,096 (ieee: 63 / 81 / 134 /
@@ -167,6 +167,7 @@ def _mhc_partials_kernel(
     ONE_LAUNCH: tl.constexpr,
     ITERS: tl.constexpr,
     N: tl.constexpr,
+    FINISH_BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
@@ -198,9 +199,13 @@ def _mhc_partials_kernel(
         done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if done == num_splits - 1:
             tl.store(counter_ptr + tile, 0)
-            _finish_tile(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, t,
-                         is_token, num_tokens, num_splits, inv_width, norm_eps, hc_eps, ITERS,
-                         N, MIX_PAD, BLOCK_T)  # fmt: skip
+            # in launch 2's tiles of FINISH_BLOCK_T tokens: the Sinkhorn's sums over N are
+            # laid out (and so associated) by the tile's shape
+            for sub in tl.static_range(BLOCK_T // FINISH_BLOCK_T):
+                ts = tile * BLOCK_T + sub * FINISH_BLOCK_T + tl.arange(0, FINISH_BLOCK_T)
+                _finish_tile(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, ts,
+                             ts < num_tokens, num_tokens, num_splits, inv_width, norm_eps,
+                             hc_eps, ITERS, N, MIX_PAD, FINISH_BLOCK_T)  # fmt: skip
 
 
 @triton.jit
@@ -366,6 +371,7 @@ def mhc_triplet(
         ONE_LAUNCH=counters is not None,
         ITERS=iters,
         N=n,
+        FINISH_BLOCK_T=_FINISH_BLOCK_T,
         num_warps=config.num_warps,
     )
     if counters is not None:
@@ -386,6 +392,7 @@ def mhc_triplet(
         N=n,
         MIX_PAD=mix_pad,
         BLOCK_T=_FINISH_BLOCK_T,
+        num_warps=config.num_warps,  # the one launch's: the same layouts
     )
     return pre, post, comb
 

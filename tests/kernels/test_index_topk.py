@@ -68,6 +68,20 @@ def test_selection_is_torchs_in_the_triton_interpreter() -> None:
         assert all(row), (case, row)
 
 
+_EMPTY = """
+import json, torch
+from kernels.index_topk import index_topk
+shapes = [tuple(index_topk(torch.randn(*lead, j), k).shape)
+          for lead, j, k in (((2, 3), 0, 0), ((0,), 5, 2), ((2, 1), 7, 0))]
+print(json.dumps(shapes))
+"""
+
+
+def test_empty_selections_in_the_triton_interpreter() -> None:
+    # a step whose sequences see no compressed position yet (J = 0), a launch without rows
+    assert run_interpreted(_EMPTY) == [[2, 3, 0], [0, 2], [2, 1, 0]]
+
+
 def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
     x = torch.randn(2, 16)
     with pytest.raises(ValueError, match="fp32"):
@@ -82,12 +96,11 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
 
 def test_kernel_compiles_for_hopper() -> None:
     from kernels.index_topk import _index_topk_kernel
-    from kernels.nucleus_cutoff import _KEY_NEG_INF
 
     ptx = compile_for_hopper(
         _index_topk_kernel,
         {"x_ptr": "*fp32", "out_ptr": "*i64", "width": "i32", "row_stride": "i32", "k": "i32"},
-        {"KEY_NEG_INF": _KEY_NEG_INF, "BLOCK": 1024, "NUM": 16, "K_PAD": 512},
+        {"BLOCK": 1024, "K_PAD": 512},
         {"x_ptr", "out_ptr"},
         {"num_warps": 8},
     )

@@ -161,7 +161,7 @@ def test_kernels_compile_for_hopper(
     types |= {"num_splits": "i32", "inv_width": "fp32", "norm_eps": "fp32", "hc_eps": "fp32"}
     constexprs = {"MIX": 24, "MIX_PAD": 32, "BLOCK_T": block_t, "BLOCK_K": 64, "SPLIT": 512}
     constexprs |= {"PRECISION": precision, "BF16_DOTS": True, "ONE_LAUNCH": one_launch}
-    constexprs |= {"ITERS": 20, "N": 4}
+    constexprs |= {"ITERS": 20, "N": 4, "FINISH_BLOCK_T": 16}
     ptx = compile_for_hopper(
         _mhc_partials_kernel,
         {**types, **count_type},

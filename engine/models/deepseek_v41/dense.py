@@ -193,7 +193,8 @@ def _bf16_times_bf16(x: Tensor, weight: Tensor, scale: float) -> Tensor:
     """bf16 x · bf16 weightᵀ · scale in fp32: one GEMM with fp32 output (the products exact),
     one product by the fp32-rounded scale unless it is 1."""
     lead, k = x.shape[:-1], x.shape[-1]
-    y = torch.mm(x.reshape(-1, k), weight.t(), out_dtype=torch.float32).view(*lead, -1)
+    y = torch.mm(x.reshape(-1, k), weight.t(), out_dtype=torch.float32)
+    y = y.view(*lead, weight.shape[0])  # no −1: a step may carry no rows
     return y if scale == 1.0 else y * scale
 
 
