@@ -29,7 +29,14 @@ from torch import Tensor
 from kernels import check_runnable
 from kernels.nucleus_cutoff import _keys, _value
 
-__all__ = ["index_topk", "index_topk_reference"]
+__all__ = ["index_topk", "index_topk_pays", "index_topk_reference"]
+
+# Where the kernel is no slower than torch's top-k (H100, 2026-12-06, `benchmarks/indexer_topk.py`,
+# docs/performance.md): 256 rows of 4,096 scores 105 µs (torch 146), of 8,192 154 µs (142); 16
+# rows 85 / 132 µs (57 / 73); 32,768 and more scores 2-5x slower. One program per row walks the
+# row 5 times, so few rows or long rows lose to torch's multi-block radix select.
+MIN_ROWS = 128
+MAX_WIDTH = 8192
 
 BLOCK = 1024
 # the low half of a packed pick: 2³² − 1 − column, so that lower columns sort first
@@ -139,6 +146,13 @@ def index_topk(scores: Tensor, k: int) -> Tensor:
         num_warps=8,
     )
     return out
+
+
+def index_topk_pays(rows: int, width: int) -> bool:
+    """Whether `index_topk` of `rows` rows of `width` scores is measured no slower than
+    `index_topk_reference` (`MIN_ROWS`, `MAX_WIDTH`): a function of shapes only, so a CUDA
+    graph's step takes the same path every replay."""
+    return rows >= MIN_ROWS and width <= MAX_WIDTH
 
 
 def index_topk_reference(scores: Tensor, k: int) -> Tensor:

@@ -8,6 +8,7 @@ to bound their buffers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -717,7 +718,7 @@ class Attention(nn.Module):
         if self.is_candidate_consumer and ctx.candidates is not None:
             scores = scores.masked_fill(~ctx.candidates[..., :num_visible_max], float("-inf"))
         k = min(cfg.index_topk, num_visible_max)
-        if runs_kernels(scores) and not self.batch_invariant:
+        if self._selects_in_kernel(scores):
             from kernels.index_topk import index_topk
 
             sel = index_topk(scores, k)  # one launch; equal scores by the lower position
@@ -735,6 +736,18 @@ class Attention(nn.Module):
             ctx.record[f"layers.{self.layer_id}.selection"] = batch.unpad(sel)
             if ctx.candidates is not None:
                 ctx.record[f"layers.{self.layer_id}.candidates"] = batch.unpad(ctx.candidates)
+
+    def _selects_in_kernel(self, scores: Tensor) -> bool:
+        """`kernels.index_topk` selects: the kernel path, not batch-invariant, and a shape
+        where it is no slower than torch's top-k (`index_topk_pays`: many rows, short ones)."""
+        from kernels.index_topk import index_topk_pays
+
+        rows = math.prod(scores.shape[:-1])
+        return (
+            runs_kernels(scores)
+            and not self.batch_invariant
+            and index_topk_pays(rows, scores.shape[-1])
+        )
 
     def _scores_in_kernel(self, iq: Tensor, ctx: StepContext) -> bool:
         """`kernels.index_scores` scores: the kernel path, FP4 index rows (decoded exactly to
