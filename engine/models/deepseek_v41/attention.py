@@ -404,11 +404,8 @@ class Attention(nn.Module):
         rows [slots · ring_len, row bytes], each token's row index), else None (`attend`
         writes them). Such a step's attention reads the window from the ring only, after its
         own rows are in (`_sparse_mqa_kernel`), and nothing reads the ring before."""
-        batch, codecs = ctx.batch, ctx.codecs
-        encoded = codecs.swa.storage_dtype == torch.uint8
-        global_encoded = not self.ratio or codecs.global_kv.storage_dtype == torch.uint8
-        kernel = runs_kernels(x) and encoded and global_encoded  # `_attends_in_kernel`
-        if not kernel or batch.max_len != 1 or self.batch_invariant:
+        batch = ctx.batch
+        if not self._attends_in_kernel(x, ctx) or batch.max_len != 1 or self.batch_invariant:
             return None
         ring = ctx.state.swa[self.layer_id]
         keep, _, _ = batch.ring_writes(ring.shape[1])
@@ -595,7 +592,8 @@ class Attention(nn.Module):
     def _attends_in_kernel(self, q: Tensor, ctx: StepContext) -> bool:
         """`kernels.sparse_mqa` takes this step: CUDA, rows stored encoded (MXFP8 window, FP4
         global), so that every row decodes exactly to bf16 (prefix-cache replay floors
-        included: the kernel hides the window rows below them)."""
+        included: the kernel hides the window rows below them). q: any of the step's tensors
+        on its device (the queries, or the attention input before them)."""
         codecs = ctx.codecs
         return (
             runs_kernels(q)

@@ -255,8 +255,7 @@ class MoE(nn.Module):
             return False
         from kernels.grouped_mxfp4_gemm import reads_kernel_order
 
-        block_m = self._block_m(x.shape[0] * self.top_k)
-        return reads_kernel_order(x.shape[1], block_m, fixed_tiles=self.batch_invariant)
+        return reads_kernel_order(x.shape[1], self._block_m(x.shape[0] * self.top_k))
 
     def forward(self, x: Tensor, x_kernel_order: Tensor | None = None) -> Tensor:
         """x [T, D] → [T, D]. x_kernel_order: x with each 128 columns in the grouped GEMM's K
