@@ -98,13 +98,18 @@ def _mhc_post_combine_norm_kernel(
     dtype = out_ptr.dtype.element_ty
     y = tl.load(y_ptr + token * dim + d, mask=in_row, other=0.0).to(tl.float32)
     weights = weights_ptr + token * N
-    for i in tl.static_range(N):
+    r = round_to(
+        _updated_stream(residual_ptr, post_ptr, comb_ptr, y, token, d, in_row, dim, 0, N), dtype
+    )
+    tl.store(out_ptr + token * N * dim + d, r.to(dtype), mask=in_row)
+    x = tl.load(weights) * r
+    for i in tl.static_range(1, N):
         r = round_to(
             _updated_stream(residual_ptr, post_ptr, comb_ptr, y, token, d, in_row, dim, i, N),
             dtype,
         )
         tl.store(out_ptr + token * N * dim + i * dim + d, r.to(dtype), mask=in_row)
-        x = tl.load(weights) * r if i == 0 else tl.fma(r, tl.load(weights + i), x)
+        x = tl.fma(r, tl.load(weights + i), x)
     x = round_to(x, dtype)
     normed = x * inv_rms(x, dim, eps)
     normed = normed * tl.load(norm_ptr + d, mask=in_row, other=0.0).to(tl.float32)
