@@ -36,7 +36,7 @@ from torch import Tensor
 
 from kernels import check_runnable, interpreting
 from kernels.element_codes import e2m1_pairs_to_float, ue8m0_to_float
-from kernels.row_codes import e2m1_scaled
+from kernels.row_codes import e2m1_value, ue8m0_value
 
 __all__ = [
     "TILES",
@@ -112,9 +112,7 @@ def _index_rows(pool_ptr, row_index, valid, D: tl.constexpr, BLOCK_J: tl.constex
     scale = tl.load(
         pool_ptr + row_index[:, None] + D // 2 + b[None, :], mask=valid[:, None], other=127
     )
-    exponent = scale.to(tl.int32)[:, :, None] - 127
-    values = e2m1_scaled(codes, exponent)
-    values = tl.where(exponent == 128, float("nan"), values)
+    values = e2m1_value(codes) * ue8m0_value(scale.to(tl.int32))[:, :, None]
     return tl.reshape(values, (BLOCK_J, D))
 
 

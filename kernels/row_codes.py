@@ -10,6 +10,8 @@ views of float32 values, so a compiler cannot rewrite them (no libm, no float ro
     e4m3_value(c)      float32 value of a non-negative e4m3 byte
     e2m1_code(y, x)    3-bit e2m1 magnitude of |y| (kv_formats.e2m1_encode's boundaries) with
                        the sign of x as bit 3
+    e2m1_value(c)      float32 e2m1(c), exact
+    ue8m0_value(b)     float32 2^(b - 127) of a scale byte, NaN for 255
     e2m1_scaled(c, e)  float32 e2m1(c) * 2^e, exact (subnormal results included)
     load_float32 / store_float32   rows of float32, or of bfloat16 through their int16 bits
 
@@ -115,23 +117,29 @@ def e2m1_code(y, x):
 
 
 @triton.jit
-def e2m1_scaled(code, e):
-    """float32 e2m1(code) * 2^e from bits (code int32 0..15, e int32 in [-127, 127]).
+def e2m1_value(code):
+    """float32 e2m1(code), exact (code int32 0..15).
 
-    Magnitude (1 + m/2) * 2^k with k = c // 2 - 1, m = c % 2 (c = code & 7 >= 2; c = 1 is 2^-1),
-    so the product's leading bit is 2^(k + e): normal, subnormal ((2 + m) * 2^(k + e - 1) in units
-    of 2^-149) or overflowing to inf.
-    """
-    c = code & 7
-    k = (c >> 1) - 1
-    m = tl.where(c == 1, 0, c & 1)
-    p = k + e
-    normal = ((p + 127) << 23) | (m << 22)
-    subnormal = (2 + m) << tl.minimum(tl.maximum(p + 148, 0), 22)
-    bits = tl.where(p >= -126, normal, subnormal)
-    bits = tl.where(p >= 128, 0x7F800000, bits)
-    bits = tl.where(c == 0, 0, bits)
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    The code's exponent and mantissa bits placed at float32's lowest exponent bits give
+    e2m1(code) · 2^-126 (the code 0.5: the subnormal 2^-127); one multiply by 2^126 scales it
+    back. Four integer operations and a multiply, no select."""
+    bits = ((code & 8) << 28) | ((code & 7) << 22)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def ue8m0_value(byte):
+    """float32 2^(byte − 127) of a ue8m0 scale byte (int32 0..255; NaN for 255)."""
+    return tl.where(byte == 255, float("nan"), pow2(byte - 127))
+
+
+@triton.jit
+def e2m1_scaled(code, e):
+    """float32 e2m1(code) * 2^e (code int32 0..15, e int32 in [-127, 127]): exact, inf where
+    it overflows (a value with two significant bits at 2^-128 or above is a float32, so the
+    multiply by the power of two never rounds). Give `e` unbroadcast ([..., 1] per block):
+    its power of two is then built once per block."""
+    return e2m1_value(code) * pow2(e)
 
 
 @triton.jit
@@ -159,10 +167,12 @@ __all__ = [
     "ceil_log2",
     "e2m1_code",
     "e2m1_scaled",
+    "e2m1_value",
     "e4m3_code",
     "e4m3_round_wide",
     "e4m3_value",
     "load_float32",
     "pow2",
     "store_float32",
+    "ue8m0_value",
 ]
