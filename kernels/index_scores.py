@@ -116,6 +116,29 @@ def _index_rows(pool_ptr, row_index, valid, D: tl.constexpr, BLOCK_J: tl.constex
     return tl.reshape(values, (BLOCK_J, D))
 
 
+@triton.jit
+def _tile_rows(table_ptr, seq, stride_table, j0, tile_visible, stride_pool_block,
+               stride_pool_row, RATIO: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
+    """(pool byte offset, is a stored row) of positions j0 .. j0 + BLOCK_J of sequence `seq`
+    (j0 a multiple of BLOCK_J): one block-table entry per pool block the tile spans, loaded
+    once and broadcast to its rows (a load per row repeats the same entry 128 / RATIO times,
+    with its 64-bit address arithmetic). Positions ≥ tile_visible are not rows."""
+    rows_per_block: tl.constexpr = 128 // RATIO  # _BLOCK_TOKENS (a jit sees no globals)
+    tile_blocks: tl.constexpr = (BLOCK_J + rows_per_block - 1) // rows_per_block
+    rows_each: tl.constexpr = BLOCK_J // tile_blocks
+    first = j0 + tl.arange(0, tile_blocks) * rows_each
+    block = tl.load(
+        table_ptr + seq * stride_table + (first * RATIO) // 128,
+        mask=first < tile_visible,
+        other=-1,
+    )
+    j = first[:, None] + tl.arange(0, rows_each)[None, :]
+    base = tl.where(block >= 0, block, 0) * stride_pool_block
+    row_index = base[:, None] + (j % rows_per_block) * stride_pool_row
+    is_row = (j < tile_visible) & (block >= 0)[:, None]
+    return tl.reshape(row_index, (BLOCK_J,)), tl.reshape(is_row, (BLOCK_J,))
+
+
 # Integers that change from step to step are not specialised (a value of 1, divisibility by
 # 16), so one compiled variant per layer shape serves every step (`warm_up.py`).
 @triton.jit(
@@ -178,19 +201,14 @@ def _index_scores_kernel(
         w_mask = is_token[:, None] & is_head[None, :]
         w = tl.load(w_ptr + token[:, None] * stride_wt + h[None, :], mask=w_mask, other=0.0)
         w = tl.reshape(w, (BLOCK_T * BLOCK_H,))
-        rows_per_block: tl.constexpr = 128 // RATIO  # _BLOCK_TOKENS (a jit sees no globals)
         # Tiles past the visible positions (the program's last ones) load no key and score −inf.
         for tile in tl.range(J_TILES, num_stages=NUM_STAGES):
-            j = j_start + tile * BLOCK_J + tl.arange(0, BLOCK_J)
-            is_row = j < tile_visible
-            block = tl.load(
-                table_ptr + seq * stride_table + (j * RATIO) // 128, mask=is_row, other=-1
-            )
-            is_row = is_row & (block >= 0)
-            row_index = (
-                tl.where(is_row, block, 0) * stride_pool_block
-                + (j % rows_per_block) * stride_pool_row
-            )
+            j0 = j_start + tile * BLOCK_J
+            j = j0 + tl.arange(0, BLOCK_J)
+            row_index, is_row = _tile_rows(
+                table_ptr, seq, stride_table, j0, tile_visible, stride_pool_block,
+                stride_pool_row, RATIO, BLOCK_J,
+            )  # fmt: skip
             keys = _index_rows(pool_ptr, row_index, is_row, D, BLOCK_J)
             dots = tl.dot(q, tl.trans(keys).to(DOT_DTYPE), out_dtype=tl.float32)
             weighted = tl.maximum(dots, 0.0) * w[:, None]

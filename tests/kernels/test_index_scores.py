@@ -23,12 +23,13 @@ from tests.kernels.interpreted import compile_for_hopper, run_interpreted
 
 # (lengths per sequence, start positions, heads, head dim, ratio): decode batches (T = 1),
 # ragged prefill chunks with padded rows, few heads (several tokens per dot), heads that are
-# not a power of two, the released 64 × 128, ratios 1 and 2.
+# not a power of two, the released 64 × 128, ratios 1, 2 and 4.
 CASES = [
     ((1, 1, 1), (5, 200, 63), 16, 32, 2),
     ((7, 3), (0, 130), 4, 64, 1),
     ((2, 5, 1), (300, 17, 0), 12, 32, 2),
     ((2, 1), (260, 40), 64, 128, 2),
+    ((3, 1), (700, 301), 8, 32, 4),
 ]
 GPU_CASES = [
     ((1,) * 16, (4095,) * 16, 64, 128, 2),  # decode, J = 2048
@@ -114,25 +115,26 @@ def test_index_scores_match_the_reference_in_the_interpreter() -> None:
 
 
 # Three key tiles per program: programs whose last tiles lie past the visible positions and
-# past num_j, one tile per program, and whether the two score the same.
+# past num_j, one tile per program, and whether the two score the same. Then 64-key tiles: at
+# ratio 4 (32 positions per pool block) a tile spans two blocks of the table.
 _INTERPRETED_J_TILES = """
 import json, torch
 from kernels.index_scores import IndexTiles, index_scores
 from tests.kernels.test_index_scores import CASES, _error_in_bounds, _inputs
-tiles = IndexTiles(16, 4, j_tiles=3)
 results = []
-for case in CASES:
-    args = _inputs(case)
-    same = torch.equal(index_scores(*args, tiles=tiles), index_scores(*args))
-    results.append([*_error_in_bounds(args, tiles), same])
+for tiles in (IndexTiles(16, 4, j_tiles=3), IndexTiles(64, 4)):
+    for case in CASES:
+        args = _inputs(case)
+        same = torch.equal(index_scores(*args, tiles=tiles), index_scores(*args))
+        results.append([*_error_in_bounds(args, tiles), same])
 print(json.dumps(results))
 """
 
 
-def test_several_key_tiles_per_program_score_as_one_in_the_interpreter() -> None:
+def test_other_key_tiles_score_as_the_default_in_the_interpreter() -> None:
     results = run_interpreted(_INTERPRETED_J_TILES)
-    assert len(results) == len(CASES)
-    for case, (ratio_to_bound, same_inf, same) in zip(CASES, results, strict=True):
+    assert len(results) == 2 * len(CASES)
+    for case, (ratio_to_bound, same_inf, same) in zip(2 * CASES, results, strict=True):
         assert same_inf and same and ratio_to_bound <= 1.0, case
 
 
