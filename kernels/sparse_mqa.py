@@ -303,12 +303,20 @@ def _window_tile(
     BD: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Window rows w0 .. w0 + BLOCK_N (columns d0 .. d0 + BD) as bf16, and which are real."""
+    """Window rows w0 .. w0 + BLOCK_N (columns d0 .. d0 + BD) as bf16, and which are real.
+
+    In the ring (ring_len ≥ WINDOW, as the launcher checks) the row of key position p is
+    p % ring_len: one 32-bit remainder for the window's first stored position, then one
+    conditional subtraction per row (a remainder per row of the int64 positions is a 64-bit
+    division routine call per row)."""
     offset = w0 + tl.arange(0, BLOCK_N)
     key_position = position - (WINDOW - 1) + offset
     valid = (key_position >= floor) & (offset < WINDOW)
     if WINDOW_IN_RING:
-        row_index = (tl.where(valid, key_position, 0) % ring_len) * stride_window_row
+        first = tl.maximum(position - (WINDOW - 1), 0)
+        slot = (first.to(tl.int32) % ring_len) + (key_position - first).to(tl.int32)
+        slot = tl.where(slot >= ring_len, slot - ring_len, slot)
+        row_index = tl.where(valid, slot, 0) * stride_window_row
         rows = _swa_rows(
             window_ptr + window_index * stride_window_seq, row_index, valid, d0, D, BD, BLOCK_N
         )
@@ -835,6 +843,8 @@ def sparse_mqa(
         rows, window_index = ring
         if rows.dtype != torch.uint8 or rows.shape[-1] != dim + dim // 32:
             raise ValueError(f"ring must be uint8 [.., .., {dim + dim // 32}]")
+        if rows.shape[1] < window:
+            raise ValueError(f"a ring of {rows.shape[1]} rows cannot hold a window of {window}")
     else:
         rows, window_index = window_rows
         if (

@@ -326,6 +326,9 @@ def test_launcher_rejects_layouts_it_cannot_take() -> None:
         sparse_mqa(q, seq_of_token, positions, sink, 0, scale, ring=ring)
     with pytest.raises(ValueError, match="uint8"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=(ring[0].float(), ring[1]))
+    with pytest.raises(ValueError, match="cannot hold a window"):
+        short = (ring[0][:, : window - 1], ring[1])
+        sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=short)
     with pytest.raises(ValueError, match="exactly one"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale)
     with pytest.raises(ValueError, match="block_d"):
