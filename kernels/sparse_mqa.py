@@ -305,16 +305,18 @@ def _window_tile(
 ):
     """Window rows w0 .. w0 + BLOCK_N (columns d0 .. d0 + BD) as bf16, and which are real.
 
-    In the ring (ring_len ≥ WINDOW, as the launcher checks) the row of key position p is
-    p % ring_len: one 32-bit remainder for the window's first stored position, then one
-    conditional subtraction per row (a remainder per row of the int64 positions is a 64-bit
-    division routine call per row)."""
+    Row `offset` holds key position start + offset (start = position − WINDOW + 1), real from
+    the floor on. All per-row arithmetic is 32-bit (positions stay below 2^31): in the ring
+    (ring_len ≥ WINDOW, as the launcher checks) key position p sits at row p % ring_len, which
+    is start % ring_len + offset, less ring_len past the end (for start < 0 the real rows are
+    start + offset < WINDOW). A remainder per row of the int64 positions called a 64-bit
+    division routine per row, and the int64 vectors held registers the tiles need."""
     offset = w0 + tl.arange(0, BLOCK_N)
-    key_position = position - (WINDOW - 1) + offset
-    valid = (key_position >= floor) & (offset < WINDOW)
+    start = (position - (WINDOW - 1)).to(tl.int32)
+    valid = (offset >= (floor - start).to(tl.int32)) & (offset < WINDOW)
     if WINDOW_IN_RING:
-        first = tl.maximum(position - (WINDOW - 1), 0)
-        slot = (first.to(tl.int32) % ring_len) + (key_position - first).to(tl.int32)
+        base = tl.where(start >= 0, start % ring_len, start)
+        slot = base + offset
         slot = tl.where(slot >= ring_len, slot - ring_len, slot)
         row_index = tl.where(valid, slot, 0) * stride_window_row
         rows = _swa_rows(
