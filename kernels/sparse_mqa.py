@@ -39,9 +39,12 @@ without it.
 `rotate_q`, its mirror: the queries arrive before their RoPE and every program that loads them
 (the one-pass kernel, each row split's and column block's program, the first pass) rotates
 their tail as it loads them: `_rotated_query`, `kernels.rope`'s device functions, rounded to
-q's dtype as the rope launch stores them, so the result is bit for bit that of
-`apply_rope(q, positions, freqs)` as q; the main loops are as without it. Launch shapes
-without `MqaTiles.rotates_q` get the rope launch first instead.
+q's dtype as the rope launch stores them, so the result is that of `apply_rope(q,
+positions, freqs)` as q; the main loops are as without it. Bit for bit in the interpreter and,
+on sm90, in decode launches (the window in the ring); in launches of several tokens per
+sequence (the window from bf16 rows) the H100 gave last-bit differences (2026-12-06: up to
+2.4e-6 on outputs of order one, a few percent of the elements), which `docs/model.md` records.
+Launch shapes without `MqaTiles.rotates_q` get the rope launch first instead.
 
 `sparse_mqa` is the launcher; `sparse_mqa_reference` the torch reference (codecs' own
 dequantisation, a direct softmax).
@@ -89,10 +92,11 @@ class MqaTiles:
     trades that for the scores' round trip through memory (fp32, 4 bytes per head and row;
     launches of `TWO_PASS_TOKENS` tokens at most). No row splits with it.
     rotates_q: with `rotate_q`, the programs rotate the queries as they load them; otherwise
-    the launcher rotates them first with the rope launch (`kernels.rope.apply_rope`), bit for
-    bit the same result. NOTE: at 32 or 64 heads per program the rotation in the load moves the
-    scores' wgmma operand from shared memory into registers and spills more (local sm90
-    compile, 64 tokens: 188 → 664 bytes of spill stores), not yet timed on a GPU
+    the launcher rotates them first with the rope launch (`kernels.rope.apply_rope`): the
+    same result (bit for bit in decode launches; see the module docstring). NOTE: at 32 or
+    64 heads per program the rotation in the load moves the scores' wgmma operand from
+    shared memory into registers and spills more (local sm90 compile, 64 tokens: 188 → 664
+    bytes of spill stores), not yet timed on a GPU
     (`benchmarks/attention_passes.py --rotate-q`), so only the 16-head shapes take it.
     """
 
@@ -821,8 +825,9 @@ def sparse_mqa(
     `apply_rope(out.to(q.dtype), positions, rotate_back, inverse=True)` (`kernels.rope`), bit
     for bit, from the same launches.
     rotate_q: fp32 frequencies [R ≤ D/2] of the queries' rotated tail: the result is that of
-    `apply_rope(q, positions, rotate_q)` (`kernels.rope`, rounded to q's dtype) as q, bit for
-    bit; applied as the queries are loaded (without that launch) where `tiles.rotates_q`.
+    `apply_rope(q, positions, rotate_q)` (`kernels.rope`, rounded to q's dtype) as q (bit for
+    bit in decode launches, module docstring); applied as the queries are loaded (without that
+    launch) where `tiles.rotates_q`.
     q_scratch: the caller does not read q again: where the tiles take the rope launch, it
     rotates q in place (only the rotated channels move, `apply_rope(in_place=True)`).
 

@@ -216,11 +216,20 @@ def test_rotated_output_equals_output_then_inverse_rope_in_the_triton_interprete
     assert max(r for r in result if isinstance(r, float)) < 1e-2  # bf16 output vs reference
 
 
-def query_rotation_mismatches(cases, tiles_list, q_dtypes, device: str = "cpu") -> list:
+def query_rotation_mismatches(
+    cases, tiles_list, q_dtypes, device: str = "cpu", tolerance: float = 0.0
+) -> list:
     """Launches whose result with `rotate_q` differs from the launch on the queries rotated by
     `kernels.rope` first (the two launches it replaces), alone and with `rotate_back` too (the
-    model's call); or equals the launch on unrotated queries (the rotation did nothing). Then
-    the largest relative distance to the reference's own rotation (fp32 outputs)."""
+    model's call), by more than `tolerance` in relative norm (0: any bit); or equals the launch
+    on unrotated queries (the rotation did nothing). Then the largest relative distance to the
+    reference's own rotation (fp32 outputs)."""
+
+    def differ(a: torch.Tensor, b: torch.Tensor) -> bool:
+        if not tolerance:
+            return not torch.equal(a, b)
+        return float((a.float() - b.float()).norm() / b.float().norm()) > tolerance
+
     from engine.models.deepseek_v41.primitives import rope_frequencies
     from kernels.rope import apply_rope
 
@@ -236,10 +245,10 @@ def query_rotation_mismatches(cases, tiles_list, q_dtypes, device: str = "cpu") 
                 tiles = None if tiles is None else dataclasses.replace(tiles, rotates_q=True)
                 run = functools.partial(sparse_mqa, **sources, tiles=tiles)
                 ours = run(q, *rest, rotate_q=freqs)
-                if not torch.equal(ours, run(rotated, *rest)) or torch.equal(ours, run(q, *rest)):
+                if differ(ours, run(rotated, *rest)) or torch.equal(ours, run(q, *rest)):
                     bad.append(f"{case} {q_dtype} {tiles}")
                 both = run(q, *rest, rotate_q=freqs, rotate_back=freqs)
-                if not torch.equal(both, run(rotated, *rest, rotate_back=freqs)):
+                if differ(both, run(rotated, *rest, rotate_back=freqs)):
                     bad.append(f"{case} {q_dtype} {tiles} rotate_back")
             reference = sparse_mqa_reference(q, *rest, **sources, rotate_q=freqs)
             worst = max(worst, float((ours - reference).norm() / reference.norm()))
@@ -380,8 +389,15 @@ def test_rotated_output_equals_output_then_inverse_rope_on_cuda(case) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[5], CASES[6]], ids=str)
 def test_rotated_queries_equal_rope_then_attention_on_cuda(case) -> None:
+    """Bit for bit in decode launches (one token per sequence: the window in the ring). With
+    several tokens per sequence (the window from bf16 rows) sm90 gave last-bit differences
+    (H100, 2026-12-06: at most 2.4e-6 on outputs of order one), so there the launches must
+    agree to fp32 rounding, still rotate, and still match the reference."""
     q_dtypes = (torch.bfloat16, torch.float32) if case == CASES[0] else (torch.bfloat16,)
-    result = query_rotation_mismatches((case,), [None, *CUDA_TILES], q_dtypes, "cuda")
+    decode = case[1] == 1
+    result = query_rotation_mismatches(
+        (case,), [None, *CUDA_TILES], q_dtypes, "cuda", tolerance=0.0 if decode else 1e-5
+    )
     assert result[:-1] == [] and result[-1] < 1e-3
 
 
