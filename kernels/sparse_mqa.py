@@ -43,7 +43,7 @@ q's dtype as the rope launch stores them, so the result is that of `apply_rope(q
 positions, freqs)` as q; the main loops are as without it. Bit for bit in the interpreter and,
 on sm90, in decode launches (the window in the ring); in launches of several tokens per
 sequence (the window from bf16 rows) the H100 gave last-bit differences (2026-12-06: up to
-2.4e-6 on outputs of order one, a few percent of the elements), which `docs/model.md` records.
+2.4e-6 on outputs of order one, up to a fifth of the elements), which `docs/model.md` records.
 Launch shapes without `MqaTiles.rotates_q` get the rope launch first instead.
 
 `sparse_mqa` is the launcher; `sparse_mqa_reference` the torch reference (codecs' own
