@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import pytest
 import torch
@@ -502,3 +503,48 @@ def test_fixed_tiles_make_a_token_ignore_the_launch_on_cuda(q_dtype: str, tiles)
     # last bit on the H200 (137 of 768 elements with bf16 queries, 456 with fp32; measured):
     # the two compile to different MMA operand paths. Batch-invariant mode therefore reads
     # every window from decoded rows (`Attention._sparse_mqa_kernel`).
+
+
+def _decode_kernel_ptx(kernel, constexprs: dict, num_warps: int) -> str:
+    """PTX of one of this module's kernels compiled for sm90 at the released decode layer
+    (64 heads × 512, window 128 in the MXFP8 ring, ratio 4, the rotations on)."""
+    import triton.language as tl
+
+    from tests.kernels.interpreted import compile_for_hopper
+
+    index_pointers = ("seq", "position", "window_index", "window_floor", "selection")
+    byte_pointers = ("window", "pool")
+    types = {f"{name}_ptr": "*i64" for name in (*index_pointers, "block_table")}
+    types |= {f"{name}_ptr": "*u8" for name in byte_pointers}
+    types |= {"q_ptr": "*bf16", "out_ptr": "*bf16", "softmax_scale": "fp32"}
+    for name in kernel.arg_names:
+        if name.endswith("_ptr"):
+            types.setdefault(name, "*fp32")
+        elif name.islower():
+            types.setdefault(name, "i32")
+    layer = {"RATIO": 4, "WINDOW": 128, "WINDOW_IN_RING": True, "WINDOW_SEQ_ALIGNED": False}
+    layer |= {"HAS_FLOOR": True, "D": 512, "DOT_DTYPE": tl.bfloat16, "LIBDEVICE": True}
+    layer |= {"Q_SPLIT": False, "ROTATE": True, "ROTATE_Q": True}
+    constexprs = {**layer, **constexprs}
+    constexprs = {name: v for name, v in constexprs.items() if name in kernel.arg_names}
+    aligned = {name for name in kernel.arg_names if name.endswith("_ptr")}
+    options = {"num_warps": num_warps, "num_stages": 1}
+    return compile_for_hopper(kernel, types, constexprs, aligned, options)
+
+
+@pytest.mark.slow
+def test_decode_kernels_compile_without_64_bit_division() -> None:
+    """The window's ring rows are found in 32-bit arithmetic: a remainder of the int64
+    positions per row compiled to sm90's 64-bit division routine, called per row (36 call
+    sites in the scores pass)."""
+    from kernels.sparse_mqa import _mqa_scores_kernel, _mqa_values_kernel, _sparse_mqa_kernel
+
+    launches = [
+        (_sparse_mqa_kernel, {"BLOCK_H": 16, "BLOCK_N": 64, "BLOCK_D": 512, "SPLITS": 2}, 8),
+        (_mqa_scores_kernel, {"BLOCK_H": 64, "BLOCK_N": 32}, 4),
+        (_mqa_values_kernel, {"BLOCK_H": 64, "BLOCK_N": 32, "BLOCK_D": 128}, 4),
+    ]
+    for kernel, constexprs, num_warps in launches:
+        ptx = _decode_kernel_ptx(kernel, constexprs, num_warps)
+        divisions = re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)
+        assert divisions == [], (kernel.fn.__name__, divisions)
