@@ -46,12 +46,14 @@ from kernels.row_codes import (
     ceil_log2,
     e2m1_code,
     e2m1_scaled,
+    e2m1_value,
     e4m3_code,
     e4m3_round_wide,
     e4m3_value,
     load_float32,
     pow2,
     store_float32,
+    ue8m0_value,
 )
 
 __all__ = [
@@ -189,12 +191,10 @@ def _index_fp4_dequantize_kernel(
     blocks = tl.arange(0, NUM_BLOCKS)
     scale_mask = is_row[:, None] & (blocks < DIM // 32)[None, :]
     scale = tl.load(packed_ptr + row_start + DIM // 2 + blocks[None, :], mask=scale_mask, other=0)
-    scale = scale.to(tl.int32)[:, :, None]  # [BLOCK_R, NUM_BLOCKS, 1]
+    power = ue8m0_value(scale.to(tl.int32))[:, :, None]  # [BLOCK_R, NUM_BLOCKS, 1], NaN at 255
     data = tl.reshape(data, [BLOCK_R, NUM_BLOCKS, 16])
-    value_even = e2m1_scaled(data & 0x0F, scale - 127)
-    value_odd = e2m1_scaled(data >> 4, scale - 127)
-    value_even = tl.where(scale == 255, float("nan"), value_even)
-    value_odd = tl.where(scale == 255, float("nan"), value_odd)
+    value_even = e2m1_value(data & 0x0F) * power
+    value_odd = e2m1_value(data >> 4) * power
     out_even = rows[:, None] * DIM + 2 * pairs[None, :]
     value_even = tl.reshape(value_even, [BLOCK_R, BLOCK_HALF])
     store_float32(out_ptr, out_even, value_even, mask, OUT_BF16_BITS)
