@@ -22,7 +22,7 @@ from kernels.sparse_mqa import (
     sparse_mqa,
     sparse_mqa_reference,
 )
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import compile_for_hopper, run_interpreted
 
 # (sequences, new tokens per sequence, heads, head dim, window, ring length, ratio, selected):
 # tiny-, default- and release-like layers, with and without a KV source; one new token per
@@ -509,8 +509,6 @@ def _decode_kernel_ptx(kernel, constexprs: dict, num_warps: int) -> str:
     """PTX of one of this module's kernels compiled for sm90 at the released decode layer
     (64 heads × 512, window 128 in the MXFP8 ring, ratio 4, the rotations on)."""
     import triton.language as tl
-
-    from tests.kernels.interpreted import compile_for_hopper
 
     index_pointers = ("seq", "position", "window_index", "window_floor", "selection")
     byte_pointers = ("window", "pool")
