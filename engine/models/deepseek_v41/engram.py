@@ -23,6 +23,8 @@ from engine.models.deepseek_v41.config import DeepseekV41Config
 from engine.models.deepseek_v41.dense import Linear, row_sum
 from engine.models.deepseek_v41.primitives import sigmoid
 from engine.models.deepseek_v41.weight_formats import fp8_row_dequantize
+from kernels import engram_gate as engram_gate_kernel
+from kernels import runs_kernels
 
 
 class EngramTable(nn.Module):
@@ -136,21 +138,43 @@ class Engram(nn.Module):
         `dot_k = Σ_d R_k·(q_k⊙k_k)·key_k · rsqrt(ms(R_k)+ε) · rsqrt(ms(key_k)+ε) · D^-½`,
         `g_k = sigmoid(sign(dot)·sqrt(max(|dot|, 1e-6)))`, `R'_k = R_k + g_k·v` in fp32.
         """
-        num_tokens, n, d = residual.shape
         emb = self.embed.lookup(hash_ids, residual.dtype).flatten(1)
-        kv = self.wkv(emb).float()
-        key = kv[:, : n * d].view(num_tokens, n, d)
-        value = kv[:, n * d :]
-        r = residual.float()
-        a = self.q_weight.float() * self.k_weight.float()
-        fixed = self.batch_invariant
-        if fixed:
-            r_ms, key_ms = row_sum(r.square(), True) / d, row_sum(key.square(), True) / d
-        else:
-            r_ms, key_ms = r.square().mean(-1), key.square().mean(-1)
-        rstd = torch.rsqrt(r_ms + self.eps) * torch.rsqrt(key_ms + self.eps)
-        dot = row_sum(r * a * key, fixed) * rstd * d**-0.5
-        gate = sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt(), self.batch_invariant)
-        if is_image is not None:
-            gate = gate.masked_fill(is_image[:, None], 0.0)
-        return (r + gate.unsqueeze(-1) * value.unsqueeze(1)).to(residual.dtype)
+        kv = self.wkv(emb)
+        if runs_kernels(residual):
+            return engram_gate_kernel.engram_gate(
+                residual, kv, self.q_weight, self.k_weight, self.eps, is_image
+            )
+        return engram_gate_reference(
+            residual, kv, self.q_weight, self.k_weight, self.eps, is_image, self.batch_invariant
+        )
+
+
+def engram_gate_reference(
+    residual: Tensor,
+    kv: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    eps: float,
+    is_image: Tensor | None = None,
+    batch_invariant: bool = False,
+) -> Tensor:
+    """The gate's torch form (`kernels.engram_gate` on the kernel path: one launch, a program
+    per token, so batch-invariant in both modes): residual [T, N, D], the lookups' projection
+    kv [T, (N+1)·D], the [N, D] weights, is_image bool [T] or None → the gated residual;
+    batch_invariant: the row sums and the sigmoid in their fixed forms."""
+    num_tokens, n, d = residual.shape
+    kv = kv.float()
+    key = kv[:, : n * d].view(num_tokens, n, d)
+    value = kv[:, n * d :]
+    r = residual.float()
+    a = q_weight.float() * k_weight.float()
+    if batch_invariant:
+        r_ms, key_ms = row_sum(r.square(), True) / d, row_sum(key.square(), True) / d
+    else:
+        r_ms, key_ms = r.square().mean(-1), key.square().mean(-1)
+    rstd = torch.rsqrt(r_ms + eps) * torch.rsqrt(key_ms + eps)
+    dot = row_sum(r * a * key, batch_invariant) * rstd * d**-0.5
+    gate = sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt(), batch_invariant)
+    if is_image is not None:
+        gate = gate.masked_fill(is_image[:, None], 0.0)
+    return (r + gate.unsqueeze(-1) * value.unsqueeze(1)).to(residual.dtype)
