@@ -53,6 +53,8 @@ from engine.models.deepseek_v41.kv_formats import (
     pow2,
     ue8m0_to_float,
 )
+from kernels import engram_rows as engram_rows_kernel
+from kernels import runs_kernels
 
 WEIGHT_BLOCK = 32  # quantization_config.weight_block_size (NOT V4's 128)
 MXFP4_BLOCK = 32
@@ -250,6 +252,29 @@ def fp8_row_quantize(w: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def fp8_row_dequantize(
+    weight: Tensor,
+    scale: Tensor,
+    rows_idx: Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """`fp8_row_dequantize_reference`'s rows; on the kernel path (`kernels.engram_rows`) the
+    same bits in one launch (bf16 or fp32 out, a power-of-two width), without the reference's
+    IndexError for an id past the table (no host sync)."""
+    data, scale_bytes = _e4m3_bytes(weight), e8m0_to_bytes(scale)
+    width = data.shape[-1]
+    if (
+        runs_kernels(data)
+        and dtype in (torch.bfloat16, torch.float32)
+        and width >= ENGRAM_BLOCK
+        and width & (width - 1) == 0
+        and tuple(scale_bytes.shape) == (data.shape[0], width // ENGRAM_BLOCK)
+        and (rows_idx is None or rows_idx.dtype == torch.int64)
+    ):
+        return engram_rows_kernel.engram_rows(data, scale_bytes, rows_idx, dtype)
+    return fp8_row_dequantize_reference(weight, scale, rows_idx, dtype)
+
+
+def fp8_row_dequantize_reference(
     weight: Tensor,
     scale: Tensor,
     rows_idx: Tensor | None = None,
