@@ -26,6 +26,9 @@ import numpy as np
 import torch
 from tokenizers import Regex, Tokenizer, normalizers
 
+from kernels import engram_hash as engram_hash_kernel
+from kernels import runs_kernels
+
 BLOCKED_TOKEN = -1
 """Look-back entry meaning "before the start of the sequence" (`lookback_matrix`)."""
 
@@ -326,9 +329,31 @@ def engram_hash_ids(
         raise ValueError(
             f"token_ids must be [T, {tables.max_ngram_size}], got {tuple(token_ids.shape)}"
         )
-    num_positions, max_ngram_size = token_ids.shape
     if token_ids.dtype != torch.int64 or token_map.dtype != torch.int64:
         raise ValueError("token_ids and token_map must be int64")
+    if runs_kernels(token_ids):
+        return engram_hash_kernel.engram_hash(
+            token_ids,
+            token_map,
+            tables.multipliers,
+            tables.primes,
+            tables.offsets,
+            pad_id,
+            image_token_id,
+        )
+    return engram_hash_ids_reference(token_ids, token_map, tables, pad_id, image_token_id)
+
+
+def engram_hash_ids_reference(
+    token_ids: torch.Tensor,
+    token_map: torch.Tensor,
+    tables: EngramHashTables,
+    pad_id: int = 2,
+    image_token_id: int | None = None,
+) -> torch.Tensor:
+    """`engram_hash_ids`' torch form (the kernel path's `kernels.engram_hash` gives the same
+    ids in one launch); the inputs as `engram_hash_ids` checks them."""
+    num_positions, max_ngram_size = token_ids.shape
     is_stop = token_ids < 0
     if image_token_id is not None:
         is_stop |= token_ids == image_token_id
