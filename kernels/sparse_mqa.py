@@ -21,10 +21,16 @@ accumulation and lose nothing on the row side. An fp32 operand (fp32 queries, th
 probabilities) is split into a bf16 head and a bf16 remainder, two dots, ~16 significant bits:
 within ~1e-5 of the fp32 reference, whose own summation order differs anyway.
 
-    grid (tokens, heads / BLOCK_H, SPLITS · D / BLOCK_D); per program q [BLOCK_H, D], running
+    grid (tokens · heads / BLOCK_H · SPLITS · D / BLOCK_D); per program q [BLOCK_H, D], running
     max and sum, acc [BLOCK_H, BLOCK_D] fp32 over its split's tiles (tile i of the token's
     window-then-selected tiles goes to split i % SPLITS); SPLITS > 1 writes partials that
     `_combine_kernel` folds with the sink (flash-decoding: parallelism for small decode steps)
+
+Every kernel over a token's rows numbers its programs token-major (`_program_of_token`): the
+programs of one token (head blocks, row splits, column blocks) are launched side by side, so
+the rows and scores they all read come from HBM once and from L2 after, rather than once per
+column block when the token index ran fastest (a 256-token layer's scores are ~140 MB, more
+than L2).
 
 The launch shape (`MqaTiles`) comes from the `TILES` table by token count (one place to edit,
 from `benchmarks/kernel_speed.py --only attention`), or `FIXED_TILES` in batch-invariant mode.
@@ -170,6 +176,22 @@ if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate querie
 def choose_tiles(num_tokens: int) -> MqaTiles:
     """The `TILES` entry for a launch of `num_tokens` query tokens."""
     return next(tiles for bound, tiles in TILES if num_tokens <= bound)
+
+
+@triton.jit
+def _program_of_token(num_heads, BLOCK_H: tl.constexpr, PER_HEAD_BLOCK: tl.constexpr):
+    """(token int64, first head, program within the head block) of a one-axis grid ordered
+    token, then head block, then the PER_HEAD_BLOCK programs of a head block (fastest)."""
+    program = tl.program_id(0)
+    head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    block = program // PER_HEAD_BLOCK
+    token = (block // head_blocks).to(tl.int64)
+    return token, (block % head_blocks) * BLOCK_H, program % PER_HEAD_BLOCK
+
+
+def _token_major_grid(num_tokens: int, num_heads: int, block_h: int, per_head_block: int):
+    """The one-axis grid `_program_of_token` reads."""
+    return (num_tokens * triton.cdiv(num_heads, block_h) * per_head_block,)
 
 
 @triton.jit
@@ -448,16 +470,17 @@ def _sparse_mqa_kernel(
     LIBDEVICE: tl.constexpr,
     ROTATE_Q: tl.constexpr,
 ):
-    """grid (tokens, heads / BLOCK_H, SPLITS · D / BLOCK_D). With SPLITS = 1 the program
+    """grid (tokens · heads / BLOCK_H · SPLITS · D / BLOCK_D), token-major
+    (`_program_of_token`). With SPLITS = 1 the program
     writes its output columns (ROTATE: rounded and rotated back, `_rotated_back`); otherwise
     its split's running max and sum [SPLITS, T, H] and accumulator [SPLITS, T, H, D] for
     `_combine_kernel`. ROTATE_Q: the queries' RoPE as they are loaded (`_rotated_query`)."""
     if WINDOW_SEQ_ALIGNED:  # the launcher passed stride / 16: the rows' base is known aligned
         stride_window_seq = stride_window_seq * 16  # and they load in vectors
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2) // (D // BLOCK_D)
-    d0 = (tl.program_id(2) % (D // BLOCK_D)) * BLOCK_D
+    token, first_head, column = _program_of_token(num_heads, BLOCK_H, SPLITS * (D // BLOCK_D))
+    heads = first_head + tl.arange(0, BLOCK_H)
+    split = column // (D // BLOCK_D)
+    d0 = (column % (D // BLOCK_D)) * BLOCK_D
     is_head = heads < num_heads
     q_head, q_rest = _query_parts(
         q_ptr, token, heads, is_head, stride_qt, stride_qh, D, DOT_DTYPE, position_ptr,
@@ -611,15 +634,16 @@ def _mqa_scores_kernel(
     ROTATE_Q: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    """Pass one of `MqaTiles.two_pass`, grid (tokens, heads / BLOCK_H): the scaled scores of
+    """Pass one of `MqaTiles.two_pass`, grid (tokens · heads / BLOCK_H), token-major: the
+    scaled scores of
     the token's rows (window tiles, then selected tiles; −inf where a row is not real) into
     scores [T, H, columns] at column tile · BLOCK_N, and per head the max and the sum of
     exp(score − max) over them and the sink. ROTATE_Q: the queries' RoPE as they are loaded
     (`_rotated_query`)."""
     if WINDOW_SEQ_ALIGNED:
         stride_window_seq = stride_window_seq * 16
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    token, first_head, _single = _program_of_token(num_heads, BLOCK_H, 1)
+    heads = first_head + tl.arange(0, BLOCK_H)
     is_head = heads < num_heads
     q_head, q_rest = _query_parts(
         q_ptr, token, heads, is_head, stride_qt, stride_qh, D, DOT_DTYPE, position_ptr,
@@ -708,14 +732,15 @@ def _mqa_values_kernel(
     ROTATE: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    """Pass two of `MqaTiles.two_pass`, grid (tokens, heads / BLOCK_H, D / BLOCK_D): the
+    """Pass two of `MqaTiles.two_pass`, grid (tokens · heads / BLOCK_H · D / BLOCK_D),
+    token-major (the column blocks of a token's scores side by side): the
     output columns d0 .. d0 + BLOCK_D, Σ exp(score − max) · row / sum, over the same tiles
     (ROTATE: rounded and rotated back, `_rotated_back`)."""
     if WINDOW_SEQ_ALIGNED:
         stride_window_seq = stride_window_seq * 16
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d0 = tl.program_id(2) * BLOCK_D
+    token, first_head, column = _program_of_token(num_heads, BLOCK_H, D // BLOCK_D)
+    heads = first_head + tl.arange(0, BLOCK_H)
+    d0 = column * BLOCK_D
     is_head = heads < num_heads
     m = tl.load(m_ptr + token * num_heads + heads, mask=is_head, other=0.0)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
@@ -772,15 +797,15 @@ def _two_passes(
     m_all = torch.empty(num_tokens, num_heads, device=q.device)
     total_all = torch.empty_like(m_all)
     score_strides = (scores.stride(0), scores.stride(1))
-    head_blocks = triton.cdiv(num_heads, tiles.block_h)
-    _mqa_scores_kernel[(num_tokens, head_blocks)](
+    _mqa_scores_kernel[_token_major_grid(num_tokens, num_heads, tiles.block_h, 1)](
         q, seq_of_token, positions, *sources, sink, scores, m_all, total_all, num_heads,
         num_selected, rows.shape[1], softmax_scale, q.stride(0), q.stride(1),
         *row_strides, *score_strides, Q_SPLIT=q.dtype != torch.bfloat16, **common,
         **q_rotation, LIBDEVICE=_LIBDEVICE,
     )  # fmt: skip
     freqs, pass_width, rotating = rotation
-    _mqa_values_kernel[(num_tokens, head_blocks, dim // block_d)](
+    values_grid = _token_major_grid(num_tokens, num_heads, tiles.block_h, dim // block_d)
+    _mqa_values_kernel[values_grid](
         seq_of_token, positions, *sources, scores, m_all, total_all, out, num_heads,
         num_selected, rows.shape[1], *row_strides, *score_strides, out.stride(0),
         out.stride(1), freqs, pass_width, BLOCK_D=block_d, **common, **rotating,
@@ -958,7 +983,7 @@ def sparse_mqa(
     else:
         m_part = total_part = acc_part = out
     freqs, pass_width, rotating = rotation
-    grid = (num_tokens, triton.cdiv(num_heads, tiles.block_h), splits * (dim // block_d))
+    grid = _token_major_grid(num_tokens, num_heads, tiles.block_h, splits * (dim // block_d))
     _sparse_mqa_kernel[grid](
         q, seq_of_token, positions, *sources, sink, out, m_part, total_part, acc_part,
         num_tokens, num_heads, num_selected, rows.shape[1], softmax_scale, q.stride(0),
