@@ -305,7 +305,8 @@ def engram_hash_ids(
     pad_id: int = 2,
     image_token_id: int | None = None,
 ) -> torch.Tensor:
-    """Table row ids of one Engram layer for ``T`` positions.
+    """Table row ids of one Engram layer for ``T`` positions (on the kernel path
+    `kernels.engram_hash`: one launch, the ids of `engram_hash_ids_reference`).
 
     Args:
         token_ids: LongTensor ``[T, max_ngram_size]``; column s is the raw token at position
