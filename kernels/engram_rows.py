@@ -89,7 +89,7 @@ def engram_rows(weight: Tensor, scale: Tensor, ids: Tensor | None, dtype: torch.
     check_runnable(weight, "engram_rows")
     shape = (weight.shape[0],) if ids is None else tuple(ids.shape)
     out = torch.empty(*shape, width, dtype=dtype, device=weight.device)
-    num_rows = out.numel() // width if width else 0
+    num_rows = out.numel() // width  # width >= 32, checked above
     if num_rows:
         flat_ids = ids.reshape(-1).contiguous() if ids is not None else weight
         _engram_rows_kernel[(triton.cdiv(num_rows, _ROWS),)](
