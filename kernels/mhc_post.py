@@ -12,6 +12,11 @@ bit: one program per whole row, the same chains and the same reduction), one lau
 two where a block's FFN input follows its attention update; with `kernel_order`, a second copy
 of that input with each 128 columns in the grouped MXFP4 GEMM's K order, which its decode tiles
 read as it is (`grouped_mxfp4_gemm(x_kernel_order=True)`: no reordering copy there).
+
+`mhc_post(..., slots=)` takes an FFN's y unreduced, as the MoE layer leaves it (its shared
+expert's output and the routed experts' weighted slots, `kernels.moe_combine`), and forms
+`moe_combine(y, slots)` in the same launch, bit for bit: one launch and a [T, D] round trip
+fewer per layer.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import Tensor
 
 from kernels import check_runnable
 from kernels.grouped_mxfp4_gemm import _kernel_order
+from kernels.moe_combine import moe_combine_reference
 from kernels.rms_norm import MAX_WIDTH, inv_rms, norm_warps
 from kernels.rounding import round_to
 
@@ -54,16 +60,26 @@ def _mhc_post_kernel(
     post_ptr,
     comb_ptr,
     y_ptr,
+    slots_ptr,
     out_ptr,
     dim,
     N: tl.constexpr,
+    TOP_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """TOP_K > 0: y is a MoE layer's shared output and its update input is
+    `moe_combine(y, slots)`, formed here as that kernel forms it: the slots added in slot
+    order from 0.0, the shared output added, one rounding to the model dtype."""
     token = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_row = d < dim
-    y = tl.load(y_ptr + token * dim + d, mask=in_row, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
+    y = tl.load(y_ptr + token * dim + d, mask=in_row, other=0.0).to(tl.float32)
+    if TOP_K > 0:
+        total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            total += tl.load(slots_ptr + (token * TOP_K + j) * dim + d, mask=in_row, other=0.0)
+        y = round_to(y + total, dtype).to(dtype).to(tl.float32)
     for i in tl.static_range(N):
         out = _updated_stream(residual_ptr, post_ptr, comb_ptr, y, token, d, in_row, dim, i, N)
         tl.store(out_ptr + token * N * dim + i * dim + d, round_to(out, dtype).to(dtype),
@@ -130,25 +146,43 @@ def _check(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> None:
         raise ValueError("post and comb must be fp32")
 
 
-def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
+def mhc_post(
+    residual: Tensor, post: Tensor, comb: Tensor, y: Tensor, slots: Tensor | None = None
+) -> Tensor:
     """`mhc_post_reference` in one launch.
 
     residual [T, N, D] and y [T, D] in the model dtype; post fp32 [T, N]; comb fp32 [T, N, N].
+    slots: a MoE layer's weighted routed outputs, fp32 [T, k, D]; y is then its shared
+    expert's output and the update takes `moe_combine(y, slots)` as its y, bit for bit, in
+    the same launch (no [T, D] round trip, one launch fewer).
 
     Raises:
         ValueError: shapes or dtypes other than those, N not a power of two, or not on CUDA.
     """
     _check(residual, post, comb, y)
+    if slots is not None:
+        _check_slots(slots, y)
     check_runnable(residual, "mhc_post")
     num_tokens, n, dim = residual.shape
     residual, y = residual.contiguous(), y.contiguous()
+    top_k = 0 if slots is None else slots.shape[1]
+    slots = y if slots is None else slots.contiguous()
     out = torch.empty_like(residual)
     if num_tokens:
         grid = (num_tokens, triton.cdiv(dim, _BLOCK_D))
         _mhc_post_kernel[grid](
-            residual, post.contiguous(), comb.contiguous(), y, out, dim, N=n, BLOCK_D=_BLOCK_D
-        )
+            residual, post.contiguous(), comb.contiguous(), y, slots, out, dim, N=n,
+            TOP_K=top_k, BLOCK_D=_BLOCK_D,
+        )  # fmt: skip
     return out
+
+
+def _check_slots(slots: Tensor, y: Tensor) -> None:
+    if slots.dim() != 3 or slots.shape[0] != y.shape[0] or slots.shape[2] != y.shape[1]:
+        raise ValueError(f"slots {tuple(slots.shape)} do not match y {tuple(y.shape)}")
+    if slots.dtype != torch.float32 or slots.shape[1] < 1:
+        raise ValueError(f"slots must be float32 [T, k >= 1, D], got {slots.dtype} "
+                         f"{tuple(slots.shape)}")  # fmt: skip
 
 
 def mhc_post_combine_norm(
@@ -207,8 +241,12 @@ def mhc_post_combine_norm(
     return out, x, x_kernel_order
 
 
-def mhc_post_reference(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
-    """`mhc_post` in plain torch."""
+def mhc_post_reference(
+    residual: Tensor, post: Tensor, comb: Tensor, y: Tensor, slots: Tensor | None = None
+) -> Tensor:
+    """`mhc_post` in plain torch (with slots: after `moe_combine_reference(y, slots)`)."""
+    if slots is not None:
+        y = moe_combine_reference(y, slots)
     update = post.unsqueeze(-1) * y.float().unsqueeze(1)
     mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(2)).sum(1)
     return (update + mixed).to(residual.dtype)

@@ -92,6 +92,68 @@ def test_kernels_match_reference_on_cuda(case) -> None:
     assert ulps(combined, reference, _combine_terms(residual, weights)) <= 2
 
 
+# (tokens, streams, width, top_k): the FFN site with the MoE's parts; the real layer's width and
+# top-6, a width off the tile, no tokens. bf16 (the model dtype) and fp32 residuals.
+SLOT_CASES = [(3, 4, 5120, 6, "bfloat16"), (2, 4, 1000, 3, "float32"), (0, 4, 64, 6, "bfloat16")]
+
+
+def _slot_inputs(case, device: str = "cpu"):
+    num_tokens, n, dim, top_k, dtype = case
+    residual, post, comb, shared, _ = _inputs((num_tokens, n, dim, dtype), device)
+    generator = torch.Generator().manual_seed(dim + top_k)
+    slots = (torch.randn(num_tokens, top_k, dim, generator=generator) * 0.3).to(device)
+    return residual, post, comb, shared, slots
+
+
+_INTERPRETED_SLOTS = """
+import json
+from kernels.moe_combine import moe_combine, moe_combine_reference
+from kernels.mhc_post import mhc_post, mhc_post_reference
+from tests.kernels.interpreted import same_bits, ulps
+from tests.kernels.test_mhc_update import SLOT_CASES, _post_terms, _slot_inputs
+result = []
+for case in SLOT_CASES:
+    residual, post, comb, shared, slots = _slot_inputs(case)
+    fused = mhc_post(residual, post, comb, shared, slots)
+    two_launches = mhc_post(residual, post, comb, moe_combine(shared, slots))
+    reference = mhc_post_reference(residual, post, comb, shared, slots)
+    terms = _post_terms(residual, post, comb, moe_combine_reference(shared, slots))
+    without_slots = mhc_post(residual, post, comb, shared)
+    result.append([same_bits(fused, two_launches), ulps(fused, reference, terms) <= 2,
+                   fused.numel() == 0 or not same_bits(fused, without_slots)])
+print(json.dumps(result))
+"""
+
+
+def test_update_of_the_moe_parts_equals_combine_then_update_in_the_interpreter() -> None:
+    """The FFN's update that adds the MoE's shared output and routed slots itself gives the
+    bits of `moe_combine` then `mhc_post` (the same adds in the same order, one rounding of y),
+    is the torch form's within two rounding steps at the scale of the summed terms (as the
+    plain update), and the slots do count."""
+    assert run_interpreted(_INTERPRETED_SLOTS) == [[True, True, True]] * len(SLOT_CASES)
+
+
+def test_update_launcher_rejects_slots_it_cannot_take() -> None:
+    residual, post, comb, shared, slots = _slot_inputs(SLOT_CASES[1])
+    with pytest.raises(ValueError, match="match"):
+        mhc_post(residual, post, comb, shared, slots[:, :, :32])
+    with pytest.raises(ValueError, match="float32"):
+        mhc_post(residual, post, comb, shared, slots.bfloat16())
+    with pytest.raises(ValueError, match="float32"):
+        mhc_post(residual, post, comb, shared, slots[:, :0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SLOT_CASES, ids=str)
+def test_update_of_the_moe_parts_equals_combine_then_update_on_cuda(case) -> None:
+    from kernels.moe_combine import moe_combine
+
+    residual, post, comb, shared, slots = _slot_inputs(case, "cuda")
+    fused = mhc_post(residual, post, comb, shared, slots)
+    two_launches = mhc_post(residual, post, comb, moe_combine(shared, slots))
+    torch.testing.assert_close(fused, two_launches, rtol=0, atol=0)
+
+
 # (tokens, streams, width, dtype name) of the fused combination + RMSNorm: the real hidden size.
 NORM_CASES = [(3, 4, 5120, "bfloat16"), (5, 4, 640, "float32"), (2, 2, 1000, "bfloat16")]
 NORM_CASES += [(0, 4, 64, "bfloat16")]

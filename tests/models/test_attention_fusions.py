@@ -5,9 +5,10 @@ Triton's interpreter (the kernel paths): logits and state bit for bit.
 before `sparse_mqa` (instead of its `rotate_q`); the window row's norm + RoPE launch, then the
 MXFP8 encoding launch, then the ring's index put (instead of `KVCodec.normed_rotated_encode`'s
 one launch that also stores a decode step's rows into the ring); `mhc_post` then
-`mhc_combine_norm` (instead of `mhc_post_combine_norm`); the mHC triplet's two launches
-(instead of one); torch's top-k and the −1 masking (instead of `kernels.index_topk`: the same
-selection where no scores tie, as here).
+`mhc_combine_norm` (instead of `mhc_post_combine_norm`); `moe_combine` then `mhc_post`
+(instead of the FFN update adding the MoE's shared output and routed slots itself); the mHC
+triplet's two launches (instead of one); torch's top-k and the −1 masking (instead of
+`kernels.index_topk`: the same selection where no scores tie, as here).
 `fusion_outputs` runs a prefill of two sequences, a chunk beside a decode row, plain decode
 steps, padded decode steps (what a step graph captures; not in batch-invariant mode, which has
 none) and a prefix-cache replay (window floor and reuse end), and returns every step's logits
@@ -44,10 +45,11 @@ def unfused() -> Iterator[None]:
     from engine.models.deepseek_v41.kv_formats import KVCodec
     from engine.models.deepseek_v41.primitives import rms_norm_rope
     from kernels.mhc_combine import mhc_combine_norm
+    from kernels.moe_combine import moe_combine
     from kernels.rope import apply_rope
 
     fused = (mqa.sparse_mqa, KVCodec.normed_rotated_encode, post.mhc_post_combine_norm)
-    fused += (triplet.mhc_triplet, topk.index_topk)
+    fused += (triplet.mhc_triplet, topk.index_topk, post.mhc_post)
 
     def attention(q, seq_of_token, positions, *args, rotate_q=None, **kwargs):
         if rotate_q is not None:
@@ -66,17 +68,20 @@ def unfused() -> Iterator[None]:
         updated = post.mhc_post(residual, post_w, comb, y)
         return updated, mhc_combine_norm(updated, weights, norm_weight, eps), None
 
+    def combine_then_update(residual, post_w, comb, y, slots=None):
+        return fused[5](residual, post_w, comb, y if slots is None else moe_combine(y, slots))
+
     def two_launches(*args, **kwargs):
         return fused[3](*args, **kwargs, one_launch=False)
 
     mqa.sparse_mqa, KVCodec.normed_rotated_encode = attention, encode
     post.mhc_post_combine_norm, triplet.mhc_triplet = update_and_norm, two_launches
-    topk.index_topk = topk.index_topk_reference
+    topk.index_topk, post.mhc_post = topk.index_topk_reference, combine_then_update
     try:
         yield
     finally:
         mqa.sparse_mqa, KVCodec.normed_rotated_encode, post.mhc_post_combine_norm = fused[:3]
-        triplet.mhc_triplet, topk.index_topk = fused[3:]
+        triplet.mhc_triplet, topk.index_topk, post.mhc_post = fused[3:]
 
 
 def _state_tensors(state: ModelState, label: str) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ import torch
 
 from engine import envs
 from engine.models import Numerics, load_model, sequential_batch
+from kernels.moe_combine import moe_combine_reference
 
 pytestmark = pytest.mark.parity
 
@@ -90,6 +91,12 @@ def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
 
 
+def _moe_output(parts) -> torch.Tensor:
+    """The FFN's output as the block adds it (the block asks `MoE.forward` for it unreduced)."""
+    y, slots = parts
+    return y if slots is None else moe_combine_reference(y, slots)
+
+
 def _ours(model, prompt: list[int]) -> dict:
     record: dict = {}
     hooks = []
@@ -102,7 +109,9 @@ def _ours(model, prompt: list[int]) -> dict:
         )
         hooks.append(
             block.ffn.register_forward_hook(
-                lambda _m, _i, out, lid=lid: record.__setitem__(f"layers.{lid}.moe_out", out)
+                lambda _m, _i, out, lid=lid: record.__setitem__(
+                    f"layers.{lid}.moe_out", _moe_output(out)
+                )
             )
         )
     try:

@@ -250,14 +250,15 @@ class Block(nn.Module):
         """The attention's residual update (its output y) and the FFN sublayer with its mHC
         site → (residual, FFN `pre`). The update's launch also forms the FFN input (the norm
         of the combination by the attention `pre`), in the expert GEMM's K order too where
-        that reads it so."""
+        that reads it so; the FFN's update adds the MoE's shared output and routed slots
+        itself (`mhc_post(slots=)`) where the MoE leaves them apart."""
         kernel_order = self.ffn.reads_x_in_kernel_order(y)
         residual, x_ffn, x_ffn_kernel_order = self.ffn_norm.of_updated_combination(
             residual, post_a, comb_a, y, pre_a, kernel_order
         )
         pre_f, post_f, comb_f = self.triplet("ffn", residual)
-        y_ffn = self.ffn(x_ffn, x_ffn_kernel_order)
-        residual = mhc_post(residual, post_f, comb_f, y_ffn)
+        y_ffn, slots = self.ffn(x_ffn, x_ffn_kernel_order, unreduced=True)
+        residual = mhc_post(residual, post_f, comb_f, y_ffn, slots)
         return residual, pre_f
 
 

@@ -257,16 +257,29 @@ class MoE(nn.Module):
 
         return reads_kernel_order(x.shape[1], self._block_m(x.shape[0] * self.top_k))
 
-    def forward(self, x: Tensor, x_kernel_order: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, x_kernel_order: Tensor | None = None, unreduced: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor | None]:
         """x [T, D] → [T, D]. x_kernel_order: x with each 128 columns in the grouped GEMM's K
-        order, where `reads_x_in_kernel_order(x)` (the gate/up launch reads it as it is)."""
+        order, where `reads_x_in_kernel_order(x)` (the gate/up launch reads it as it is).
+
+        unreduced: return (y, slots) instead: on the grouped kernels' one-rank path the shared
+        experts' output [T, D] and the routed slots fp32 [T, k, D] (weighted), which
+        `moe_combine` would add and the caller's own launch adds as it does
+        (`mhc_post(slots=)`); elsewhere (the output, None)."""
         ids, weights = self.route(x)
         if self.dispatcher is None and self._use_grouped_kernel(x) and not self.batch_invariant:
+            shared = self.shared_experts(x)
+            slots = self._routed_slots(x, ids, weights, x_kernel_order)
+            if unreduced:
+                return shared, slots
             from kernels.moe_combine import moe_combine
 
-            # the slots added in slot order and the shared output, in one launch
-            routed = self._routed_slots(x, ids, weights, x_kernel_order)
-            return moe_combine(self.shared_experts(x), routed)
+            return moe_combine(shared, slots)  # the slots in slot order, the shared output
+        out = self._combined(x, ids, weights)
+        return (out, None) if unreduced else out
+
+    def _combined(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         out = self.shared_experts(x).float()
         if self.dispatcher is not None:
             routed = self._routed_expert_parallel(x, ids, weights)

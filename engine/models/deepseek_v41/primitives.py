@@ -180,15 +180,19 @@ def mhc_post_combine_norm(
     return updated, mhc_combine_norm(updated, weights, norm_weight, eps), None
 
 
-def mhc_post(residual: Tensor, post: Tensor, comb: Tensor, y: Tensor) -> Tensor:
+def mhc_post(
+    residual: Tensor, post: Tensor, comb: Tensor, y: Tensor, slots: Tensor | None = None
+) -> Tensor:
     """`R'[i] = post[i]·y + Σ_j comb[j][i]·R[j]` in fp32, cast to R's dtype (`kernels.mhc_post`
-    on CUDA: one launch, no [T, N, N, D] intermediate).
+    on CUDA: one launch, no [T, N, N, D] intermediate). slots: y is a MoE layer's unreduced
+    output (`MoE.forward(unreduced=True)`: the shared output and the routed slots), combined
+    first.
 
     NOTE: the contraction runs over the FIRST index of comb (combᵀ·R); comb·R is a silent bug.
     """
     if runs_kernels(residual):
-        return mhc_post_kernel.mhc_post(residual, post, comb, y)
-    return mhc_post_kernel.mhc_post_reference(residual, post, comb, y)
+        return mhc_post_kernel.mhc_post(residual, post, comb, y, slots)
+    return mhc_post_kernel.mhc_post_reference(residual, post, comb, y, slots)
 
 
 # ---- MoE routing -------------------------------------------------------------------------------
