@@ -79,7 +79,8 @@ def _mhc_post_kernel(
         total = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             total += tl.load(slots_ptr + (token * TOP_K + j) * dim + d, mask=in_row, other=0.0)
-        y = round_to(y + total, dtype).to(dtype).to(tl.float32)
+        y_dtype = y_ptr.dtype.element_ty  # moe_combine's output dtype: the shared output's
+        y = round_to(y + total, y_dtype).to(y_dtype).to(tl.float32)
     for i in tl.static_range(N):
         out = _updated_stream(residual_ptr, post_ptr, comb_ptr, y, token, d, in_row, dim, i, N)
         tl.store(out_ptr + token * N * dim + i * dim + d, round_to(out, dtype).to(dtype),

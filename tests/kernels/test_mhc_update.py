@@ -92,17 +92,19 @@ def test_kernels_match_reference_on_cuda(case) -> None:
     assert ulps(combined, reference, _combine_terms(residual, weights)) <= 2
 
 
-# (tokens, streams, width, top_k): the FFN site with the MoE's parts; the real layer's width and
-# top-6, a width off the tile, no tokens. bf16 (the model dtype) and fp32 residuals.
-SLOT_CASES = [(3, 4, 5120, 6, "bfloat16"), (2, 4, 1000, 3, "float32"), (0, 4, 64, 6, "bfloat16")]
+# (tokens, streams, width, top_k, residual dtype, shared output dtype): the FFN site with the
+# MoE's parts; the real layer's width and top-6, a width off the tile, no tokens; bf16 (the
+# model dtype), fp32, and a bf16 shared output beside fp32 streams (y rounds to its own dtype).
+SLOT_CASES = [(3, 4, 5120, 6, "bfloat16", "bfloat16"), (2, 4, 1000, 3, "float32", "float32")]
+SLOT_CASES += [(2, 4, 640, 6, "float32", "bfloat16"), (0, 4, 64, 6, "bfloat16", "bfloat16")]
 
 
 def _slot_inputs(case, device: str = "cpu"):
-    num_tokens, n, dim, top_k, dtype = case
+    num_tokens, n, dim, top_k, dtype, shared_dtype = case
     residual, post, comb, shared, _ = _inputs((num_tokens, n, dim, dtype), device)
     generator = torch.Generator().manual_seed(dim + top_k)
     slots = (torch.randn(num_tokens, top_k, dim, generator=generator) * 0.3).to(device)
-    return residual, post, comb, shared, slots
+    return residual, post, comb, shared.to(getattr(torch, shared_dtype)), slots
 
 
 _INTERPRETED_SLOTS = """
