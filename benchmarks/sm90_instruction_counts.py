@@ -178,7 +178,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for block_m in (16, 32):
         for gated in (True, False):
-            tiles = gemm.decode_tiles(2304 if gated else 5120, 5120, block_m, gated)
+            n, k = (2304, 5120) if gated else (5120, 2304)  # the released layer's widths
+            tiles = gemm.decode_tiles(n, k, block_m, gated)
             constexprs = {"TOP_K": 6, "GATED": gated, "TOKEN_ROWS": gated,
                           "HAS_ROW_WEIGHT": False, "EVEN_K": True, "BLOCK_M": block_m,
                           "STORE_KERNEL_ORDER": gated}  # fmt: skip
