@@ -109,6 +109,16 @@ def _check_not_stopped(stop: Any) -> None:
         raise APIError(ErrorKind.UNAVAILABLE, _SHUTTING_DOWN)
 
 
+def _stream_error(exc: Exception, stop: Any) -> APIError:
+    """The error a stream ends with. Once the drain has stopped the request, whatever its
+    source raised while the engine aborted it (logged when unexpected) ends the stream as
+    the stop does: "the server is shutting down"."""
+    error = _as_api_error(exc)
+    if stop is not None and stop.is_set() and error.kind is not ErrorKind.UNAVAILABLE:
+        return APIError(ErrorKind.UNAVAILABLE, _SHUTTING_DOWN)
+    return error
+
+
 def _next_sequence_number(payload: Any, current: int) -> int:
     is_mapping = type(payload) is dict or isinstance(payload, Mapping)
     number = payload.get("sequence_number") if is_mapping else None
@@ -134,7 +144,7 @@ async def _data_events(
                 _check_not_stopped(stop)
                 yield _frame(encode_json(chunk))
         except Exception as exc:  # headers are out: report in-stream (OpenAI/vLLM style)
-            error = _as_api_error(exc)
+            error = _stream_error(exc, stop)
             body = error_body(Protocol.CHAT, error.kind, error.message, error.param, error.code)
             yield _frame(encode_json(body))
         if send_done:
@@ -155,7 +165,7 @@ async def _named_events(
                 sequence_number = _next_sequence_number(payload, sequence_number)
                 yield _frame(encode_json(payload), name)
         except Exception as exc:  # headers are out: report in-stream
-            name, payload = error_event(_as_api_error(exc), sequence_number)
+            name, payload = error_event(_stream_error(exc, stop), sequence_number)
             yield _frame(encode_json(payload), name)
     finally:
         await _aclose(events)

@@ -157,9 +157,10 @@ def test_sigterm_drains_then_ends_streams_with_error_events(server_process):
     took = time.monotonic() - signalled
     assert took < SHUTDOWN_TIMEOUT_S + 3.0, took
 
+    log = process.stdout.read()[-4000:]  # the server's own account, should a check fail
     chat, responses, messages = streams
-    assert isinstance(chat.error, openai.APIError), chat.error
-    assert "shutting down" in str(chat.error) and chat.events
+    assert isinstance(chat.error, openai.APIError), (chat.error, log)
+    assert "shutting down" in str(chat.error) and chat.events, (chat.error, log)
     assert responses.error is None
     last = responses.events[-1]
     assert last.type == "error" and last.code == "service_unavailable"

@@ -169,3 +169,50 @@ def test_sse_framing_is_sse_starlettes():
     with TestClient(app) as client:
         assert client.get("/data").content == expected_data
         assert client.get("/named").content == expected_named
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["serving", "stopped"])
+def test_a_stream_whose_source_fails_after_the_stop_ends_as_shutting_down(stopped: bool):
+    """Once the drain has stopped the request, what the aborted source raises ends the stream
+    as the stop does (a 503-kind "shutting down" event); before the stop it is an internal
+    error. Both streaming shapes (Chat's data events, the named events)."""
+    import asyncio
+    import json
+
+    from server import drain, sse
+
+    async def chunks():
+        yield {"n": 1}
+        raise RuntimeError("the engine aborted the request")
+
+    async def named():
+        yield "delta", {"n": 1}
+        raise RuntimeError("the engine aborted the request")
+
+    async def frames(stream):
+        return [frame async for frame in stream]
+
+    async def run():
+        controller = drain.DrainController(abort_all=lambda: None)
+        token = drain._controller.set(controller)
+        try:
+            data = sse._data_events(chunks(), send_done=False)
+            events = sse._named_events(named(), sse.responses_error_event)
+            first_data, first_named = await anext(data), await anext(events)
+            if stopped:
+                controller.stopped.set()
+            rest = await frames(data), await frames(events)
+            return [first_data, first_named], rest
+        finally:
+            drain._controller.reset(token)
+
+    _, (data_rest, named_rest) = asyncio.run(run())
+    data_error = json.loads(data_rest[-1].decode().split("data: ", 1)[1])["error"]
+    named_error = json.loads(named_rest[-1].decode().split("data: ", 1)[1])
+    if stopped:
+        assert "shutting down" in data_error["message"]
+        assert "shutting down" in named_error["message"]
+        assert named_error["code"] == "service_unavailable"
+    else:
+        assert data_error["message"] == "internal server error"
+        assert named_error["message"] == "internal server error"
