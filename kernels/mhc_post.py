@@ -28,7 +28,7 @@ from torch import Tensor
 
 from kernels import check_runnable
 from kernels.grouped_mxfp4_gemm import _kernel_order
-from kernels.moe_combine import moe_combine_reference
+from kernels.moe_combine import check_parts, moe_combine_reference
 from kernels.rms_norm import MAX_WIDTH, inv_rms, norm_warps
 from kernels.rounding import round_to
 
@@ -179,11 +179,9 @@ def mhc_post(
 
 
 def _check_slots(slots: Tensor, y: Tensor) -> None:
-    if slots.dim() != 3 or slots.shape[0] != y.shape[0] or slots.shape[2] != y.shape[1]:
-        raise ValueError(f"slots {tuple(slots.shape)} do not match y {tuple(y.shape)}")
-    if slots.dtype != torch.float32 or slots.shape[1] < 1:
-        raise ValueError(f"slots must be float32 [T, k >= 1, D], got {slots.dtype} "
-                         f"{tuple(slots.shape)}")  # fmt: skip
+    check_parts(y, slots)  # moe_combine's own check
+    if slots.shape[1] < 1:
+        raise ValueError(f"slots must be float32 [T, k >= 1, D], got {tuple(slots.shape)}")
 
 
 def mhc_post_combine_norm(

@@ -19,7 +19,7 @@ from torch import Tensor
 from kernels import check_runnable
 from kernels.rounding import round_to
 
-__all__ = ["moe_combine", "moe_combine_reference"]
+__all__ = ["check_parts", "moe_combine", "moe_combine_reference"]
 
 _BLOCK = 1024
 
@@ -39,13 +39,19 @@ def _moe_combine_kernel(
     tl.store(out_ptr + token * dim + cols, round_to(shared + total, dtype).to(dtype), mask=keep)
 
 
-def moe_combine(shared: Tensor, slots: Tensor) -> Tensor:
-    """`shared` [T, D] (the shared expert's output, the layer's dtype) and the routed `slots`
-    [T, k, D] fp32 (weighted) → [T, D] in `shared`'s dtype."""
+def check_parts(shared: Tensor, slots: Tensor) -> None:
+    """Raise ValueError unless `slots` are fp32 [T, k, D] beside `shared` [T, D] (what
+    `moe_combine` and the update that adds the parts itself, `mhc_post(slots=)`, take)."""
     if slots.dim() != 3 or slots.shape[0] != shared.shape[0] or slots.shape[2] != shared.shape[1]:
         raise ValueError(f"slots {tuple(slots.shape)} do not match shared {tuple(shared.shape)}")
     if slots.dtype != torch.float32:
         raise ValueError(f"slots must be float32, got {slots.dtype}")
+
+
+def moe_combine(shared: Tensor, slots: Tensor) -> Tensor:
+    """`shared` [T, D] (the shared expert's output, the layer's dtype) and the routed `slots`
+    [T, k, D] fp32 (weighted) → [T, D] in `shared`'s dtype."""
+    check_parts(shared, slots)
     check_runnable(shared, "moe_combine")
     shared, slots = shared.contiguous(), slots.contiguous()
     tokens, top_k, dim = slots.shape
