@@ -2,7 +2,7 @@
 5120, expert width 2304): each (tokens, use, tiles) timed alone, against the copy bandwidth.
 
     python3 benchmarks/grouped_gemm_tiles.py [--tokens 16 64 256 4096] [--baseline MODULE]
-        [--decode-rows 64] [--prefetch-tiles] [--split-gate-up] [--register-unpack]
+        [--decode-rows 64] [--prefetch-tiles] [--split-gate-up] [--register-unpack] [--gluon]
 
 `--decode-rows BM`: blocks of BM rows also run through the decode kernel (the launcher gives
 blocks above `DECODE_MAX_BLOCK_M` rows to the prefill kernel), with its table's tiles under
@@ -13,6 +13,10 @@ several register caps, with and without the prefetch.
 
 `--register-unpack`: prefill blocks (more than 32 rows) also run the prefill kernel with the
 decode kernel's in-register unpack at each of `REGISTER_PREFILL_CANDIDATES` (BLOCK_K 128).
+
+`--gluon`: decode blocks also run the Gluon decode kernel (`kernels.grouped_mxfp4_gluon`) at
+each of its `CANDIDATES` (warps, ring slots), x reordered into the kernel's K order inside the
+timed call as the Triton kernel's launcher does.
 
 `--split-gate-up`: instead of the sweep, gate/up as the table runs it (one fused launch per
 block size) against the split candidate at blocks of 32 and 64 rows: one ungated decode-kernel
@@ -35,6 +39,7 @@ import triton
 import triton.testing
 
 from kernels import grouped_mxfp4_gemm as grouped
+from kernels import grouped_mxfp4_gluon as gluon_decode
 
 EXPERTS, HIDDEN, WIDTH, TOP_K, LIMIT = 48, 5120, 2304, 6, 10.0
 DECODE_TILES = [(64, 4, 3), (64, 4, 3, 128), (64, 4, 4, 128), (64, 4, 2, 128), (64, 4, 3, 96),
@@ -98,6 +103,11 @@ def launch_tiles(x, blocks, codes, scales, gated, row_weight, tiles):
     out_rows = blocks.num_positions if gated else blocks.num_pairs
     out = torch.empty(out_rows, n, dtype=torch.bfloat16 if gated else torch.float32, device="cuda")
     gate_limit = LIMIT if gated else None
+    if isinstance(tiles, dict) and tiles.get("GLUON"):
+        options = {key: value for key, value in tiles.items() if key != "GLUON"}
+        gluon_decode.launch_decode(grouped._in_kernel_order(x), blocks, (codes, scales), out,
+                                   gate_limit, row_weight, **options)  # fmt: skip
+        return out
     if isinstance(tiles, dict):
         launch = grouped._launch_prefill if tiles.get("REGISTER_UNPACK") else grouped._launch_decode
         launch(x, blocks, (codes, scales), out, gate_limit, row_weight, **tiles)
@@ -195,6 +205,7 @@ def main() -> None:
     parser.add_argument("--prefetch-tiles", action="store_true", help="see the docstring")
     parser.add_argument("--split-gate-up", action="store_true", help="see the docstring")
     parser.add_argument("--register-unpack", action="store_true", help="see the docstring")
+    parser.add_argument("--gluon", action="store_true", help="see the docstring")
     args = parser.parse_args()
     baseline = importlib.import_module(args.baseline) if args.baseline else None
     copy = copy_gbs()
@@ -252,6 +263,11 @@ def main() -> None:
                         DECODE_TILES if block_m <= grouped.DECODE_MAX_BLOCK_M else PREFILL_TILES
                     )
                     candidates += [("new " + str(t), t) for t in explicit]
+                if args.gluon and block_m <= grouped.DECODE_MAX_BLOCK_M:
+                    candidates += [
+                        (f"gluon w{t['num_warps']} s{t['stages']}", {"GLUON": True, **t})
+                        for t in gluon_decode.CANDIDATES
+                    ]
                 if baseline is not None:
                     candidates.insert(0, ("baseline (autotuned)", None))
                 for name, tiles in candidates:

@@ -627,8 +627,14 @@ def grouped_mxfp4_gemm(
             raise ValueError(f"fixed tiles need blocks of more than {DECODE_MAX_BLOCK_M} rows")
         tiles = {**_fixed_tiles(k), "out_kernel_order": out_kernel_order}
         _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles)
-    elif blocks.block_m <= DECODE_MAX_BLOCK_M:
+    elif blocks.block_m <= DECODE_MAX_BLOCK_M and _gluon_decode_runs(x, k):
         # NOTE: the caller guarantees `decode_tiles_exact(scales)` for such blocks (`_block_m`).
+        gluon = _gluon_decode()
+        x = x if x_kernel_order else _in_kernel_order(x)
+        tiles = gluon.decode_tiles(n, k, blocks.block_m, gated)
+        gluon.launch_decode(x, blocks, weights, out, gate_limit, row_weight,
+                            out_kernel_order=out_kernel_order, **tiles)  # fmt: skip
+    elif blocks.block_m <= DECODE_MAX_BLOCK_M:
         tiles = decode_tiles(n, k, blocks.block_m, gated)
         orders = {"x_kernel_order": x_kernel_order, "out_kernel_order": out_kernel_order}
         _launch_decode(x, blocks, weights, out, gate_limit, row_weight, **orders, **tiles)
@@ -637,6 +643,23 @@ def grouped_mxfp4_gemm(
         tiles["out_kernel_order"] = out_kernel_order
         _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles)
     return out
+
+
+# THE CHOICE of the decode kernel where both run (Hopper, K a multiple of 128): "gluon"
+# (`kernels.grouped_mxfp4_gluon`: cp.async ring, asynchronous wgmma) or "triton"
+# (`_decode_kernel`). Elsewhere the Triton kernel runs.
+DECODE_KERNEL = "triton"
+
+
+def _gluon_decode():
+    """The Gluon decode kernel's module (imported here: it imports this one)."""
+    from kernels import grouped_mxfp4_gluon
+
+    return grouped_mxfp4_gluon
+
+
+def _gluon_decode_runs(x: Tensor, k: int) -> bool:
+    return DECODE_KERNEL == "gluon" and k % 128 == 0 and _gluon_decode().runs_here(x)
 
 
 def reads_kernel_order(k: int, block_m: int, *, fixed_tiles: bool = False) -> bool:

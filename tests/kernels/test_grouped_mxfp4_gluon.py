@@ -1,0 +1,126 @@
+"""The Gluon decode kernel of the grouped MXFP4 GEMM (`kernels.grouped_mxfp4_gluon`): against
+the torch reference and the Triton decode kernel on a Hopper GPU, and compiled for sm90 here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import grouped_mxfp4_gemm as grouped
+from kernels import grouped_mxfp4_gluon as gluon_decode
+from kernels.grouped_mxfp4_gemm import align_to_experts, grouped_mxfp4_gemm_reference
+from tests.kernels.test_grouped_mxfp4_gemm import _relative_error, _routing
+
+needs_hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the Gluon decode kernel runs on sm90",
+)
+
+
+def _weights(num_experts: int, dim: int, inter: int, device: str):
+    w13 = torch.randint(-128, 128, (num_experts, 2 * inter, dim // 2), dtype=torch.int8)
+    # scale codes up to 128 (2^1), the unpack's exact range, spread over 2^±9
+    s13 = torch.randint(119, 129, (num_experts, 2 * inter, dim // 32), dtype=torch.uint8)
+    w2 = torch.randint(-128, 128, (num_experts, dim, inter // 2), dtype=torch.int8)
+    s2 = torch.randint(110, 129, (num_experts, dim, inter // 32), dtype=torch.uint8)
+    return tuple(t.to(device) for t in (w13, s13, w2, s2))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "tiles", gluon_decode.CANDIDATES, ids=lambda t: f"w{t['num_warps']}-s{t['stages']}"
+)
+@pytest.mark.parametrize(
+    ("num_tokens", "dim", "inter", "block_m"),
+    [
+        (16, 5120, 2304, 16),  # the released widths
+        (256, 5120, 2304, 32),
+        (200, 1024, 384, 32),  # N tails of 64 and 128 weight rows; 3 steps of K
+        (5, 384, 256, 16),  # K of 3 and 2 steps: fewer than the ring's slots
+    ],
+)
+def test_every_candidate_matches_the_reference_and_the_triton_kernel(
+    tiles: dict, num_tokens: int, dim: int, inter: int, block_m: int
+) -> None:
+    device, num_experts, top_k = "cuda", 8, 6
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, dim, device=device).bfloat16()
+    blocks = align_to_experts(
+        _routing(num_tokens, num_experts, top_k, seed=num_tokens, device=device),
+        num_experts,
+        block_m,
+    )
+    w13, s13, w2, s2 = _weights(num_experts, dim, inter, device)
+    used = blocks.pair_of_pos >= 0
+    act = torch.zeros(blocks.num_positions, inter, dtype=torch.bfloat16, device=device)
+    gluon_decode.launch_decode(
+        grouped._in_kernel_order(x), blocks, (w13, s13), act, 7.0, None, **tiles
+    )
+    act_ref = grouped_mxfp4_gemm_reference(x, blocks, w13, s13, gate_limit=7.0)
+    assert _relative_error(act[used], act_ref[used]) < 1e-2
+    triton_act = grouped_mxfp4_gemm(x, blocks, w13, s13, gate_limit=7.0)
+    assert _relative_error(act[used], triton_act[used]) < 1e-2
+    act_ref[~used] = 0
+    pair_weight = torch.rand(blocks.num_pairs, device=device)
+    out = torch.full((blocks.num_pairs, dim), float("nan"), device=device)
+    gluon_decode.launch_decode(
+        grouped._in_kernel_order(act_ref), blocks, (w2, s2), out, None, pair_weight, **tiles
+    )
+    out_ref = grouped_mxfp4_gemm_reference(
+        act_ref, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32
+    )
+    assert _relative_error(out, out_ref) < 1e-3  # every pair's row written (no NaN left)
+
+
+def grouped_mxfp4_gemm(x, blocks, codes, scales, **kwargs):
+    """The launcher with the Triton decode kernel, whatever `DECODE_KERNEL` says."""
+    choice = grouped.DECODE_KERNEL
+    grouped.DECODE_KERNEL = "triton"
+    try:
+        return grouped.grouped_mxfp4_gemm(x, blocks, codes, scales, **kwargs)
+    finally:
+        grouped.DECODE_KERNEL = choice
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_launcher_choice_with_kernel_order_between_gate_up_and_down(
+    block_m: int, monkeypatch
+) -> None:
+    """The launcher taking the Gluon kernel (gate/up written in the kernel's K order, down
+    reading it as it is) gives the plain order's bits, and the reference's values."""
+    monkeypatch.setattr(grouped, "DECODE_KERNEL", "gluon")
+    device, num_experts, top_k, dim, inter, num_tokens = "cuda", 8, 6, 1024, 384, 200
+    torch.manual_seed(block_m)
+    x = torch.randn(num_tokens, dim, device=device).bfloat16()
+    blocks = align_to_experts(
+        _routing(num_tokens, num_experts, top_k, seed=5, device=device), num_experts, block_m
+    )
+    w13, s13, w2, s2 = _weights(num_experts, dim, inter, device)
+    results = []
+    for order in (False, True):
+        act = grouped.grouped_mxfp4_gemm(
+            x, blocks, w13, s13, gate_limit=7.0, out_kernel_order=order
+        )
+        act[blocks.pair_of_pos < 0] = 0
+        results.append(
+            grouped.grouped_mxfp4_gemm(
+                act, blocks, w2, s2, out_dtype=torch.float32, x_kernel_order=order
+            )
+        )
+    assert torch.equal(results[0], results[1])
+    act_ref = grouped_mxfp4_gemm_reference(x, blocks, w13, s13, gate_limit=7.0)
+    act_ref[blocks.pair_of_pos < 0] = 0
+    out_ref = grouped_mxfp4_gemm_reference(act_ref, blocks, w2, s2, out_dtype=torch.float32)
+    assert _relative_error(results[0], out_ref) < 1e-2
+
+
+def test_launcher_refuses_shapes_it_does_not_take() -> None:
+    blocks = align_to_experts(torch.zeros(4, 2, dtype=torch.long), 4, 64)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    weights = (torch.zeros(4, 8, 128, dtype=torch.int8), torch.zeros(4, 8, 8, dtype=torch.uint8))
+    out = torch.empty(blocks.num_positions, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="blocks of 64"):
+        gluon_decode.launch_decode(x, blocks, weights, out, 7.0, None)
