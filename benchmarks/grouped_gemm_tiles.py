@@ -263,7 +263,8 @@ def main() -> None:
                         DECODE_TILES if block_m <= grouped.DECODE_MAX_BLOCK_M else PREFILL_TILES
                     )
                     candidates += [("new " + str(t), t) for t in explicit]
-                if args.gluon and block_m <= grouped.DECODE_MAX_BLOCK_M:
+                gluon_rows = block_m <= grouped.DECODE_MAX_BLOCK_M or block_m in args.decode_rows
+                if args.gluon and gluon_rows and block_m <= 64:
                     candidates += [
                         (f"gluon w{t['num_warps']} s{t['stages']}", {"GLUON": True, **t})
                         for t in gluon_decode.CANDIDATES

@@ -17,7 +17,7 @@ cores scheduled by hand, which Triton's `tl.dot` path cannot express:
 
 Contract (what the launcher checks and `grouped_mxfp4_gemm` relies on): K a multiple of 128, x
 in the kernel's K order (`grouped_mxfp4_gemm._kernel_columns`), e8m0 scale codes <= 128 (the
-unpack's NOTE in `grouped_mxfp4_gemm`), blocks of 16 or 32 rows. The torch reference is
+unpack's NOTE in `grouped_mxfp4_gemm`), blocks of 16, 32 or 64 rows. The torch reference is
 `grouped_mxfp4_gemm_reference`; the `gpu` tests compare both kernels with it.
 
 Gluon is experimental: `AVAILABLE` is False where this Triton has no Gluon or a Gluon without
@@ -324,11 +324,11 @@ def launch_decode(
 
     Raises:
         ValueError: a shape this kernel does not take (K not a multiple of 128, blocks of other
-            than 16 or 32 rows, fewer than two ring slots in flight).
+            than 16, 32 or 64 rows, fewer than three ring slots).
     """
     codes, scales = weights
     k, n = x.shape[1], out.shape[1]
-    if k % STEP_K or blocks.block_m not in (16, 32) or stages < 3:
+    if k % STEP_K or blocks.block_m not in (16, 32, 64) or stages < 3:
         raise ValueError(f"K = {k}, blocks of {blocks.block_m}, {stages} stages: not this kernel")
     if scales.stride(1) % 4 or codes.stride(1) % 16:
         raise ValueError("weight rows must start on 4-byte scale and 16-byte code boundaries")

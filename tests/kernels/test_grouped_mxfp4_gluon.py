@@ -36,6 +36,7 @@ def _weights(num_experts: int, dim: int, inter: int, device: str):
     [
         (16, 5120, 2304, 16),  # the released widths
         (256, 5120, 2304, 32),
+        (256, 5120, 2304, 64),  # one block per expert (the launcher's table stops at 32)
         (200, 1024, 384, 32),  # N tails of 64 and 128 weight rows; 3 steps of K
         (5, 384, 256, 16),  # K of 3 and 2 steps: fewer than the ring's slots
     ],
@@ -118,9 +119,9 @@ def test_launcher_choice_with_kernel_order_between_gate_up_and_down(
 
 
 def test_launcher_refuses_shapes_it_does_not_take() -> None:
-    blocks = align_to_experts(torch.zeros(4, 2, dtype=torch.long), 4, 64)
+    blocks = align_to_experts(torch.zeros(4, 2, dtype=torch.long), 4, 128)
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     weights = (torch.zeros(4, 8, 128, dtype=torch.int8), torch.zeros(4, 8, 8, dtype=torch.uint8))
     out = torch.empty(blocks.num_positions, 4, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="blocks of 64"):
+    with pytest.raises(ValueError, match="blocks of 128"):
         gluon_decode.launch_decode(x, blocks, weights, out, 7.0, None)
