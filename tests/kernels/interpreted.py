@@ -102,13 +102,16 @@ def compile_for_hopper(
 ) -> str:
     """PTX of `kernel` compiled for sm90 (Triton's bundled ptxas), with the 16-divisibility
     that a launch on aligned tensors and widths gets; every argument is typed in `types` or
-    given in `constexprs`; `options`: further compile options, as a launch passes them."""
+    given in `constexprs`; `options`: further compile options, as a launch passes them. A
+    Gluon kernel compiles as one (its layouts are its own)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     names = kernel.arg_names
     signature = {name: types.get(name, "constexpr") for name in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in aligned}
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = compile(
         source,

@@ -3,12 +3,15 @@ the torch reference and the Triton decode kernel on a Hopper GPU, and compiled f
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from kernels import grouped_mxfp4_gemm as grouped
 from kernels import grouped_mxfp4_gluon as gluon_decode
 from kernels.grouped_mxfp4_gemm import align_to_experts, grouped_mxfp4_gemm_reference
+from tests.kernels.interpreted import compile_for_hopper
 from tests.kernels.test_grouped_mxfp4_gemm import _relative_error, _routing
 
 needs_hopper = pytest.mark.skipif(
@@ -125,3 +128,31 @@ def test_launcher_refuses_shapes_it_does_not_take() -> None:
     out = torch.empty(blocks.num_positions, 4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="blocks of 128"):
         gluon_decode.launch_decode(x, blocks, weights, out, 7.0, None)
+
+
+@pytest.mark.skipif(not gluon_decode.AVAILABLE, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("gated", [True, False], ids=["gate_up", "down"])
+def test_compiled_kernel_keeps_its_schedule(gated: bool) -> None:
+    """Compiled for sm90 here: the words and x rows arrive by 16-byte cp.async, the unpacked
+    weights reach the wgmma without crossing threads (no shuffle, no shared-memory store), and
+    each product is waited for with one still in flight (the tensor cores overlap the next
+    unpack)."""
+    pointers = {
+        "x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": "*u8", "pair_of_pos_ptr": "*i32",
+        "block_expert_ptr": "*i32", "row_weight_ptr": "*fp32",
+        "out_ptr": "*bf16" if gated else "*fp32",
+    }  # fmt: skip
+    strides = ("stride_xm", "stride_ce", "stride_cn", "stride_se", "stride_sn", "stride_om")
+    types = {**pointers, **dict.fromkeys(("N", "K", *strides), "i32"), "gate_limit": "fp32"}
+    constexprs = {
+        "TOP_K": 6, "GATED": gated, "TOKEN_ROWS": gated, "HAS_ROW_WEIGHT": not gated,
+        "BLOCK_M": 32, "STAGES": gluon_decode.STAGES, "STORE_KERNEL_ORDER": gated,
+    }  # fmt: skip
+    ptx = compile_for_hopper(
+        gluon_decode._decode_kernel, types, constexprs, set(types) - {"gate_limit"}
+    )
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)
+    assert "shfl" not in ptx and "st.shared" not in ptx
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)
+    products = 2 if gated else 1
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16", ptx)) == 8 * products
