@@ -134,6 +134,23 @@ if AVAILABLE:
         async_copy.commit_group()
 
     @gluon.jit
+    def _ready(step, num_steps, word_ptrs, word_up_ptrs, scale_ptrs, scale_up_ptrs, x_ptrs,
+               words_smem, words_up_smem, scales_smem, scales_up_smem, x_smem,
+               STAGES: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
+        """Wait for step `step`'s slot and start the copies of step + STAGES - 2 into the slot
+        that step - 2 used; returns the step's slot. This thread's copies are done and fenced
+        for the wgmma's async proxy; the compiler's barriers follow (after the wait, and before
+        the slot's reads), so all threads' copies are visible, and every wgmma of step - 2 has
+        been waited for before its slot is refilled."""
+        async_copy.wait_group(STAGES - 3)
+        fence_async_shared()
+        ahead = step + STAGES - 2
+        _issue_step(ahead, num_steps, ahead % STAGES, word_ptrs, word_up_ptrs, scale_ptrs,
+                    scale_up_ptrs, x_ptrs, words_smem, words_up_smem, scales_smem,
+                    scales_up_smem, x_smem, GATED)  # fmt: skip
+        return step % STAGES
+
+    @gluon.jit
     def _decode_kernel(
         x_ptr,
         codes_ptr,
@@ -215,31 +232,22 @@ if AVAILABLE:
 
         # loop-carried as wgmma accumulators: a product may still be in flight at a step's end
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
-        if not GATED:
-            acc = warpgroup_mma_init(acc)
-        acc_up = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout))
-        a_prev = gl.zeros([BLOCK_N, _STEP_K], gl.bfloat16, a_layout)
-        for step in range(num_steps):
-            slot = step % STAGES
-            # This step's copies of this thread are done; fenced for the wgmma's async proxy.
-            # The compiler's barriers follow (after the wait, and before the slot's reads): all
-            # threads' copies are then visible, and every wgmma of step - 2 has been waited for.
-            async_copy.wait_group(STAGES - 3)
-            fence_async_shared()
-            ahead = step + STAGES - 2
-            _issue_step(ahead, num_steps, ahead % STAGES, word_ptrs, word_up_ptrs, scale_ptrs,
-                        scale_up_ptrs, x_ptrs, words_smem, words_up_smem, scales_smem,
-                        scales_up_smem, x_smem, GATED)  # fmt: skip
-            x_tile = x_smem.index(slot).permute((1, 0))
-            a = _unpack(
-                words_smem.index(slot).load(words_layout),
-                scales_smem.index(slot).load(rows_layout),
-                a_layout,
-            )
-            acc = warpgroup_mma(a, x_tile, acc, is_async=True)
-            if GATED:
+        if GATED:
+            acc_up = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout))
+            a_up = gl.zeros([BLOCK_N, _STEP_K], gl.bfloat16, a_layout)
+            for step in range(num_steps):
+                slot = _ready(step, num_steps, word_ptrs, word_up_ptrs, scale_ptrs, scale_up_ptrs,
+                              x_ptrs, words_smem, words_up_smem, scales_smem, scales_up_smem,
+                              x_smem, STAGES, GATED)  # fmt: skip
+                x_tile = x_smem.index(slot).permute((1, 0))
+                a = _unpack(
+                    words_smem.index(slot).load(words_layout),
+                    scales_smem.index(slot).load(rows_layout),
+                    a_layout,
+                )
+                acc = warpgroup_mma(a, x_tile, acc, is_async=True)
                 # up of step - 1 done (its A registers free) while the gate product runs
-                acc_up, a_prev = warpgroup_mma_wait(1, deps=(acc_up, a_prev))
+                acc_up, a_up = warpgroup_mma_wait(1, deps=(acc_up, a_up))
                 a_up = _unpack(
                     words_up_smem.index(slot).load(words_layout),
                     scales_up_smem.index(slot).load(rows_layout),
@@ -247,13 +255,45 @@ if AVAILABLE:
                 )
                 acc_up = warpgroup_mma(a_up, x_tile, acc_up, is_async=True)
                 acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # gate of this step done
-                a_prev = a_up
-            else:
-                a_prev = warpgroup_mma_wait(1, deps=(a_prev,))  # step - 1 done
-                a_prev = a
-        if GATED:
             acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
         else:
+            # Two steps per iteration, so that the A operand unpacked while the other step's
+            # product is in flight is another value in other registers (a loop-carried copy
+            # would let the next unpack overwrite registers the tensor cores still read).
+            acc = warpgroup_mma_init(acc)
+            a_odd = gl.zeros([BLOCK_N, _STEP_K], gl.bfloat16, a_layout)
+            for pair_step in range(num_steps // 2):
+                slot = _ready(2 * pair_step, num_steps, word_ptrs, word_up_ptrs, scale_ptrs,
+                              scale_up_ptrs, x_ptrs, words_smem, words_up_smem, scales_smem,
+                              scales_up_smem, x_smem, STAGES, GATED)  # fmt: skip
+                a_even = _unpack(
+                    words_smem.index(slot).load(words_layout),
+                    scales_smem.index(slot).load(rows_layout),
+                    a_layout,
+                )
+                acc = warpgroup_mma(a_even, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+                a_odd = warpgroup_mma_wait(1, deps=(a_odd,))  # the step before done
+                slot = _ready(2 * pair_step + 1, num_steps, word_ptrs, word_up_ptrs, scale_ptrs,
+                              scale_up_ptrs, x_ptrs, words_smem, words_up_smem, scales_smem,
+                              scales_up_smem, x_smem, STAGES, GATED)  # fmt: skip
+                a_odd = _unpack(
+                    words_smem.index(slot).load(words_layout),
+                    scales_smem.index(slot).load(rows_layout),
+                    a_layout,
+                )
+                acc = warpgroup_mma(a_odd, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+                a_even = warpgroup_mma_wait(1, deps=(a_even,))
+            if num_steps % 2:
+                slot = _ready(num_steps - 1, num_steps, word_ptrs, word_up_ptrs, scale_ptrs,
+                              scale_up_ptrs, x_ptrs, words_smem, words_up_smem, scales_smem,
+                              scales_up_smem, x_smem, STAGES, GATED)  # fmt: skip
+                a_last = _unpack(
+                    words_smem.index(slot).load(words_layout),
+                    scales_smem.index(slot).load(rows_layout),
+                    a_layout,
+                )
+                acc = warpgroup_mma(a_last, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+                a_odd, a_last = warpgroup_mma_wait(0, deps=(a_odd, a_last))
             acc = warpgroup_mma_wait(0, deps=(acc,))
         async_copy.wait_group(0)
 
