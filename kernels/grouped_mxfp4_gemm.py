@@ -648,7 +648,7 @@ def grouped_mxfp4_gemm(
 # THE CHOICE of the decode kernel where both run (Hopper, K a multiple of 128): "gluon"
 # (`kernels.grouped_mxfp4_gluon`: cp.async ring, asynchronous wgmma) or "triton"
 # (`_decode_kernel`). Elsewhere the Triton kernel runs.
-DECODE_KERNEL = "triton"
+DECODE_KERNEL = "gluon"
 
 
 def _gluon_decode():

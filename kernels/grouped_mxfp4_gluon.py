@@ -328,10 +328,13 @@ if AVAILABLE:
 
 def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
     """The launch options (`num_warps`: 16 · num_warps weight rows per program; `stages`: ring
-    slots) for an (N, K, block size, use). THE CHOICE: not yet timed on a GPU; 4 warps and 4
-    slots compile without spills for both uses at blocks of 16 and 32 rows (sm90, Triton 3.6
-    and 3.9: gate/up 127 / 167 registers, 51 / 68 KB of shared memory)."""
-    return {"num_warps": 4, "stages": STAGES}
+    slots) for an (N, K, block size, use). THE CHOICE, from `grouped_gemm_tiles.py --gluon` on
+    an H100 (2026-12-07, docs/performance.md): 4 warps everywhere; gate/up 4 slots at blocks
+    of 32 rows (256 tokens: 0.478 ms against the Triton kernel's 0.534), 3 at blocks of 16;
+    down 6 slots (256 tokens: 0.255 against 0.315 ms)."""
+    if gated:
+        return {"num_warps": 4, "stages": 4 if block_m > 16 else 3}
+    return {"num_warps": 4, "stages": 6}
 
 
 # What `benchmarks/grouped_gemm_tiles.py --gluon` times and the `gpu` tests check.
