@@ -111,6 +111,13 @@ if AVAILABLE:
         return gl.convert_layout(gl.reshape(pairs, [rows, 128]), A_LAYOUT)
 
     @gluon.jit
+    def _unpack_slot(words_smem, scales_smem, slot, A_LAYOUT: gl.constexpr):
+        """The A operand of ring slot `slot`'s words and scales (`_unpack`)."""
+        words_layout: gl.constexpr = _words_layout(gl.num_warps())
+        scales = scales_smem.index(slot).load(gl.SliceLayout(1, words_layout))
+        return _unpack(words_smem.index(slot).load(words_layout), scales, A_LAYOUT)
+
+    @gluon.jit
     def _issue_step(step, num_steps, slot, word_ptrs, word_up_ptrs, scale_ptrs, scale_up_ptrs,
                     x_ptrs, words_smem, words_up_smem, scales_smem, scales_up_smem, x_smem,
                     GATED: gl.constexpr):  # fmt: skip
@@ -243,11 +250,7 @@ if AVAILABLE:
                 # both matrices' words read at once: the up's arrive during the gate's unpack
                 words_up = words_up_smem.index(slot).load(words_layout)
                 scales_up = scales_up_smem.index(slot).load(rows_layout)
-                a = _unpack(
-                    words_smem.index(slot).load(words_layout),
-                    scales_smem.index(slot).load(rows_layout),
-                    a_layout,
-                )
+                a = _unpack_slot(words_smem, scales_smem, slot, a_layout)
                 acc = warpgroup_mma(a, x_tile, acc, is_async=True)
                 # up of step - 1 done (its A registers free) while the gate product runs
                 acc_up, a_up = warpgroup_mma_wait(1, deps=(acc_up, a_up))
@@ -265,32 +268,20 @@ if AVAILABLE:
                 slot = _ready(2 * pair_step, num_steps, word_ptrs, word_up_ptrs, scale_ptrs,
                               scale_up_ptrs, x_ptrs, words_smem, words_up_smem, scales_smem,
                               scales_up_smem, x_smem, STAGES, GATED)  # fmt: skip
-                a_even = _unpack(
-                    words_smem.index(slot).load(words_layout),
-                    scales_smem.index(slot).load(rows_layout),
-                    a_layout,
-                )
+                a_even = _unpack_slot(words_smem, scales_smem, slot, a_layout)
                 acc = warpgroup_mma(a_even, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
                 a_odd = warpgroup_mma_wait(1, deps=(a_odd,))  # the step before done
                 slot = _ready(2 * pair_step + 1, num_steps, word_ptrs, word_up_ptrs, scale_ptrs,
                               scale_up_ptrs, x_ptrs, words_smem, words_up_smem, scales_smem,
                               scales_up_smem, x_smem, STAGES, GATED)  # fmt: skip
-                a_odd = _unpack(
-                    words_smem.index(slot).load(words_layout),
-                    scales_smem.index(slot).load(rows_layout),
-                    a_layout,
-                )
+                a_odd = _unpack_slot(words_smem, scales_smem, slot, a_layout)
                 acc = warpgroup_mma(a_odd, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
                 a_even = warpgroup_mma_wait(1, deps=(a_even,))
             if num_steps % 2:
                 slot = _ready(num_steps - 1, num_steps, word_ptrs, word_up_ptrs, scale_ptrs,
                               scale_up_ptrs, x_ptrs, words_smem, words_up_smem, scales_smem,
                               scales_up_smem, x_smem, STAGES, GATED)  # fmt: skip
-                a_last = _unpack(
-                    words_smem.index(slot).load(words_layout),
-                    scales_smem.index(slot).load(rows_layout),
-                    a_layout,
-                )
+                a_last = _unpack_slot(words_smem, scales_smem, slot, a_layout)
                 acc = warpgroup_mma(a_last, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
                 a_odd, a_last = warpgroup_mma_wait(0, deps=(a_odd, a_last))
             acc = warpgroup_mma_wait(0, deps=(acc,))

@@ -198,12 +198,18 @@ def test_every_decode_candidate_matches_reference(
         num_experts,
         block_m,
     )
+    weights = decode_expert_weights(num_experts, dim, inter, device)
+    _both_launches_match_reference(_launch_decode, x, None, blocks, weights, tiles)
+
+
+def decode_expert_weights(num_experts: int, dim: int, inter: int, device: str) -> tuple:
+    """Random gate/up and down experts (codes, scales) of the given widths, the scale codes up
+    to 128 (2^1: the decode kernels' exact range) and spread over 2^±9."""
     w13 = torch.randint(-128, 128, (num_experts, 2 * inter, dim // 2), dtype=torch.int8)
     s13 = torch.randint(119, 129, (num_experts, 2 * inter, dim // 32), dtype=torch.uint8)
     w2 = torch.randint(-128, 128, (num_experts, dim, inter // 2), dtype=torch.int8)
     s2 = torch.randint(110, 129, (num_experts, dim, inter // 32), dtype=torch.uint8)
-    w13, s13, w2, s2 = (t.to(device) for t in (w13, s13, w2, s2))
-    _both_launches_match_reference(_launch_decode, x, None, blocks, (w13, s13, w2, s2), tiles)
+    return tuple(t.to(device) for t in (w13, s13, w2, s2))
 
 
 def _both_launches_match_reference(launch, x, down_rows, blocks, weights, tiles) -> tuple:

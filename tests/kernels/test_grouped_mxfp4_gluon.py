@@ -12,21 +12,12 @@ from kernels import grouped_mxfp4_gemm as grouped
 from kernels import grouped_mxfp4_gluon as gluon_decode
 from kernels.grouped_mxfp4_gemm import align_to_experts, grouped_mxfp4_gemm_reference
 from tests.kernels.interpreted import compile_for_hopper
-from tests.kernels.test_grouped_mxfp4_gemm import _relative_error, _routing
+from tests.kernels.test_grouped_mxfp4_gemm import _relative_error, _routing, decode_expert_weights
 
 needs_hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
     reason="the Gluon decode kernel runs on sm90",
 )
-
-
-def _weights(num_experts: int, dim: int, inter: int, device: str):
-    w13 = torch.randint(-128, 128, (num_experts, 2 * inter, dim // 2), dtype=torch.int8)
-    # scale codes up to 128 (2^1), the unpack's exact range, spread over 2^±9
-    s13 = torch.randint(119, 129, (num_experts, 2 * inter, dim // 32), dtype=torch.uint8)
-    w2 = torch.randint(-128, 128, (num_experts, dim, inter // 2), dtype=torch.int8)
-    s2 = torch.randint(110, 129, (num_experts, dim, inter // 32), dtype=torch.uint8)
-    return tuple(t.to(device) for t in (w13, s13, w2, s2))
 
 
 @pytest.mark.gpu
@@ -55,7 +46,7 @@ def test_every_candidate_matches_the_reference_and_the_triton_kernel(
         num_experts,
         block_m,
     )
-    w13, s13, w2, s2 = _weights(num_experts, dim, inter, device)
+    w13, s13, w2, s2 = decode_expert_weights(num_experts, dim, inter, device)
     used = blocks.pair_of_pos >= 0
     act = torch.zeros(blocks.num_positions, inter, dtype=torch.bfloat16, device=device)
     gluon_decode.launch_decode(
@@ -102,7 +93,7 @@ def test_launcher_choice_with_kernel_order_between_gate_up_and_down(
     blocks = align_to_experts(
         _routing(num_tokens, num_experts, top_k, seed=5, device=device), num_experts, block_m
     )
-    w13, s13, w2, s2 = _weights(num_experts, dim, inter, device)
+    w13, s13, w2, s2 = decode_expert_weights(num_experts, dim, inter, device)
     results = []
     for order in (False, True):
         act = grouped.grouped_mxfp4_gemm(
