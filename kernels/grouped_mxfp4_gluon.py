@@ -247,14 +247,11 @@ if AVAILABLE:
                               x_ptrs, words_smem, words_up_smem, scales_smem, scales_up_smem,
                               x_smem, STAGES, GATED)  # fmt: skip
                 x_tile = x_smem.index(slot).permute((1, 0))
-                # both matrices' words read at once: the up's arrive during the gate's unpack
-                words_up = words_up_smem.index(slot).load(words_layout)
-                scales_up = scales_up_smem.index(slot).load(rows_layout)
                 a = _unpack_slot(words_smem, scales_smem, slot, a_layout)
                 acc = warpgroup_mma(a, x_tile, acc, is_async=True)
                 # up of step - 1 done (its A registers free) while the gate product runs
                 acc_up, a_up = warpgroup_mma_wait(1, deps=(acc_up, a_up))
-                a_up = _unpack(words_up, scales_up, a_layout)
+                a_up = _unpack_slot(words_up_smem, scales_up_smem, slot, a_layout)
                 acc_up = warpgroup_mma(a_up, x_tile, acc_up, is_async=True)
                 acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # gate of this step done
             acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
