@@ -1,8 +1,9 @@
 """SASS instructions per main-loop iteration of the decode expert GEMM, compiled for sm90 on
-this machine (Triton's bundled ptxas and cuobjdump; no GPU): the product's `_decode_kernel` at
-its tuned tiles, and an FP8-operand variant that exists only here, to ask whether FP8
-activations would take the kernel off its instruction-issue bound (`docs/performance.md`,
-2026-12-07).
+this machine (Triton's bundled ptxas and cuobjdump; no GPU): the Triton `_decode_kernel` and
+the Gluon one the product takes on Hopper (`kernels.grouped_mxfp4_gluon`; its down loop holds
+two K steps) at their tuned tiles, and an FP8-operand variant that exists only here, to ask
+whether FP8 activations would take the kernel off its instruction-issue bound
+(`docs/performance.md`, 2026-12-07).
 
 The product's unpack turns each e2m1 code into bf16 (shifts and masks, one bf16x2 multiply by
 the block scale per two values: ~5 instructions per register of two). The variant keeps the
@@ -34,6 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 from kernels import grouped_mxfp4_gemm as gemm
+from kernels import grouped_mxfp4_gluon as gluon_gemm
 
 _E4M3_EVEN = tl.constexpr(
     "{ .reg .b32 t, m; shl.b32 m, $1, 2; shl.b32 t, $1, 4; and.b32 m, m, 0x1C1C1C1C; "
@@ -120,7 +122,10 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, options: dict):
     signature = {name: types.get(name, "constexpr") for name in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
                if name in types and name != "gate_limit"}  # fmt: skip
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    source_type = ASTSource
+    if kernel.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source_type
+    source = source_type(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     return compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -190,6 +195,21 @@ def main() -> None:
             values = tiles["BLOCK_N"] * 128 * (2 if gated else 1) // (32 * tiles["num_warps"])
             use = "gate/up" if gated else "down"
             label = f"`_decode_kernel` {use}, blocks of {block_m}, {tiles['BLOCK_N']} rows"
+            print(_row(label, compiled, values))
+    for block_m in (16, 32) if gluon_gemm.AVAILABLE else ():
+        for gated in (True, False):
+            n, k = (2304, 5120) if gated else (5120, 2304)
+            tiles = gluon_gemm.decode_tiles(n, k, block_m, gated)
+            constexprs = {"TOP_K": 6, "GATED": gated, "TOKEN_ROWS": gated,
+                          "HAS_ROW_WEIGHT": False, "BLOCK_M": block_m,
+                          "STAGES": tiles["stages"], "STORE_KERNEL_ORDER": gated}  # fmt: skip
+            types = dict(_DECODE_TYPES, out_ptr="*bf16" if gated else "*fp32")
+            compiled = _compile(gluon_gemm._decode_kernel, types, constexprs,
+                                {"num_warps": tiles["num_warps"]})  # fmt: skip
+            values = 128  # gate and up of one step, or two steps of the down, per thread
+            use = "gate/up" if gated else "down (two steps)"
+            rows = 16 * tiles["num_warps"]
+            label = f"Gluon `_decode_kernel` {use}, blocks of {block_m}, {rows} rows"
             print(_row(label, compiled, values))
     for block_n, block_m in ((64, 16), (64, 32), (128, 32)):
         warps = block_n // 16
