@@ -651,6 +651,7 @@ def grouped_mxfp4_gemm(
 DECODE_KERNEL = "gluon"
 
 
+@functools.cache
 def _gluon_decode():
     """The Gluon decode kernel's module (imported here: it imports this one)."""
     from kernels import grouped_mxfp4_gluon

@@ -26,6 +26,8 @@ the calls used here, and the launcher then keeps the Triton kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -332,7 +334,14 @@ CANDIDATES: tuple[dict, ...] = tuple(
 
 def runs_here(x: Tensor) -> bool:
     """Whether this kernel can run on x's device: Gluon present and a Hopper GPU (sm90)."""
-    return AVAILABLE and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)
+    if not (AVAILABLE and x.is_cuda):
+        return False
+    return _is_sm90(torch.cuda.current_device() if x.device.index is None else x.device.index)
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def launch_decode(
@@ -360,7 +369,9 @@ def launch_decode(
     k, n = x.shape[1], out.shape[1]
     if k % STEP_K or blocks.block_m not in (16, 32, 64) or stages < 3:
         raise ValueError(f"K = {k}, blocks of {blocks.block_m}, {stages} stages: not this kernel")
-    if scales.stride(1) % 4 or codes.stride(1) % 16:
+    scale_starts = (scales.data_ptr(), scales.stride(0), scales.stride(1))
+    code_starts = (codes.data_ptr(), codes.stride(0), codes.stride(1))
+    if any(start % 4 for start in scale_starts) or any(start % 16 for start in code_starts):
         raise ValueError("weight rows must start on 4-byte scale and 16-byte code boundaries")
     block_n = 16 * num_warps
     grid = (blocks.block_expert.numel(), -(-n // block_n))

@@ -148,3 +148,15 @@ def test_compiled_kernel_keeps_its_schedule(gated: bool) -> None:
     # gate and up per step; the down's two steps per iteration and its odd last step
     launches = 2 if gated else 3
     assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16", ptx)) == 8 * launches
+
+
+def test_launcher_refuses_weights_off_their_copy_boundaries() -> None:
+    """Scale words are read 4 bytes and code words 16 bytes at a time: a view starting
+    elsewhere is refused, not read across its boundary."""
+    blocks = align_to_experts(torch.zeros(4, 2, dtype=torch.long), 4, 16)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    codes = torch.zeros(4, 8, 128, dtype=torch.int8)
+    scales = torch.zeros(4, 8, 9, dtype=torch.uint8)[:, :, 1:]  # rows 9 bytes apart
+    out = torch.empty(blocks.num_positions, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="boundaries"):
+        gluon_decode.launch_decode(x, blocks, (codes, scales), out, 7.0, None)
