@@ -15,8 +15,9 @@ several register caps, with and without the prefetch.
 decode kernel's in-register unpack at each of `REGISTER_PREFILL_CANDIDATES` (BLOCK_K 128).
 
 `--gluon`: decode blocks also run the Gluon decode kernel (`kernels.grouped_mxfp4_gluon`) at
-each of its `CANDIDATES` (warps, ring slots), x reordered into the kernel's K order inside the
-timed call as the Triton kernel's launcher does.
+each of its `CANDIDATES` (warps, ring slots), and blocks of 128 rows (prefill, `--tokens 4096`)
+at its `PREFILL_CANDIDATES`, x reordered into the kernel's K order inside the timed call as the
+Triton kernel's launcher does.
 
 `--split-gate-up`: instead of the sweep, gate/up as the table runs it (one fused launch per
 block size) against the split candidate at blocks of 32 and 64 rows: one ungated decode-kernel
@@ -264,10 +265,12 @@ def main() -> None:
                     )
                     candidates += [("new " + str(t), t) for t in explicit]
                 gluon_rows = block_m <= grouped.DECODE_MAX_BLOCK_M or block_m in args.decode_rows
-                if args.gluon and gluon_rows and block_m <= 64:
+                if args.gluon and (gluon_rows and block_m <= 64 or block_m == 128):
+                    tables = gluon_decode.CANDIDATES if block_m <= 64 else ()
+                    tables += gluon_decode.PREFILL_CANDIDATES if block_m >= 64 else ()
                     candidates += [
                         (f"gluon w{t['num_warps']} s{t['stages']}", {"GLUON": True, **t})
-                        for t in gluon_decode.CANDIDATES
+                        for t in tables
                     ]
                 if baseline is not None:
                     candidates.insert(0, ("baseline (autotuned)", None))

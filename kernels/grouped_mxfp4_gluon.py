@@ -17,7 +17,9 @@ cores scheduled by hand, which Triton's `tl.dot` path cannot express:
 
 Contract (what the launcher checks and `grouped_mxfp4_gemm` relies on): K a multiple of 128, x
 in the kernel's K order (`grouped_mxfp4_gemm._kernel_columns`), e8m0 scale codes <= 128 (the
-unpack's NOTE in `grouped_mxfp4_gemm`), blocks of 16, 32 or 64 rows. The torch reference is
+unpack's NOTE in `grouped_mxfp4_gemm`), blocks of 16, 32, 64 or 128 rows (the launcher's
+table gives it blocks of up to 32; 64 and 128, prefill's sizes, are candidates:
+`PREFILL_CANDIDATES`). The torch reference is
 `grouped_mxfp4_gemm_reference`; the `gpu` tests compare both kernels with it.
 
 Gluon is experimental: `AVAILABLE` is False where this Triton has no Gluon or a Gluon without
@@ -332,6 +334,16 @@ CANDIDATES: tuple[dict, ...] = tuple(
 )
 
 
+# Blocks of 128 rows (prefill): the wgmma's N of 128 tokens against each unpacked weight tile, so
+# the tensor cores, not the unpack, bound a step. What fits sm90's registers and shared memory
+# (local compile, 8 warps, 3 or 4 slots: 235-255 registers, no spills, 122-196 KB of shared
+# memory). Not yet timed.
+PREFILL_CANDIDATES: tuple[dict, ...] = (
+    {"num_warps": 8, "stages": 3},
+    {"num_warps": 8, "stages": 4},
+)
+
+
 def runs_here(x: Tensor) -> bool:
     """Whether this kernel can run on x's device: Gluon present and a Hopper GPU (sm90)."""
     if not (AVAILABLE and x.is_cuda):
@@ -363,11 +375,11 @@ def launch_decode(
 
     Raises:
         ValueError: a shape this kernel does not take (K not a multiple of 128, blocks of other
-            than 16, 32 or 64 rows, fewer than three ring slots).
+            than 16, 32, 64 or 128 rows, fewer than three ring slots).
     """
     codes, scales = weights
     k, n = x.shape[1], out.shape[1]
-    if k % STEP_K or blocks.block_m not in (16, 32, 64) or stages < 3:
+    if k % STEP_K or blocks.block_m not in (16, 32, 64, 128) or stages < 3:
         raise ValueError(f"K = {k}, blocks of {blocks.block_m}, {stages} stages: not this kernel")
     scale_starts = (scales.data_ptr(), scales.stride(0), scales.stride(1))
     code_starts = (codes.data_ptr(), codes.stride(0), codes.stride(1))

@@ -68,6 +68,36 @@ def test_every_candidate_matches_the_reference_and_the_triton_kernel(
     assert _relative_error(out, out_ref) < 1e-3  # every pair's row written (no NaN left)
 
 
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "tiles", gluon_decode.PREFILL_CANDIDATES, ids=lambda t: f"w{t['num_warps']}-s{t['stages']}"
+)
+def test_prefill_blocks_of_128_rows_match_the_reference(tiles: dict) -> None:
+    """Blocks of 128 rows (a prefill chunk's), the released widths, N tails of neither use."""
+    device, num_experts, top_k, num_tokens, dim, inter = "cuda", 8, 6, 600, 5120, 2304
+    torch.manual_seed(3)
+    x = torch.randn(num_tokens, dim, device=device).bfloat16()
+    blocks = align_to_experts(
+        _routing(num_tokens, num_experts, top_k, seed=3, device=device), num_experts, 128
+    )
+    w13, s13, w2, s2 = decode_expert_weights(num_experts, dim, inter, device)
+    used = blocks.pair_of_pos >= 0
+    act = torch.zeros(blocks.num_positions, inter, dtype=torch.bfloat16, device=device)
+    gluon_decode.launch_decode(
+        grouped._in_kernel_order(x), blocks, (w13, s13), act, 7.0, None, **tiles
+    )
+    act_ref = grouped_mxfp4_gemm_reference(x, blocks, w13, s13, gate_limit=7.0)
+    assert _relative_error(act[used], act_ref[used]) < 1e-2
+    act_ref[~used] = 0
+    out = torch.full((blocks.num_pairs, dim), float("nan"), device=device)
+    gluon_decode.launch_decode(
+        grouped._in_kernel_order(act_ref), blocks, (w2, s2), out, None, None, **tiles
+    )
+    out_ref = grouped_mxfp4_gemm_reference(act_ref, blocks, w2, s2, out_dtype=torch.float32)
+    assert _relative_error(out, out_ref) < 1e-3
+
+
 def grouped_mxfp4_gemm(x, blocks, codes, scales, **kwargs):
     """The launcher with the Triton decode kernel, whatever `DECODE_KERNEL` says."""
     choice = grouped.DECODE_KERNEL
@@ -113,11 +143,11 @@ def test_launcher_choice_with_kernel_order_between_gate_up_and_down(
 
 
 def test_launcher_refuses_shapes_it_does_not_take() -> None:
-    blocks = align_to_experts(torch.zeros(4, 2, dtype=torch.long), 4, 128)
+    blocks = align_to_experts(torch.zeros(4, 2, dtype=torch.long), 4, 256)
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     weights = (torch.zeros(4, 8, 128, dtype=torch.int8), torch.zeros(4, 8, 8, dtype=torch.uint8))
     out = torch.empty(blocks.num_positions, 4, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="blocks of 128"):
+    with pytest.raises(ValueError, match="blocks of 256"):
         gluon_decode.launch_decode(x, blocks, weights, out, 7.0, None)
 
 
