@@ -269,7 +269,11 @@ def main() -> None:
                     tables = gluon_decode.CANDIDATES if block_m <= 64 else ()
                     tables += gluon_decode.PREFILL_CANDIDATES if block_m >= 64 else ()
                     candidates += [
-                        (f"gluon w{t['num_warps']} s{t['stages']}", {"GLUON": True, **t})
+                        (
+                            f"gluon w{t['num_warps']} s{t['stages']}"
+                            + (" early" if t.get("early_up_words") else ""),
+                            {"GLUON": True, **t},
+                        )
                         for t in tables
                     ]
                 if baseline is not None:

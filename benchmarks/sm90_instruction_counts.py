@@ -202,7 +202,8 @@ def main() -> None:
             tiles = gluon_gemm.decode_tiles(n, k, block_m, gated)
             constexprs = {"TOP_K": 6, "GATED": gated, "TOKEN_ROWS": gated,
                           "HAS_ROW_WEIGHT": False, "BLOCK_M": block_m,
-                          "STAGES": tiles["stages"], "STORE_KERNEL_ORDER": gated}  # fmt: skip
+                          "STAGES": tiles["stages"], "STORE_KERNEL_ORDER": gated,
+                          "EARLY_UP_WORDS": False}  # fmt: skip
             types = dict(_DECODE_TYPES, out_ptr="*bf16" if gated else "*fp32")
             compiled = _compile(gluon_gemm._decode_kernel, types, constexprs,
                                 {"num_warps": tiles["num_warps"]})  # fmt: skip

@@ -118,8 +118,9 @@ if AVAILABLE:
     def _unpack_slot(words_smem, scales_smem, slot, A_LAYOUT: gl.constexpr):
         """The A operand of ring slot `slot`'s words and scales (`_unpack`)."""
         words_layout: gl.constexpr = _words_layout(gl.num_warps())
+        words = words_smem.index(slot).load(words_layout)
         scales = scales_smem.index(slot).load(gl.SliceLayout(1, words_layout))
-        return _unpack(words_smem.index(slot).load(words_layout), scales, A_LAYOUT)
+        return _unpack(words, scales, A_LAYOUT)
 
     @gluon.jit
     def _issue_step(step, num_steps, slot, word_ptrs, word_up_ptrs, scale_ptrs, scale_up_ptrs,
@@ -186,6 +187,7 @@ if AVAILABLE:
         BLOCK_M: gl.constexpr,
         STAGES: gl.constexpr,
         STORE_KERNEL_ORDER: gl.constexpr,
+        EARLY_UP_WORDS: gl.constexpr,
     ):
         num_warps: gl.constexpr = gl.num_warps()
         BLOCK_N: gl.constexpr = 16 * num_warps
@@ -251,11 +253,17 @@ if AVAILABLE:
                               x_ptrs, words_smem, words_up_smem, scales_smem, scales_up_smem,
                               x_smem, STAGES, GATED)  # fmt: skip
                 x_tile = x_smem.index(slot).permute((1, 0))
+                if EARLY_UP_WORDS:  # the up's words arrive during the gate's unpack
+                    words_up = words_up_smem.index(slot).load(words_layout)
+                    scales_up = scales_up_smem.index(slot).load(rows_layout)
                 a = _unpack_slot(words_smem, scales_smem, slot, a_layout)
                 acc = warpgroup_mma(a, x_tile, acc, is_async=True)
                 # up of step - 1 done (its A registers free) while the gate product runs
                 acc_up, a_up = warpgroup_mma_wait(1, deps=(acc_up, a_up))
-                a_up = _unpack_slot(words_up_smem, scales_up_smem, slot, a_layout)
+                if EARLY_UP_WORDS:
+                    a_up = _unpack(words_up, scales_up, a_layout)
+                else:
+                    a_up = _unpack_slot(words_up_smem, scales_up_smem, slot, a_layout)
                 acc_up = warpgroup_mma(a_up, x_tile, acc_up, is_async=True)
                 acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # gate of this step done
             acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
@@ -331,7 +339,7 @@ def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
 # What `benchmarks/grouped_gemm_tiles.py --gluon` times and the `gpu` tests check.
 CANDIDATES: tuple[dict, ...] = tuple(
     {"num_warps": warps, "stages": stages} for warps in (4, 8) for stages in (3, 4, 5, 6)
-)
+) + tuple({"num_warps": 4, "stages": stages, "early_up_words": True} for stages in (3, 4))
 
 
 # Blocks of 128 rows (prefill): the wgmma's N of 128 tokens against each unpacked weight tile, so
@@ -366,12 +374,14 @@ def launch_decode(
     *,
     num_warps: int = 4,
     stages: int = STAGES,
+    early_up_words: bool = False,
     out_kernel_order: bool = False,
 ) -> None:
     """`_decode_kernel` over `blocks`: x bf16 [rows, K] already in the kernel's K order (gate/up:
     token rows; down: position rows), weights (codes int8 [E, N_w, K/2], scales uint8
     [E, N_w, K/32]), out [positions or pairs, N] written at the block's rows. 16 · num_warps
-    weight rows per program.
+    weight rows per program. early_up_words (gate/up): the up matrix's words are read from
+    shared memory before the gate's unpack (a candidate, `CANDIDATES`).
 
     Raises:
         ValueError: a shape this kernel does not take (K not a multiple of 128, blocks of other
@@ -411,5 +421,6 @@ def launch_decode(
         BLOCK_M=blocks.block_m,
         STAGES=stages,
         STORE_KERNEL_ORDER=out_kernel_order,
+        EARLY_UP_WORDS=early_up_words,
         num_warps=num_warps,
     )

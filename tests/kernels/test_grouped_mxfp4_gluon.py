@@ -23,7 +23,11 @@ needs_hopper = pytest.mark.skipif(
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(
-    "tiles", gluon_decode.CANDIDATES, ids=lambda t: f"w{t['num_warps']}-s{t['stages']}"
+    "tiles",
+    gluon_decode.CANDIDATES,
+    ids=lambda t: (
+        f"w{t['num_warps']}-s{t['stages']}" + ("-early" if t.get("early_up_words") else "")
+    ),
 )
 @pytest.mark.parametrize(
     ("num_tokens", "dim", "inter", "block_m"),
@@ -168,6 +172,7 @@ def test_compiled_kernel_keeps_its_schedule(gated: bool) -> None:
     constexprs = {
         "TOP_K": 6, "GATED": gated, "TOKEN_ROWS": gated, "HAS_ROW_WEIGHT": not gated,
         "BLOCK_M": 32, "STAGES": gluon_decode.STAGES, "STORE_KERNEL_ORDER": gated,
+        "EARLY_UP_WORDS": False,
     }  # fmt: skip
     ptx = compile_for_hopper(
         gluon_decode._decode_kernel, types, constexprs, set(types) - {"gate_limit"}
