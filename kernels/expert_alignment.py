@@ -1,4 +1,4 @@
-"""A routing laid out in expert-pure blocks (`grouped_mxfp4_gemm.ExpertBlocks`) in one launch.
+"""A routing laid out in expert-pure blocks (`ExpertBlocks`, defined here) in one launch.
 
 For the (token, slot) pairs p of `expert_ids` [T, top_k] flattened (key(p) = the expert, or
 "skipped" for an id < 0), with counts c_e and each expert's run padded to a multiple of block_m:
@@ -38,6 +38,8 @@ count over a one-hot table or by a stable sort), the path for larger routings an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -45,7 +47,40 @@ from torch import Tensor
 
 from kernels import check_runnable
 
-__all__ = ["MAX_PAIRS", "align_to_experts", "align_to_experts_reference", "num_blocks_for"]
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """A routing laid out in expert-pure blocks (`grouped_mxfp4_gemm.align_to_experts`; the
+    layout is drawn in `grouped_mxfp4_gemm`'s docstring).
+
+    pair_of_pos: int32 [num_blocks · block_m], the flat (token · top_k + slot) index at each
+        position, -1 for padding.
+    block_expert: int32 [num_blocks], the expert of each block, -1 for unused blocks.
+    """
+
+    pair_of_pos: Tensor
+    block_expert: Tensor
+    block_m: int
+    top_k: int
+    num_tokens: int
+
+    @property
+    def num_positions(self) -> int:
+        return self.pair_of_pos.numel()
+
+    @property
+    def num_pairs(self) -> int:
+        """T · top_k: the rows of the down GEMM's output."""
+        return self.num_tokens * self.top_k
+
+
+__all__ = [
+    "MAX_PAIRS",
+    "ExpertBlocks",
+    "align_to_experts",
+    "align_to_experts_reference",
+    "num_blocks_for",
+]
 
 # Routings up to this many (token, slot) pairs take the kernel: decode steps and prefill chunks
 # up to 4,096 tokens at top-8 (24,576 pairs at top-6); the torch reference sorts larger ones.

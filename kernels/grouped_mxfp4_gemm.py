@@ -35,45 +35,26 @@ and two kernels, picked by the block size:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import check_runnable, expert_alignment, interpreting, runs_kernels
+from kernels import (
+    check_runnable,
+    expert_alignment,
+    grouped_mxfp4_gluon,
+    interpreting,
+    runs_kernels,
+)
 from kernels.element_codes import mxfp4_to_float
-from kernels.expert_alignment import MAX_PAIRS
+from kernels.expert_alignment import MAX_PAIRS, ExpertBlocks
+from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
 
 MXFP4_BLOCK = 32
 DECODE_MAX_BLOCK_M = 32  # blocks of up to this many rows take the decode kernel
 DECODE_MAX_SCALE_CODE = 128  # the decode kernel's unpack is exact up to this e8m0 code (2^1)
-
-
-@dataclass(frozen=True)
-class ExpertBlocks:
-    """A routing laid out in expert-pure blocks (see the module docstring).
-
-    pair_of_pos: int32 [num_blocks · block_m], the flat (token · top_k + slot) index at each
-        position, -1 for padding.
-    block_expert: int32 [num_blocks], the expert of each block, -1 for unused blocks.
-    """
-
-    pair_of_pos: Tensor
-    block_expert: Tensor
-    block_m: int
-    top_k: int
-    num_tokens: int
-
-    @property
-    def num_positions(self) -> int:
-        return self.pair_of_pos.numel()
-
-    @property
-    def num_pairs(self) -> int:
-        """T · top_k: the rows of the down GEMM's output."""
-        return self.num_tokens * self.top_k
 
 
 def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
@@ -99,35 +80,6 @@ def align_to_experts(expert_ids: Tensor, num_experts: int, block_m: int) -> Expe
         )
     num_tokens, top_k = expert_ids.shape
     return ExpertBlocks(pair_of_pos, block_expert, block_m, top_k, num_tokens)
-
-
-# In-register dequantisation. One 32-bit word of codes holds 8 values v0..v7 (byte i: v2i low
-# nibble, v2i+1 high). Masks and shifts place e2m1 magnitudes (e1 e0 m) at bf16 bits 8..6 and
-# the sign at bit 15, which reads as e2m1 · 2^-126 (code 1, 0.5, becomes the bf16 subnormal
-# 2^-127: exact); one bf16x2 multiply by 2^(scale - 1) restores the scale. Word j of the four
-# outputs pairs values (vj, vj+4) in one register, the wgmma A operand's two adjacent K:
-#
-#     out j   low half   high half      shifts of the word (magnitude, sign)
-#       0       v0         v4             << 6, << 12
-#       1       v1         v5             << 2, << 8
-#       2       v2         v6             >> 2, << 4
-#       3       v3         v7             >> 6,    0
-#
-# NOTE: exact for e8m0 scales up to 128 (2^1); larger ones overflow 2^(scale - 1) in bf16.
-_UNPACK = [
-    tl.constexpr(
-        "{ .reg .b32 t, m; " + magnitude + " t, $1, " + str(m_shift) + "; "
-        "and.b32 m, t, 0x01C001C0; " + sign + "lop3.b32 m, m, " + sign_reg + ", 0x80008000, 0xF8; "
-        "mul.rn.bf16x2 $0, m, $2; }"
-    )
-    for magnitude, m_shift, sign, sign_reg in (
-        ("shl.b32", 6, "shl.b32 t, $1, 12; ", "t"),
-        ("shl.b32", 2, "shl.b32 t, $1, 8; ", "t"),
-        ("shr.b32", 2, "shl.b32 t, $1, 4; ", "t"),
-        ("shr.b32", 6, "", "$1"),
-    )
-]
-_UNPACK_0, _UNPACK_1, _UNPACK_2, _UNPACK_3 = _UNPACK
 
 
 @triton.jit
@@ -168,10 +120,10 @@ def _unpack(words, scales, BLOCK_N: tl.constexpr):
     multiplier = tl.broadcast_to((multiplier | (multiplier << 16))[:, :, None], (BLOCK_N, 4, 4))
     words = tl.reshape(words, (BLOCK_N, 4, 4))
     args = [words, multiplier]
-    out0 = tl.inline_asm_elementwise(_UNPACK_0, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
-    out1 = tl.inline_asm_elementwise(_UNPACK_1, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
-    out2 = tl.inline_asm_elementwise(_UNPACK_2, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
-    out3 = tl.inline_asm_elementwise(_UNPACK_3, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out0 = tl.inline_asm_elementwise(UNPACK_0, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out1 = tl.inline_asm_elementwise(UNPACK_1, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out2 = tl.inline_asm_elementwise(UNPACK_2, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out3 = tl.inline_asm_elementwise(UNPACK_3, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
     pairs = tl.join(
         tl.join(_as_bf16_pairs(out0), _as_bf16_pairs(out1)),
         tl.join(_as_bf16_pairs(out2), _as_bf16_pairs(out3)),
@@ -629,10 +581,9 @@ def grouped_mxfp4_gemm(
         _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles)
     elif blocks.block_m <= DECODE_MAX_BLOCK_M and _gluon_decode_runs(x, k):
         # NOTE: the caller guarantees `decode_tiles_exact(scales)` for such blocks (`_block_m`).
-        gluon = _gluon_decode()
         x = x if x_kernel_order else _in_kernel_order(x)
-        tiles = gluon.decode_tiles(n, k, blocks.block_m, gated)
-        gluon.launch_decode(x, blocks, weights, out, gate_limit, row_weight,
+        tiles = grouped_mxfp4_gluon.decode_tiles(n, k, blocks.block_m, gated)
+        grouped_mxfp4_gluon.launch_decode(x, blocks, weights, out, gate_limit, row_weight,
                             out_kernel_order=out_kernel_order, **tiles)  # fmt: skip
     elif blocks.block_m <= DECODE_MAX_BLOCK_M:
         tiles = decode_tiles(n, k, blocks.block_m, gated)
@@ -651,16 +602,8 @@ def grouped_mxfp4_gemm(
 DECODE_KERNEL = "gluon"
 
 
-@functools.cache
-def _gluon_decode():
-    """The Gluon decode kernel's module (imported here: it imports this one)."""
-    from kernels import grouped_mxfp4_gluon
-
-    return grouped_mxfp4_gluon
-
-
 def _gluon_decode_runs(x: Tensor, k: int) -> bool:
-    return DECODE_KERNEL == "gluon" and k % 128 == 0 and _gluon_decode().runs_here(x)
+    return DECODE_KERNEL == "gluon" and k % 128 == 0 and grouped_mxfp4_gluon.runs_here(x)
 
 
 def reads_kernel_order(k: int, block_m: int, *, fixed_tiles: bool = False) -> bool:

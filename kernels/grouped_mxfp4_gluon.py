@@ -33,7 +33,8 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels.grouped_mxfp4_gemm import _UNPACK_0, _UNPACK_1, _UNPACK_2, _UNPACK_3, ExpertBlocks
+from kernels.expert_alignment import ExpertBlocks
+from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
 
 try:
     from triton.experimental import gluon
@@ -102,10 +103,10 @@ if AVAILABLE:
         multiplier = (scales + 126) << 7  # bf16 2^(scale - 1)
         multiplier = multiplier | (multiplier << 16)
         args = [words, multiplier]
-        out0 = gl.inline_asm_elementwise(_UNPACK_0, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
-        out1 = gl.inline_asm_elementwise(_UNPACK_1, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
-        out2 = gl.inline_asm_elementwise(_UNPACK_2, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
-        out3 = gl.inline_asm_elementwise(_UNPACK_3, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
+        out0 = gl.inline_asm_elementwise(UNPACK_0, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
+        out1 = gl.inline_asm_elementwise(UNPACK_1, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
+        out2 = gl.inline_asm_elementwise(UNPACK_2, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
+        out3 = gl.inline_asm_elementwise(UNPACK_3, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
         pairs = gl.join(
             gl.join(_as_bf16_pairs(out0), _as_bf16_pairs(out1)),
             gl.join(_as_bf16_pairs(out2), _as_bf16_pairs(out3)),
