@@ -20,28 +20,35 @@ needs_hopper = pytest.mark.skipif(
 )
 
 
+def _tiles_id(tiles: dict) -> str:
+    early = "-early" if tiles.get("early_up_words") else ""
+    return f"w{tiles['num_warps']}-s{tiles['stages']}{early}"
+
+
+_DECODE_SHAPES = (  # (tokens, dim, inter, block_m)
+    (16, 5120, 2304, 16),  # the released widths
+    (256, 5120, 2304, 32),
+    (256, 5120, 2304, 64),  # one block per expert (the launcher's table stops at 32)
+    (200, 1024, 384, 32),  # N tails of 64 and 128 weight rows; 3 steps of K
+    (5, 384, 256, 16),  # K of 3 and 2 steps: fewer than the ring's slots
+)
+_CASES = [
+    pytest.param(tiles, shape, id=f"{_tiles_id(tiles)}-{'-'.join(map(str, shape))}")
+    for shape in _DECODE_SHAPES
+    for tiles in gluon_decode.CANDIDATES
+] + [  # blocks of 128 rows, a prefill chunk's, at the released widths
+    pytest.param(tiles, (600, 5120, 2304, 128), id=f"{_tiles_id(tiles)}-prefill")
+    for tiles in gluon_decode.PREFILL_CANDIDATES
+]
+
+
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize(
-    "tiles",
-    gluon_decode.CANDIDATES,
-    ids=lambda t: (
-        f"w{t['num_warps']}-s{t['stages']}" + ("-early" if t.get("early_up_words") else "")
-    ),
-)
-@pytest.mark.parametrize(
-    ("num_tokens", "dim", "inter", "block_m"),
-    [
-        (16, 5120, 2304, 16),  # the released widths
-        (256, 5120, 2304, 32),
-        (256, 5120, 2304, 64),  # one block per expert (the launcher's table stops at 32)
-        (200, 1024, 384, 32),  # N tails of 64 and 128 weight rows; 3 steps of K
-        (5, 384, 256, 16),  # K of 3 and 2 steps: fewer than the ring's slots
-    ],
-)
+@pytest.mark.parametrize(("tiles", "shape"), _CASES)
 def test_every_candidate_matches_the_reference_and_the_triton_kernel(
-    tiles: dict, num_tokens: int, dim: int, inter: int, block_m: int
+    tiles: dict, shape: tuple
 ) -> None:
+    num_tokens, dim, inter, block_m = shape
     device, num_experts, top_k = "cuda", 8, 6
     torch.manual_seed(num_tokens)
     x = torch.randn(num_tokens, dim, device=device).bfloat16()
@@ -70,36 +77,6 @@ def test_every_candidate_matches_the_reference_and_the_triton_kernel(
         act_ref, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32
     )
     assert _relative_error(out, out_ref) < 1e-3  # every pair's row written (no NaN left)
-
-
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize(
-    "tiles", gluon_decode.PREFILL_CANDIDATES, ids=lambda t: f"w{t['num_warps']}-s{t['stages']}"
-)
-def test_prefill_blocks_of_128_rows_match_the_reference(tiles: dict) -> None:
-    """Blocks of 128 rows (a prefill chunk's), the released widths, N tails of neither use."""
-    device, num_experts, top_k, num_tokens, dim, inter = "cuda", 8, 6, 600, 5120, 2304
-    torch.manual_seed(3)
-    x = torch.randn(num_tokens, dim, device=device).bfloat16()
-    blocks = align_to_experts(
-        _routing(num_tokens, num_experts, top_k, seed=3, device=device), num_experts, 128
-    )
-    w13, s13, w2, s2 = decode_expert_weights(num_experts, dim, inter, device)
-    used = blocks.pair_of_pos >= 0
-    act = torch.zeros(blocks.num_positions, inter, dtype=torch.bfloat16, device=device)
-    gluon_decode.launch_decode(
-        grouped._in_kernel_order(x), blocks, (w13, s13), act, 7.0, None, **tiles
-    )
-    act_ref = grouped_mxfp4_gemm_reference(x, blocks, w13, s13, gate_limit=7.0)
-    assert _relative_error(act[used], act_ref[used]) < 1e-2
-    act_ref[~used] = 0
-    out = torch.full((blocks.num_pairs, dim), float("nan"), device=device)
-    gluon_decode.launch_decode(
-        grouped._in_kernel_order(act_ref), blocks, (w2, s2), out, None, None, **tiles
-    )
-    out_ref = grouped_mxfp4_gemm_reference(act_ref, blocks, w2, s2, out_dtype=torch.float32)
-    assert _relative_error(out, out_ref) < 1e-3
 
 
 def grouped_mxfp4_gemm(x, blocks, codes, scales, **kwargs):
