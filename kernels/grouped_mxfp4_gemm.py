@@ -537,8 +537,10 @@ def grouped_mxfp4_gemm(
         block_m > DECODE_MAX_BLOCK_M. Triton's CPU interpreter always runs these tiles (the
         decode tiles' inline PTX has no interpreter). Otherwise `decode_tiles` or
         `prefill_tiles` by the block size.
-    register_unpack: the caller guarantees `decode_tiles_exact(scales)`: gate/up blocks of
-        more than `DECODE_MAX_BLOCK_M` rows unpack the weights as the decode kernel does.
+    register_unpack: the caller guarantees `decode_tiles_exact(scales)`: blocks of more than
+        `DECODE_MAX_BLOCK_M` rows may unpack the weights as the decode kernel does (gate/up:
+        the prefill kernel's register unpack; blocks of 128 rows of either use: the Gluon
+        kernel, where `PREFILL_KERNEL` chooses it).
     x_kernel_order: x's columns are already in the kernel's K order (a gate/up output written
         with `out_kernel_order`); only where `reads_kernel_order` says the launch reads it so.
     out_kernel_order: gate/up, N a multiple of 128: each output row's columns are written in
@@ -579,8 +581,9 @@ def grouped_mxfp4_gemm(
             raise ValueError(f"fixed tiles need blocks of more than {DECODE_MAX_BLOCK_M} rows")
         tiles = {**_fixed_tiles(k), "out_kernel_order": out_kernel_order}
         _launch_prefill(x, blocks, weights, out, gate_limit, row_weight, **tiles)
-    elif blocks.block_m <= DECODE_MAX_BLOCK_M and _gluon_decode_runs(x, k):
-        # NOTE: the caller guarantees `decode_tiles_exact(scales)` for such blocks (`_block_m`).
+    elif _gluon_runs(x, k, blocks.block_m, exact_unpack=register_unpack):
+        # NOTE: blocks of up to DECODE_MAX_BLOCK_M rows come only where the caller guarantees
+        # `decode_tiles_exact(scales)` (`_block_m`); larger ones only with `register_unpack`.
         x = x if x_kernel_order else _in_kernel_order(x)
         tiles = grouped_mxfp4_gluon.decode_tiles(n, k, blocks.block_m, gated)
         grouped_mxfp4_gluon.launch_decode(x, blocks, weights, out, gate_limit, row_weight,
@@ -600,10 +603,20 @@ def grouped_mxfp4_gemm(
 # (`kernels.grouped_mxfp4_gluon`: cp.async ring, asynchronous wgmma) or "triton"
 # (`_decode_kernel`). Elsewhere the Triton kernel runs.
 DECODE_KERNEL = "gluon"
+# THE CHOICE for blocks of 128 rows (prefill) where the Gluon kernel runs and the caller
+# guarantees its exactness (`register_unpack`): "gluon" (the same kernel, 128 tokens on the
+# wgmma's N) or "triton" (`_prefill_kernel`).
+PREFILL_KERNEL = "triton"
 
 
-def _gluon_decode_runs(x: Tensor, k: int) -> bool:
-    return DECODE_KERNEL == "gluon" and k % 128 == 0 and grouped_mxfp4_gluon.runs_here(x)
+def _gluon_runs(x: Tensor, k: int, block_m: int, *, exact_unpack: bool) -> bool:
+    if k % grouped_mxfp4_gluon.STEP_K:
+        return False
+    if block_m <= DECODE_MAX_BLOCK_M:
+        chosen = DECODE_KERNEL == "gluon"
+    else:
+        chosen = block_m == 128 and exact_unpack and PREFILL_KERNEL == "gluon"
+    return chosen and grouped_mxfp4_gluon.runs_here(x)
 
 
 def reads_kernel_order(k: int, block_m: int, *, fixed_tiles: bool = False) -> bool:

@@ -123,6 +123,43 @@ def test_launcher_choice_with_kernel_order_between_gate_up_and_down(
     assert _relative_error(results[0], out_ref) < 1e-2
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_launcher_gives_prefill_blocks_to_gluon_only_with_exact_scales(monkeypatch) -> None:
+    """Blocks of 128 rows go to the Gluon kernel where `PREFILL_KERNEL` says so and the caller
+    vouches for its unpack (`register_unpack`), and the result is the reference's; without
+    that promise the Triton prefill kernel runs (weights with scale codes above 128 stay
+    exact)."""
+    monkeypatch.setattr(grouped, "PREFILL_KERNEL", "gluon")
+    device, num_experts, top_k, dim, inter, num_tokens = "cuda", 8, 6, 1024, 384, 700
+    torch.manual_seed(128)
+    x = torch.randn(num_tokens, dim, device=device).bfloat16()
+    blocks = align_to_experts(
+        _routing(num_tokens, num_experts, top_k, seed=7, device=device), num_experts, 128
+    )
+    w13, s13, w2, s2 = decode_expert_weights(num_experts, dim, inter, device)
+    pair_weight = torch.rand(blocks.num_pairs, device=device)
+    act = grouped.grouped_mxfp4_gemm(x, blocks, w13, s13, gate_limit=7.0, register_unpack=True)
+    act_ref = grouped_mxfp4_gemm_reference(x, blocks, w13, s13, gate_limit=7.0)
+    used = blocks.pair_of_pos >= 0
+    assert _relative_error(act[used], act_ref[used]) < 1e-2
+    act_ref[~used] = 0
+    out_ref = grouped_mxfp4_gemm_reference(
+        act_ref, blocks, w2, s2, row_weight=pair_weight, out_dtype=torch.float32
+    )
+    out = grouped.grouped_mxfp4_gemm(act_ref, blocks, w2, s2, row_weight=pair_weight,
+                                     out_dtype=torch.float32, register_unpack=True)  # fmt: skip
+    assert _relative_error(out, out_ref) < 1e-3
+    s2_large = s2.clone()
+    s2_large[0, 0, 0] = 140  # 2^13: past the register unpack's exact range
+    out_ref = grouped_mxfp4_gemm_reference(
+        act_ref, blocks, w2, s2_large, row_weight=pair_weight, out_dtype=torch.float32
+    )
+    out = grouped.grouped_mxfp4_gemm(act_ref, blocks, w2, s2_large, row_weight=pair_weight,
+                                     out_dtype=torch.float32)  # fmt: skip
+    assert _relative_error(out, out_ref) < 1e-3
+
+
 def test_launcher_refuses_shapes_it_does_not_take() -> None:
     blocks = align_to_experts(torch.zeros(4, 2, dtype=torch.long), 4, 256)
     x = torch.zeros(4, 256, dtype=torch.bfloat16)

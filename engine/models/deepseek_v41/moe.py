@@ -412,6 +412,7 @@ class MoE(nn.Module):
             row_weight=None if self.weight_before_down else pair_weight,
             out_dtype=torch.float32,
             fixed_tiles=self.batch_invariant,
+            register_unpack=self._decode_tiles(),
             x_kernel_order=order,
         )
 
