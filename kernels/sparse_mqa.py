@@ -119,9 +119,10 @@ class MqaTiles:
         d = self.block_d or "D"
         passes = " 2p" if self.two_pass else ""
         rotates = " rq" if self.rotates_q else ""
+        stages = f" st{self.num_stages}" if self.num_stages != 1 else ""
         return (
             f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}{passes}"
-            f"{rotates}"
+            f"{rotates}{stages}"
         )
 
 
@@ -167,6 +168,10 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(64, 32, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 64, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 32, block_d=256, num_warps=8, two_pass=True),
+    # software-pipelined row loads (Triton's num_stages), not yet timed
+    MqaTiles(64, 32, block_d=128, num_warps=4, num_stages=2, two_pass=True),
+    MqaTiles(64, 32, block_d=128, num_warps=4, num_stages=3, two_pass=True),
+    MqaTiles(64, 64, block_d=128, num_warps=8, num_stages=2, two_pass=True),
 )
 if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate queries in the load
     TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4, rotates_q=True)),)
