@@ -567,7 +567,9 @@ def grouped_mxfp4_gemm(
         or row_weight.numel() != blocks.num_pairs
     ):
         raise ValueError(f"row_weight must be contiguous fp32 [{blocks.num_pairs}]")
-    if x_kernel_order and not reads_kernel_order(k, blocks.block_m, fixed_tiles=fixed_tiles):
+    if x_kernel_order and not reads_kernel_order(
+        k, blocks.block_m, fixed_tiles=fixed_tiles, exact_unpack=register_unpack, x=x
+    ):
         raise ValueError(f"this launch (K = {k}, blocks of {blocks.block_m}) reads x as it is")
     if out_kernel_order and (not gated or n % 128):
         raise ValueError(f"only a gate/up output of N % 128 == 0 goes in kernel order (N = {n})")
@@ -606,7 +608,7 @@ DECODE_KERNEL = "gluon"
 # THE CHOICE for blocks of 128 rows (prefill) where the Gluon kernel runs and the caller
 # guarantees its exactness (`register_unpack`): "gluon" (the same kernel, 128 tokens on the
 # wgmma's N) or "triton" (`_prefill_kernel`).
-PREFILL_KERNEL = "triton"
+PREFILL_KERNEL = "gluon"
 
 
 def _gluon_runs(x: Tensor, k: int, block_m: int, *, exact_unpack: bool) -> bool:
@@ -619,14 +621,24 @@ def _gluon_runs(x: Tensor, k: int, block_m: int, *, exact_unpack: bool) -> bool:
     return chosen and grouped_mxfp4_gluon.runs_here(x)
 
 
-def reads_kernel_order(k: int, block_m: int, *, fixed_tiles: bool = False) -> bool:
+def reads_kernel_order(
+    k: int,
+    block_m: int,
+    *,
+    fixed_tiles: bool = False,
+    exact_unpack: bool = False,
+    x: Tensor | None = None,
+) -> bool:
     """Whether the down `grouped_mxfp4_gemm` of inner dimension k over blocks of `block_m`
-    rows reads x in the kernel's K order (the decode tiles), so that the gate/up launch may
-    write it so (`out_kernel_order`, then `x_kernel_order`) instead of the launcher
-    reordering a copy."""
+    rows reads x in the kernel's K order (the decode tiles; blocks of 128 where the Gluon
+    kernel takes them: `exact_unpack` as the launch's `register_unpack`, x on the launch's
+    device), so that the gate/up launch may write it so (`out_kernel_order`, then
+    `x_kernel_order`) instead of the launcher reordering a copy."""
     if k % 128 or fixed_tiles or interpreting():
         return False
-    return block_m <= DECODE_MAX_BLOCK_M
+    if block_m <= DECODE_MAX_BLOCK_M:
+        return True
+    return x is not None and _gluon_runs(x, k, block_m, exact_unpack=exact_unpack)
 
 
 def _launch_decode(

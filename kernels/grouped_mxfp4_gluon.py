@@ -333,7 +333,7 @@ def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
     of 32 rows (256 tokens: 0.478 ms against the Triton kernel's 0.534), 3 at blocks of 16;
     down 6 slots (256 tokens: 0.255 against 0.315 ms)."""
     if block_m == 128:  # prefill (`PREFILL_CANDIDATES`): not yet timed
-        return {"num_warps": 8, "stages": 3}
+        return {"num_warps": 8, "stages": 4}
     if gated:
         return {"num_warps": 4, "stages": 4 if block_m > 16 else 3}
     return {"num_warps": 4, "stages": 6}

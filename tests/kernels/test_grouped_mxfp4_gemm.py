@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from engine.models.deepseek_v41.moe import MoE
+from kernels import grouped_mxfp4_gemm as grouped_kernels
+from kernels import grouped_mxfp4_gluon
 from kernels.grouped_mxfp4_gemm import (
     DECODE_CANDIDATES,
     REGISTER_PREFILL_CANDIDATES,
@@ -400,7 +402,13 @@ def test_moe_reading_its_input_in_kernel_order_gives_the_plain_results_on_cuda(
     assert moe.reads_x_in_kernel_order(x)
     assert torch.equal(moe(x, _in_kernel_order(x)), moe(x))
     prefill = torch.randn(4096, 512, device="cuda").bfloat16()
-    assert not moe.reads_x_in_kernel_order(prefill)  # 128-row blocks: the prefill tiles
+    # Blocks of 128 rows: the Gluon kernel reads the kernel's order, the Triton prefill tiles
+    # read x as it is.
+    gluon_prefill = grouped_kernels.PREFILL_KERNEL == "gluon"
+    gluon_prefill = gluon_prefill and grouped_mxfp4_gluon.runs_here(prefill)
+    assert moe.reads_x_in_kernel_order(prefill) == gluon_prefill
+    if gluon_prefill:
+        assert torch.equal(moe(prefill, _in_kernel_order(prefill)), moe(prefill))
 
 
 def test_moe_off_the_kernel_path_reads_its_input_as_it_is() -> None:

@@ -255,7 +255,8 @@ class MoE(nn.Module):
             return False
         from kernels.grouped_mxfp4_gemm import reads_kernel_order
 
-        return reads_kernel_order(x.shape[1], self._block_m(x.shape[0] * self.top_k))
+        block_m = self._block_m(x.shape[0] * self.top_k)
+        return reads_kernel_order(x.shape[1], block_m, exact_unpack=self._decode_tiles(), x=x)
 
     def forward(
         self, x: Tensor, x_kernel_order: Tensor | None = None, unreduced: bool = False
@@ -386,12 +387,13 @@ class MoE(nn.Module):
         from kernels.grouped_mxfp4_gemm import grouped_mxfp4_gemm, reads_kernel_order
 
         pair_weight = pair_weight.float().contiguous()
+        launch = {"fixed_tiles": self.batch_invariant, "exact_unpack": self._decode_tiles(), "x": x}
         ordered_x = x_kernel_order is not None and reads_kernel_order(
-            x.shape[1], blocks.block_m, fixed_tiles=self.batch_invariant
+            x.shape[1], blocks.block_m, **launch
         )
         # The SwiGLU rows go in the order the down GEMM reads them, where it reads them so.
         inter = self.w2_codes.shape[-1] * 2
-        order = reads_kernel_order(inter, blocks.block_m, fixed_tiles=self.batch_invariant)
+        order = reads_kernel_order(inter, blocks.block_m, **launch)
         act = grouped_mxfp4_gemm(
             x_kernel_order if ordered_x else x,
             blocks,
