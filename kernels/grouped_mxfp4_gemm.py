@@ -29,6 +29,10 @@ and two kernels, picked by the block size:
     prefill  (block_m > 32)   `_prefill_kernel`: out = x · Wᵀ, token rows the wgmma's M, the
              dequantised weight tile staged through shared memory. Bound by the tensor cores.
 
+On Hopper (where Gluon runs, K a multiple of 128) `kernels.grouped_mxfp4_gluon` replaces the
+decode kernel (`DECODE_KERNEL`) and, for blocks of 128 rows whose scales its unpack takes
+exactly (`register_unpack`), the prefill kernel (`PREFILL_KERNEL`).
+
 `grouped_mxfp4_gemm` is the launcher; `grouped_mxfp4_gemm_reference` the torch reference.
 """
 

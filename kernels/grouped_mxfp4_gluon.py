@@ -17,9 +17,8 @@ cores scheduled by hand, which Triton's `tl.dot` path cannot express:
 
 Contract (what the launcher checks and `grouped_mxfp4_gemm` relies on): K a multiple of 128, x
 in the kernel's K order (`grouped_mxfp4_gemm._kernel_columns`), e8m0 scale codes <= 128 (the
-unpack's NOTE in `grouped_mxfp4_gemm`), blocks of 16, 32, 64 or 128 rows (the launcher's
-table gives it blocks of up to 32; 64 and 128, prefill's sizes, are candidates:
-`PREFILL_CANDIDATES`). The torch reference is
+unpack's NOTE in `grouped_mxfp4_gemm`), blocks of 16, 32, 64 or 128 rows (the launcher gives it blocks of up to 32, and prefill's
+blocks of 128 where `grouped_mxfp4_gemm.PREFILL_KERNEL` says so; 64 is a candidate). The torch reference is
 `grouped_mxfp4_gemm_reference`; the `gpu` tests compare both kernels with it.
 
 Gluon is experimental: `AVAILABLE` is False where this Triton has no Gluon or a Gluon without
@@ -329,10 +328,11 @@ if AVAILABLE:
 def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
     """The launch options (`num_warps`: 16 · num_warps weight rows per program; `stages`: ring
     slots) for an (N, K, block size, use). THE CHOICE, from `grouped_gemm_tiles.py --gluon` on
-    an H100 (2026-12-07, docs/performance.md): 4 warps everywhere; gate/up 4 slots at blocks
-    of 32 rows (256 tokens: 0.478 ms against the Triton kernel's 0.534), 3 at blocks of 16;
-    down 6 slots (256 tokens: 0.255 against 0.315 ms)."""
-    if block_m == 128:  # prefill (`PREFILL_CANDIDATES`): not yet timed
+    an H100 (2026-12-07, docs/performance.md): decode blocks 4 warps; gate/up 4 slots at
+    blocks of 32 rows (256 tokens: 0.478 ms against the Triton kernel's 0.534), 3 at blocks
+    of 16; down 6 slots (256 tokens: 0.255 against 0.315 ms). Prefill blocks of 128 rows: 8
+    warps, 4 slots (`PREFILL_CANDIDATES`)."""
+    if block_m == 128:  # prefill (`PREFILL_CANDIDATES`): 4 slots won both uses on the H100
         return {"num_warps": 8, "stages": 4}
     if gated:
         return {"num_warps": 4, "stages": 4 if block_m > 16 else 3}
@@ -348,7 +348,8 @@ CANDIDATES: tuple[dict, ...] = tuple(
 # Blocks of 128 rows (prefill): the wgmma's N of 128 tokens against each unpacked weight tile, so
 # the tensor cores, not the unpack, bound a step. What fits sm90's registers and shared memory
 # (local compile, 8 warps, 3 or 4 slots: 235-255 registers, no spills, 122-196 KB of shared
-# memory). Not yet timed.
+# memory). H100, 4,096 tokens (2026-12-07 third session): gate/up 2.71 / 2.55 ms at 3 / 4 slots
+# against the Triton prefill kernel's 4.33; down 2.58 / 2.28 against 2.29.
 PREFILL_CANDIDATES: tuple[dict, ...] = (
     {"num_warps": 8, "stages": 3},
     {"num_warps": 8, "stages": 4},
