@@ -17,9 +17,10 @@ cores scheduled by hand, which Triton's `tl.dot` path cannot express:
 
 Contract (what the launcher checks and `grouped_mxfp4_gemm` relies on): K a multiple of 128, x
 in the kernel's K order (`grouped_mxfp4_gemm._kernel_columns`), e8m0 scale codes <= 128 (the
-unpack's NOTE in `grouped_mxfp4_gemm`), blocks of 16, 32, 64 or 128 rows (the launcher gives it blocks of up to 32, and prefill's
-blocks of 128 where `grouped_mxfp4_gemm.PREFILL_KERNEL` says so; 64 is a candidate). The torch reference is
-`grouped_mxfp4_gemm_reference`; the `gpu` tests compare both kernels with it.
+unpack's NOTE in `grouped_mxfp4_gemm`), blocks of 16, 32, 64 or 128 rows (the launcher gives
+it blocks of up to 32, and prefill's blocks of 128 where `grouped_mxfp4_gemm.PREFILL_KERNEL`
+says so; 64 is a candidate). The torch reference is `grouped_mxfp4_gemm_reference`; the `gpu`
+tests compare both kernels with it.
 
 Gluon is experimental: `AVAILABLE` is False where this Triton has no Gluon or a Gluon without
 the calls used here, and the launcher then keeps the Triton kernel.
