@@ -104,10 +104,6 @@ class MqaTiles:
     shared memory into registers and spills more (local sm90 compile, 64 tokens: 188 → 664
     bytes of spill stores), not yet timed on a GPU
     (`benchmarks/attention_passes.py --rotate-q`), so only the 16-head shapes take it.
-    prefetch (two passes, CUDA): each pass asks L2 for the next selected tile's rows
-    (`_prefetch_rows`) as a tile starts, and resolves the tile after next (selection, then
-    block table) as it ends, so the gathered rows' DRAM latency and their index chain are
-    paid while a tile computes rather than before it.
     """
 
     block_h: int
@@ -118,17 +114,15 @@ class MqaTiles:
     num_stages: int = 1
     two_pass: bool = False
     rotates_q: bool = False
-    prefetch: bool = False
 
     def __str__(self) -> str:
         d = self.block_d or "D"
         passes = " 2p" if self.two_pass else ""
         rotates = " rq" if self.rotates_q else ""
         stages = f" st{self.num_stages}" if self.num_stages != 1 else ""
-        prefetch = " pf" if self.prefetch else ""
         return (
             f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}{passes}"
-            f"{rotates}{stages}{prefetch}"
+            f"{rotates}{stages}"
         )
 
 
@@ -174,9 +168,10 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(64, 32, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 64, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 32, block_d=256, num_warps=8, two_pass=True),
-    # the selected rows asked of L2 a tile ahead, their indices two (`prefetch`)
-    MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, prefetch=True),
-    MqaTiles(64, 64, block_d=128, num_warps=8, two_pass=True, prefetch=True),
+    # software-pipelined row loads (Triton's num_stages), not yet timed
+    MqaTiles(64, 32, block_d=128, num_warps=4, num_stages=2, two_pass=True),
+    MqaTiles(64, 32, block_d=128, num_warps=4, num_stages=3, two_pass=True),
+    MqaTiles(64, 64, block_d=128, num_warps=8, num_stages=2, two_pass=True),
 )
 if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate queries in the load
     TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4, rotates_q=True)),)
@@ -383,36 +378,6 @@ def _selected_tile(
     block = tl.load(block_table_ptr + seq * stride_table + (j * RATIO) // 128)
     rows_per_block: tl.constexpr = 128 // RATIO
     return block * stride_pool_block + (j % rows_per_block) * stride_pool_row, valid
-
-
-@triton.jit
-def _selected_tile_of(selected, tile, RATIO: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`_selected_tile` of the arguments bundled in `selected`; past the last tile: no rows."""
-    (selection_ptr, block_table_ptr, token, seq, num_selected, stride_sel, stride_table,
-     stride_pool_block, stride_pool_row) = selected  # fmt: skip
-    return _selected_tile(
-        selection_ptr, block_table_ptr, token, seq, tile, num_selected, stride_sel, stride_table,
-        stride_pool_block, stride_pool_row, RATIO, BLOCK_N,
-    )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_rows(pool_ptr, row_index, d0, D: tl.constexpr, BD: tl.constexpr):
-    """Ask L2 for the bytes `_global_rows` will read of the FP4 rows at `row_index` (columns
-    d0 .. d0 + BD: their codes and scales), a line at most 64 bytes apart, without waiting."""
-    code_points = tl.minimum(tl.arange(0, 8) * 64, BD // 2 - 1)
-    scale_points = tl.arange(0, 2) * (BD // 16 - 1)
-    code_ptrs = pool_ptr + row_index[:, None] + d0 // 2 + code_points[None, :]
-    scale_ptrs = pool_ptr + row_index[:, None] + D // 2 + d0 // 16 + scale_points[None, :]
-    for ptrs in tl.static_range(2):
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [code_ptrs if ptrs == 0 else scale_ptrs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 @triton.jit
@@ -673,7 +638,6 @@ def _mqa_scores_kernel(
     BLOCK_N: tl.constexpr,
     ROTATE_Q: tl.constexpr,
     LIBDEVICE: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """Pass one of `MqaTiles.two_pass`, grid (tokens · heads / BLOCK_H), token-major: the
     scaled scores of
@@ -709,23 +673,16 @@ def _mqa_scores_kernel(
         tl.store(score_ptrs + tile * BLOCK_N, scores, mask=is_head[:, None])
         m, total, _, _ = _fold_scores(m, total, scores)
     if RATIO > 0:
-        selected = (selection_ptr, block_table_ptr, token, seq, num_selected, stride_sel,
-                    stride_table, stride_pool_block, stride_pool_row)  # fmt: skip
-        if PREFETCH:  # tile 0 asked of L2, tile 1 resolved
-            first_index, _ = _selected_tile_of(selected, 0, RATIO, BLOCK_N)
-            _prefetch_rows(pool_ptr, first_index, 0, D, D)
-            ahead_index, _ = _selected_tile_of(selected, 1, RATIO, BLOCK_N)
         for tile in range(tl.cdiv(num_selected, BLOCK_N)):
-            if PREFETCH:  # the next tile's rows (resolved a tile ago) asked of L2
-                _prefetch_rows(pool_ptr, ahead_index, 0, D, D)
-            row_index, valid = _selected_tile_of(selected, tile, RATIO, BLOCK_N)
+            row_index, valid = _selected_tile(
+                selection_ptr, block_table_ptr, token, seq, tile, num_selected, stride_sel,
+                stride_table, stride_pool_block, stride_pool_row, RATIO, BLOCK_N,
+            )  # fmt: skip
             rows = _global_rows(pool_ptr, row_index, valid, 0, D, D, BLOCK_N)
             scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
             scores = tl.where(valid[None, :], scores, float("-inf"))
             tl.store(score_ptrs + (window_tiles + tile) * BLOCK_N, scores, mask=is_head[:, None])
             m, total, _, _ = _fold_scores(m, total, scores)
-            if PREFETCH:  # the tile after next: its index loads overlap the next tile
-                ahead_index, _ = _selected_tile_of(selected, tile + 2, RATIO, BLOCK_N)
     sink = tl.load(sink_ptr + heads, mask=is_head, other=0.0)
     m_new = tl.maximum(m, sink)
     total = total * tl.exp(m - m_new) + tl.exp(sink - m_new)
@@ -779,7 +736,6 @@ def _mqa_values_kernel(
     BLOCK_D: tl.constexpr,
     ROTATE: tl.constexpr,
     LIBDEVICE: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """Pass two of `MqaTiles.two_pass`, grid (tokens · heads / BLOCK_H · D / BLOCK_D),
     token-major (the column blocks of a token's scores side by side): the
@@ -808,16 +764,11 @@ def _mqa_values_kernel(
         scores = tl.load(score_ptrs + tile * BLOCK_N, mask=is_head[:, None], other=float("-inf"))
         acc += _split_dot(tl.exp(scores - m[:, None]), rows, DOT_DTYPE)
     if RATIO > 0:
-        selected = (selection_ptr, block_table_ptr, token, seq, num_selected, stride_sel,
-                    stride_table, stride_pool_block, stride_pool_row)  # fmt: skip
-        if PREFETCH:  # tile 0 asked of L2, tile 1 resolved
-            first_index, _ = _selected_tile_of(selected, 0, RATIO, BLOCK_N)
-            _prefetch_rows(pool_ptr, first_index, d0, D, BLOCK_D)
-            ahead_index, _ = _selected_tile_of(selected, 1, RATIO, BLOCK_N)
         for tile in range(tl.cdiv(num_selected, BLOCK_N)):
-            if PREFETCH:  # the next tile's rows (resolved a tile ago) asked of L2
-                _prefetch_rows(pool_ptr, ahead_index, d0, D, BLOCK_D)
-            row_index, valid = _selected_tile_of(selected, tile, RATIO, BLOCK_N)
+            row_index, valid = _selected_tile(
+                selection_ptr, block_table_ptr, token, seq, tile, num_selected, stride_sel,
+                stride_table, stride_pool_block, stride_pool_row, RATIO, BLOCK_N,
+            )  # fmt: skip
             rows = _global_rows(pool_ptr, row_index, valid, d0, D, BLOCK_D, BLOCK_N)
             scores = tl.load(
                 score_ptrs + (window_tiles + tile) * BLOCK_N,
@@ -825,8 +776,6 @@ def _mqa_values_kernel(
                 other=float("-inf"),
             )
             acc += _split_dot(tl.exp(scores - m[:, None]), rows, DOT_DTYPE)
-            if PREFETCH:  # the tile after next: its index loads overlap the next tile
-                ahead_index, _ = _selected_tile_of(selected, tile + 2, RATIO, BLOCK_N)
     total = tl.load(total_ptr + token * num_heads + heads, mask=is_head, other=1.0)
     out_d = d0 + tl.arange(0, BLOCK_D)
     out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + out_d[None, :]
@@ -857,7 +806,7 @@ def _two_passes(
         q, seq_of_token, positions, *sources, sink, scores, m_all, total_all, num_heads,
         num_selected, rows.shape[1], softmax_scale, q.stride(0), q.stride(1),
         *row_strides, *score_strides, Q_SPLIT=q.dtype != torch.bfloat16, **common,
-        **q_rotation, LIBDEVICE=_LIBDEVICE, PREFETCH=tiles.prefetch,
+        **q_rotation, LIBDEVICE=_LIBDEVICE,
     )  # fmt: skip
     freqs, pass_width, rotating = rotation
     values_grid = _token_major_grid(num_tokens, num_heads, tiles.block_h, dim // block_d)
@@ -865,7 +814,6 @@ def _two_passes(
         seq_of_token, positions, *sources, scores, m_all, total_all, out, num_heads,
         num_selected, rows.shape[1], *row_strides, *score_strides, out.stride(0),
         out.stride(1), freqs, pass_width, BLOCK_D=block_d, **common, **rotating,
-        PREFETCH=tiles.prefetch,
     )  # fmt: skip
 
 
@@ -953,8 +901,6 @@ def sparse_mqa(
         raise ValueError(f"tiles {tiles} need 32 <= block_d | {dim} and power-of-two splits")
     if tiles.two_pass and tiles.splits != 1:
         raise ValueError(f"tiles {tiles}: two passes take no row splits")
-    if tiles.prefetch and (not tiles.two_pass or _INTERPRETING):
-        raise ValueError(f"tiles {tiles}: the prefetch is the two passes', on a GPU")
     for freqs in (rotate_back, rotate_q):
         if freqs is not None and 2 * freqs.numel() > dim:
             raise ValueError(f"{2 * freqs.numel()} rotated channels do not fit D = {dim}")

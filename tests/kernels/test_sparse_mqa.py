@@ -350,9 +350,6 @@ def test_launcher_rejects_layouts_it_cannot_take() -> None:
     with pytest.raises(ValueError, match="splits"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
                    tiles=MqaTiles(16, 16, splits=3))  # fmt: skip
-    with pytest.raises(ValueError, match="prefetch"):
-        sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
-                   tiles=MqaTiles(16, 16, prefetch=True))  # fmt: skip
     with pytest.raises(ValueError, match="do not fit"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
                    rotate_back=torch.ones(q.shape[-1]))  # fmt: skip
@@ -536,22 +533,6 @@ def _decode_kernel_ptx(kernel, constexprs: dict, num_warps: int) -> str:
     aligned = {name for name in kernel.arg_names if name.endswith("_ptr")}
     options = {"num_warps": num_warps, "num_stages": 1}
     return compile_for_hopper(kernel, types, constexprs, aligned, options)
-
-
-@pytest.mark.slow
-def test_prefetching_passes_ask_l2_for_the_next_rows() -> None:
-    """`MqaTiles.prefetch`: both passes, compiled for sm90, issue L2 prefetches (before the
-    loop and in it, for codes and scales), and without it none."""
-    from kernels.sparse_mqa import _mqa_scores_kernel, _mqa_values_kernel
-
-    for kernel, constexprs in (
-        (_mqa_scores_kernel, {"BLOCK_H": 64, "BLOCK_N": 32}),
-        (_mqa_values_kernel, {"BLOCK_H": 64, "BLOCK_N": 32, "BLOCK_D": 128}),
-    ):
-        prefetching = _decode_kernel_ptx(kernel, {**constexprs, "PREFETCH": True}, 4)
-        assert len(re.findall(r"prefetch\.global\.L2", prefetching)) >= 4
-        plain = _decode_kernel_ptx(kernel, constexprs, 4)
-        assert "prefetch" not in plain
 
 
 @pytest.mark.slow
