@@ -168,10 +168,6 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(64, 32, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 64, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 32, block_d=256, num_warps=8, two_pass=True),
-    # software-pipelined row loads (Triton's num_stages), not yet timed
-    MqaTiles(64, 32, block_d=128, num_warps=4, num_stages=2, two_pass=True),
-    MqaTiles(64, 32, block_d=128, num_warps=4, num_stages=3, two_pass=True),
-    MqaTiles(64, 64, block_d=128, num_warps=8, num_stages=2, two_pass=True),
 )
 if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate queries in the load
     TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4, rotates_q=True)),)
