@@ -67,6 +67,7 @@ from torch import Tensor
 
 from kernels import check_runnable, interpreting
 from kernels.element_codes import fp4_rows_to_float, mxfp8_rows_to_float
+from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
 from kernels.rope import apply_rope, apply_rope_reference, cos_sin, rotate
 from kernels.rounding import round_to
 
@@ -104,6 +105,9 @@ class MqaTiles:
     shared memory into registers and spills more (local sm90 compile, 64 tokens: 188 → 664
     bytes of spill stores), not yet timed on a GPU
     (`benchmarks/attention_passes.py --rotate-q`), so only the 16-head shapes take it.
+    unpack_rows (CUDA): the selected FP4 rows decoded by the expert GEMM's in-register unpack
+    (`_unpacked_global_rows`: 32-bit words, inline PTX, bf16x2 multiplies) instead of
+    `_global_rows`'s per-value conversions; the same exact bf16 rows.
     """
 
     block_h: int
@@ -114,15 +118,17 @@ class MqaTiles:
     num_stages: int = 1
     two_pass: bool = False
     rotates_q: bool = False
+    unpack_rows: bool = False
 
     def __str__(self) -> str:
         d = self.block_d or "D"
         passes = " 2p" if self.two_pass else ""
         rotates = " rq" if self.rotates_q else ""
         stages = f" st{self.num_stages}" if self.num_stages != 1 else ""
+        unpack = " up" if self.unpack_rows else ""
         return (
             f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}{passes}"
-            f"{rotates}{stages}"
+            f"{rotates}{stages}{unpack}"
         )
 
 
@@ -168,6 +174,10 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(64, 32, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 64, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 32, block_d=256, num_warps=8, two_pass=True),
+    # the selected rows through the expert GEMM's unpack (`unpack_rows`), not yet timed
+    MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True),
+    MqaTiles(64, 32, block_d=128, num_warps=4, unpack_rows=True),
+    MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, unpack_rows=True),
 )
 if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate queries in the load
     TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4, rotates_q=True)),)
@@ -310,6 +320,70 @@ def _global_rows(
     scales = scale_bits.to(tl.float16, bitcast=True).to(tl.float32) * 4194304.0
     values = tl.reshape(values, (BLOCK_N, BD // 16, 16)) * scales[:, :, None]
     return tl.reshape(values, (BLOCK_N, BD)).to(tl.bfloat16)
+
+
+# bf16 2^118 in both halves: the unpack's e2m1 · 2^-126 becomes e2m1 · 2^-8 (normal, exact).
+_UNPACK_PRESCALE = tl.constexpr(0x7A807A80)
+_BF16X2_PRODUCT = tl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
+
+
+@triton.jit
+def _unpacked_global_rows(
+    pool_ptr, row_index, valid, d0, D: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """`_global_rows` (the same exact bf16 values, natural column order) through the expert
+    GEMM's in-register unpack (`kernels.mxfp4_unpack`): each 32-bit word of codes becomes four
+    bf16x2 registers of e2m1 · 2^-8 (the unpack's multiply by 2^118), then one bf16x2 multiply
+    by the row's e4m3 scale · 2^8 of those 16 columns. Every step is exact: e2m1 · e4m3 has at
+    most 6 significant bits and lies between 2^-10 and 2^12. Inline PTX: CUDA only."""
+    row_ptrs = pool_ptr + row_index
+    word = d0 // 8 + tl.arange(0, BD // 8)
+    word_ptrs = row_ptrs.to(tl.pointer_type(tl.uint32))[:, None] + word[None, :]
+    words = tl.load(word_ptrs, mask=valid[:, None], other=0)
+    b = d0 // 16 + tl.arange(0, BD // 16)
+    scale_bytes = tl.load(row_ptrs[:, None] + D // 2 + b[None, :], mask=valid[:, None], other=0).to(
+        tl.uint16
+    )
+    scale_bits = ((scale_bytes & 0x80) << 8) | ((scale_bytes & 0x7F) << 7)  # e4m3 · 2^-8 (fp16)
+    scales = scale_bits.to(tl.float16, bitcast=True).to(tl.float32) * 65536.0
+    scales = scales.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    pairs = scales | (scales << 16)  # one scale per two words
+    pairs = tl.broadcast_to(pairs[:, :, None], (BLOCK_N, BD // 16, 2))
+    pairs = tl.reshape(pairs, (BLOCK_N, BD // 8))
+    args = [words, tl.full((BLOCK_N, BD // 8), _UNPACK_PRESCALE, tl.uint32)]
+    out0 = tl.inline_asm_elementwise(UNPACK_0, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out1 = tl.inline_asm_elementwise(UNPACK_1, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out2 = tl.inline_asm_elementwise(UNPACK_2, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out3 = tl.inline_asm_elementwise(UNPACK_3, "=r,r,r", args, tl.uint32, is_pure=True, pack=1)
+    out0 = _scaled_pairs(out0, pairs)
+    out1 = _scaled_pairs(out1, pairs)
+    out2 = _scaled_pairs(out2, pairs)
+    out3 = _scaled_pairs(out3, pairs)
+    # out j holds values 8w + j (low half) and 8w + j + 4 (high half) of word w
+    values = tl.join(tl.join(out0, out1), tl.join(out2, out3))  # [N, W, h, j & 1, j >> 1]
+    values = tl.permute(values, (0, 1, 2, 4, 3))  # [N, W, h, j >> 1, j & 1]: column 8w + j + 4h
+    return tl.reshape(values, (BLOCK_N, BD))
+
+
+@triton.jit
+def _scaled_pairs(packed, pairs):
+    """bf16 [.., 2] of the bf16x2 registers `packed` times `pairs` (low half, high half)."""
+    product = tl.inline_asm_elementwise(
+        _BF16X2_PRODUCT, "=r,r,r", [packed, pairs], tl.uint32, is_pure=True, pack=1
+    )
+    low = (product & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.join(low, (product >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+
+
+@triton.jit
+def _decoded_global_rows(pool_ptr, row_index, valid, d0, D: tl.constexpr, BD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, UNPACK_ROWS: tl.constexpr):  # fmt: skip
+    """`_unpacked_global_rows` where UNPACK_ROWS (`MqaTiles.unpack_rows`), else `_global_rows`."""
+    if UNPACK_ROWS:
+        rows = _unpacked_global_rows(pool_ptr, row_index, valid, d0, D, BD, BLOCK_N)
+    else:
+        rows = _global_rows(pool_ptr, row_index, valid, d0, D, BD, BLOCK_N)
+    return rows
 
 
 @triton.jit
@@ -470,6 +544,7 @@ def _sparse_mqa_kernel(
     ROTATE: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     ROTATE_Q: tl.constexpr,
+    UNPACK_ROWS: tl.constexpr,
 ):
     """grid (tokens · heads / BLOCK_H · SPLITS · D / BLOCK_D), token-major
     (`_program_of_token`). With SPLITS = 1 the program
@@ -518,11 +593,13 @@ def _sparse_mqa_kernel(
                 selection_ptr, block_table_ptr, token, seq, tile, num_selected, stride_sel,
                 stride_table, stride_pool_block, stride_pool_row, RATIO, BLOCK_N,
             )  # fmt: skip
-            rows = _global_rows(pool_ptr, row_index, valid, 0, D, D, BLOCK_N)
+            rows = _decoded_global_rows(pool_ptr, row_index, valid, 0, D, D, BLOCK_N, UNPACK_ROWS)
             scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
             scores = tl.where(valid[None, :], scores, float("-inf"))
             if BLOCK_D != D:
-                rows = _global_rows(pool_ptr, row_index, valid, d0, D, BLOCK_D, BLOCK_N)
+                rows = _decoded_global_rows(
+                    pool_ptr, row_index, valid, d0, D, BLOCK_D, BLOCK_N, UNPACK_ROWS
+                )
             m, total, acc = _online_update(m, total, acc, scores, rows, DOT_DTYPE)
     out_d = d0 + tl.arange(0, BLOCK_D)
     if SPLITS == 1:
@@ -634,6 +711,7 @@ def _mqa_scores_kernel(
     BLOCK_N: tl.constexpr,
     ROTATE_Q: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    UNPACK_ROWS: tl.constexpr,
 ):
     """Pass one of `MqaTiles.two_pass`, grid (tokens · heads / BLOCK_H), token-major: the
     scaled scores of
@@ -674,7 +752,7 @@ def _mqa_scores_kernel(
                 selection_ptr, block_table_ptr, token, seq, tile, num_selected, stride_sel,
                 stride_table, stride_pool_block, stride_pool_row, RATIO, BLOCK_N,
             )  # fmt: skip
-            rows = _global_rows(pool_ptr, row_index, valid, 0, D, D, BLOCK_N)
+            rows = _decoded_global_rows(pool_ptr, row_index, valid, 0, D, D, BLOCK_N, UNPACK_ROWS)
             scores = _scores(q_head, q_rest, rows, softmax_scale, Q_SPLIT, DOT_DTYPE)
             scores = tl.where(valid[None, :], scores, float("-inf"))
             tl.store(score_ptrs + (window_tiles + tile) * BLOCK_N, scores, mask=is_head[:, None])
@@ -732,6 +810,7 @@ def _mqa_values_kernel(
     BLOCK_D: tl.constexpr,
     ROTATE: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    UNPACK_ROWS: tl.constexpr,
 ):
     """Pass two of `MqaTiles.two_pass`, grid (tokens · heads / BLOCK_H · D / BLOCK_D),
     token-major (the column blocks of a token's scores side by side): the
@@ -765,7 +844,9 @@ def _mqa_values_kernel(
                 selection_ptr, block_table_ptr, token, seq, tile, num_selected, stride_sel,
                 stride_table, stride_pool_block, stride_pool_row, RATIO, BLOCK_N,
             )  # fmt: skip
-            rows = _global_rows(pool_ptr, row_index, valid, d0, D, BLOCK_D, BLOCK_N)
+            rows = _decoded_global_rows(
+                pool_ptr, row_index, valid, d0, D, BLOCK_D, BLOCK_N, UNPACK_ROWS
+            )
             scores = tl.load(
                 score_ptrs + (window_tiles + tile) * BLOCK_N,
                 mask=is_head[:, None],
@@ -897,6 +978,8 @@ def sparse_mqa(
         raise ValueError(f"tiles {tiles} need 32 <= block_d | {dim} and power-of-two splits")
     if tiles.two_pass and tiles.splits != 1:
         raise ValueError(f"tiles {tiles}: two passes take no row splits")
+    if tiles.unpack_rows and _INTERPRETING:
+        raise ValueError(f"tiles {tiles}: the rows' inline-PTX unpack needs a GPU")
     for freqs in (rotate_back, rotate_q):
         if freqs is not None and 2 * freqs.numel() > dim:
             raise ValueError(f"{2 * freqs.numel()} rotated channels do not fit D = {dim}")
@@ -939,6 +1022,7 @@ def sparse_mqa(
         "BLOCK_N": tiles.block_n,
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
+        "UNPACK_ROWS": tiles.unpack_rows,
     }
     sources = (
         rows,

@@ -384,6 +384,22 @@ def test_kernel_matches_reference_on_cuda(case, tiles) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("case", "tiles"),
+    [(case, tiles) for case in CASES for tiles in CANDIDATES if tiles.unpack_rows],
+    ids=str,
+)
+def test_unpacked_rows_give_the_same_bits_as_the_plain_decode_on_cuda(case, tiles) -> None:
+    """`MqaTiles.unpack_rows` decodes the same exact bf16 rows in the same order, so the
+    launch's output is bit for bit that of the same shape decoding them value by value."""
+    args, sources = _inputs(case, "cuda")
+    bf16 = (args[0].bfloat16(), *args[1:])
+    plain = dataclasses.replace(tiles, unpack_rows=False)
+    unpacked = sparse_mqa(*bf16, **sources, tiles=tiles)
+    assert torch.equal(unpacked, sparse_mqa(*bf16, **sources, tiles=plain))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[6]], ids=str)
 def test_rotated_output_equals_output_then_inverse_rope_on_cuda(case) -> None:
     result = rotation_mismatches((case,), [None, *CUDA_TILES], (torch.bfloat16,), "cuda")
@@ -527,12 +543,33 @@ def _decode_kernel_ptx(kernel, constexprs: dict, num_warps: int) -> str:
             types.setdefault(name, "i32")
     layer = {"RATIO": 4, "WINDOW": 128, "WINDOW_IN_RING": True, "WINDOW_SEQ_ALIGNED": False}
     layer |= {"HAS_FLOOR": True, "D": 512, "DOT_DTYPE": tl.bfloat16, "LIBDEVICE": True}
-    layer |= {"Q_SPLIT": False, "ROTATE": True, "ROTATE_Q": True}
+    layer |= {"Q_SPLIT": False, "ROTATE": True, "ROTATE_Q": True, "UNPACK_ROWS": False}
     constexprs = {**layer, **constexprs}
     constexprs = {name: v for name, v in constexprs.items() if name in kernel.arg_names}
     aligned = {name for name in kernel.arg_names if name.endswith("_ptr")}
     options = {"num_warps": num_warps, "num_stages": 1}
     return compile_for_hopper(kernel, types, constexprs, aligned, options)
+
+
+@pytest.mark.slow
+def test_unpacked_rows_skip_the_per_value_conversions() -> None:
+    """`MqaTiles.unpack_rows`, compiled for sm90: the selected rows' codes become bf16 pairs
+    by bf16x2 multiplies (the expert GEMM's unpack), not by an fp16 → fp32 conversion per
+    value (those remain for the scales and the window's MXFP8 rows only)."""
+    from kernels.sparse_mqa import _mqa_scores_kernel, _mqa_values_kernel
+
+    for kernel, constexprs in (
+        (_mqa_scores_kernel, {"BLOCK_H": 64, "BLOCK_N": 32}),
+        (_mqa_values_kernel, {"BLOCK_H": 64, "BLOCK_N": 32, "BLOCK_D": 128}),
+    ):
+        counts = []
+        for unpack in (False, True):
+            ptx = _decode_kernel_ptx(kernel, {**constexprs, "UNPACK_ROWS": unpack}, 4)
+            counts.append((len(re.findall(r"mul\.rn\.bf16x2", ptx)),
+                           len(re.findall(r"cvt\.f32\.f16", ptx))))  # fmt: skip
+        (plain_muls, plain_cvts), (unpack_muls, unpack_cvts) = counts
+        assert plain_muls == 0 and unpack_muls > 0
+        assert unpack_cvts < plain_cvts / 2, counts
 
 
 @pytest.mark.slow
