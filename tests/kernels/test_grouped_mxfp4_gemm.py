@@ -353,6 +353,8 @@ def test_a_gate_up_output_in_kernel_order_is_the_plain_one_reordered() -> None:
 def test_the_kernel_order_is_read_by_the_tiles_that_reorder_x() -> None:
     assert reads_kernel_order(2304, 16) and reads_kernel_order(5120, 32)
     assert not reads_kernel_order(2304, 64)  # the prefill tiles read x as it is
+    # blocks of 128 read the kernel's order only through the Gluon kernel: a Hopper GPU
+    assert not reads_kernel_order(2304, 128, exact_unpack=True, x=torch.zeros(1, 2304))
     assert not reads_kernel_order(224, 16)  # K not a multiple of 128: no reordering
     assert not reads_kernel_order(2304, 16, fixed_tiles=True)
 

@@ -91,14 +91,18 @@ def grouped_mxfp4_gemm(x, blocks, codes, scales, **kwargs):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("block_m", [16, 32, 128])
 def test_launcher_choice_with_kernel_order_between_gate_up_and_down(
     block_m: int, monkeypatch
 ) -> None:
     """The launcher taking the Gluon kernel (gate/up written in the kernel's K order, down
-    reading it as it is) gives the plain order's bits, and the reference's values."""
+    reading it as it is) gives the plain order's bits, and the reference's values; blocks of
+    128 rows (prefill) where the caller vouches for the unpack."""
     monkeypatch.setattr(grouped, "DECODE_KERNEL", "gluon")
-    device, num_experts, top_k, dim, inter, num_tokens = "cuda", 8, 6, 1024, 384, 200
+    monkeypatch.setattr(grouped, "PREFILL_KERNEL", "gluon")
+    device, num_experts, top_k, dim, inter = "cuda", 8, 6, 1024, 384
+    num_tokens = 700 if block_m == 128 else 200
+    exact = {"register_unpack": True}
     torch.manual_seed(block_m)
     x = torch.randn(num_tokens, dim, device=device).bfloat16()
     blocks = align_to_experts(
@@ -106,14 +110,15 @@ def test_launcher_choice_with_kernel_order_between_gate_up_and_down(
     )
     w13, s13, w2, s2 = decode_expert_weights(num_experts, dim, inter, device)
     results = []
+    assert grouped.reads_kernel_order(inter, block_m, exact_unpack=True, x=x)
     for order in (False, True):
         act = grouped.grouped_mxfp4_gemm(
-            x, blocks, w13, s13, gate_limit=7.0, out_kernel_order=order
+            x, blocks, w13, s13, gate_limit=7.0, out_kernel_order=order, **exact
         )
         act[blocks.pair_of_pos < 0] = 0
         results.append(
             grouped.grouped_mxfp4_gemm(
-                act, blocks, w2, s2, out_dtype=torch.float32, x_kernel_order=order
+                act, blocks, w2, s2, out_dtype=torch.float32, x_kernel_order=order, **exact
             )
         )
     assert torch.equal(results[0], results[1])
