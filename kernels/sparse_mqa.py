@@ -108,6 +108,9 @@ class MqaTiles:
     unpack_rows (CUDA): the selected FP4 rows decoded by the expert GEMM's in-register unpack
     (`_unpacked_global_rows`: 32-bit words, inline PTX, bf16x2 multiplies) instead of
     `_global_rows`'s per-value conversions; the same exact bf16 rows.
+    values_maxnreg (two passes): the values pass compiled under this register cap (168: three
+    programs of 4 warps per SM instead of two; sm90 compile, Triton 3.6: 220 → 168 registers,
+    15 spill stores outside the loop, 5 more instructions in it).
     """
 
     block_h: int
@@ -119,6 +122,7 @@ class MqaTiles:
     two_pass: bool = False
     rotates_q: bool = False
     unpack_rows: bool = False
+    values_maxnreg: int | None = None
 
     def __str__(self) -> str:
         d = self.block_d or "D"
@@ -126,9 +130,10 @@ class MqaTiles:
         rotates = " rq" if self.rotates_q else ""
         stages = f" st{self.num_stages}" if self.num_stages != 1 else ""
         unpack = " up" if self.unpack_rows else ""
+        capped = f" vr{self.values_maxnreg}" if self.values_maxnreg else ""
         return (
             f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}{passes}"
-            f"{rotates}{stages}{unpack}"
+            f"{rotates}{stages}{unpack}{capped}"
         )
 
 
@@ -178,6 +183,9 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True),
     MqaTiles(64, 32, block_d=128, num_warps=4, unpack_rows=True),
     MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, unpack_rows=True),
+    # three values programs per SM (`values_maxnreg`), not yet timed
+    MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, values_maxnreg=168),
+    MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, unpack_rows=True, values_maxnreg=168),
 )
 if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate queries in the load
     TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4, rotates_q=True)),)
@@ -887,10 +895,11 @@ def _two_passes(
     )  # fmt: skip
     freqs, pass_width, rotating = rotation
     values_grid = _token_major_grid(num_tokens, num_heads, tiles.block_h, dim // block_d)
+    capped = {"maxnreg": tiles.values_maxnreg} if tiles.values_maxnreg else {}
     _mqa_values_kernel[values_grid](
         seq_of_token, positions, *sources, scores, m_all, total_all, out, num_heads,
         num_selected, rows.shape[1], *row_strides, *score_strides, out.stride(0),
-        out.stride(1), freqs, pass_width, BLOCK_D=block_d, **common, **rotating,
+        out.stride(1), freqs, pass_width, BLOCK_D=block_d, **common, **rotating, **capped,
     )  # fmt: skip
 
 
@@ -978,6 +987,8 @@ def sparse_mqa(
         raise ValueError(f"tiles {tiles} need 32 <= block_d | {dim} and power-of-two splits")
     if tiles.two_pass and tiles.splits != 1:
         raise ValueError(f"tiles {tiles}: two passes take no row splits")
+    if tiles.values_maxnreg and not tiles.two_pass:
+        raise ValueError(f"tiles {tiles}: only the two passes' values pass takes a register cap")
     if tiles.unpack_rows and _INTERPRETING:
         raise ValueError(f"tiles {tiles}: the rows' inline-PTX unpack needs a GPU")
     for freqs in (rotate_back, rotate_q):

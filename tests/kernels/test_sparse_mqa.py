@@ -350,6 +350,9 @@ def test_launcher_rejects_layouts_it_cannot_take() -> None:
     with pytest.raises(ValueError, match="splits"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
                    tiles=MqaTiles(16, 16, splits=3))  # fmt: skip
+    with pytest.raises(ValueError, match="register cap"):
+        sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
+                   tiles=MqaTiles(16, 16, values_maxnreg=168))  # fmt: skip
     with pytest.raises(ValueError, match="do not fit"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
                    rotate_back=torch.ones(q.shape[-1]))  # fmt: skip
