@@ -3,11 +3,13 @@
     python3 benchmarks/attention_passes.py [--sequences 64 256] [--prefill 4096] [--rotate-back]
                                            [--rotate-q]
 
-The release layer of `kernel_speed --only attention` (64 heads × 512, window 128, 512 selected
-FP4 rows, 8K context): one token per sequence (window in the MXFP8 ring), or one prefill chunk
-of N tokens ending at 8K (window from bf16 rows); each shape timed alone (`do_bench` median,
-µs) with its relative difference to the torch reference. A short run for a short device call:
-`kernel_speed --only attention` times every candidate at every size.
+Each launch runs the `TILES` choice, the candidates that are that shape with other row-decode
+or register-cap options (`MqaTiles.unpack_rows`, `values_maxnreg`), and every two-pass
+candidate, on the release layer of `kernel_speed --only attention` (64 heads × 512, window
+128, 512 selected FP4 rows, 8K context): one token per sequence (window in the MXFP8 ring), or
+one prefill chunk of N tokens ending at 8K (window from bf16 rows); each shape timed alone
+(`do_bench` median, µs) with its relative difference to the torch reference. A short run for
+a short device call: `kernel_speed --only attention` times every candidate at every size.
 
 `--rotate-back`: instead, the model's output path at the `TILES` choice: the launch, a cast to
 bf16 and the inverse RoPE of the 64-channel tail as its own launch (`kernels.rope`), against the
@@ -95,13 +97,21 @@ def main() -> None:
         rotate_q_rows(launches, device)
         return
     two_pass = [tiles for tiles in CANDIDATES if tiles.two_pass]
+
+    def variants_of(choice):  # the choice's shape with the candidates' decode and cap options
+        plain = {"unpack_rows": False, "values_maxnreg": None}
+        return [t for t in CANDIDATES
+                if t != choice and dataclasses.replace(t, **plain) == choice]  # fmt: skip
+
     print(f"{'T':>5} {'tiles':<26} {'µs':>8} {'GB/s':>7} {'TFLOP/s':>8} {'rel diff':>9}")
     for num_seqs, new in launches:
         inputs, sources = attention_inputs(num_seqs, new, device)
         reference = sparse_mqa_reference(*inputs, **sources)
         moved, flops = _attention_traffic(num_seqs, new)
         num_tokens = num_seqs * new
-        for tiles in [choose_tiles(num_tokens), *two_pass]:
+        choice = choose_tiles(num_tokens)
+        shapes = [choice, *variants_of(choice)]
+        for tiles in shapes + [t for t in two_pass if t not in shapes]:
             try:
                 error = _relative(sparse_mqa(*inputs, **sources, tiles=tiles), reference)
                 us = _bench_us(lambda t=tiles, a=inputs, s=sources: sparse_mqa(*a, **s, tiles=t))
