@@ -188,13 +188,19 @@ def test_compiled_kernel_keeps_its_schedule(gated: bool) -> None:
     }  # fmt: skip
     strides = ("stride_xm", "stride_ce", "stride_cn", "stride_se", "stride_sn", "stride_om")
     types = {**pointers, **dict.fromkeys(("N", "K", *strides), "i32"), "gate_limit": "fp32"}
+    n, k = (2304, 5120) if gated else (5120, 2304)
+    tiles = gluon_decode.decode_tiles(n, k, 32, gated)  # the launch table's, 256 tokens
     constexprs = {
         "TOP_K": 6, "GATED": gated, "TOKEN_ROWS": gated, "HAS_ROW_WEIGHT": not gated,
-        "BLOCK_M": 32, "STAGES": gluon_decode.STAGES, "STORE_KERNEL_ORDER": gated,
-        "EARLY_UP_WORDS": False,
+        "BLOCK_M": 32, "STAGES": tiles["stages"], "STORE_KERNEL_ORDER": gated,
+        "EARLY_UP_WORDS": tiles.get("early_up_words", False),
     }  # fmt: skip
     ptx = compile_for_hopper(
-        gluon_decode._decode_kernel, types, constexprs, set(types) - {"gate_limit"}
+        gluon_decode._decode_kernel,
+        types,
+        constexprs,
+        set(types) - {"gate_limit"},
+        {"num_warps": tiles["num_warps"]},
     )
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)
     assert "shfl" not in ptx and "st.shared" not in ptx
