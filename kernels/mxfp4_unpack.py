@@ -1,7 +1,10 @@
 """The in-register MXFP4 → bf16 unpack that both decode expert GEMMs run (the Triton kernels of
-`grouped_mxfp4_gemm` and the Gluon kernel of `grouped_mxfp4_gluon`): four inline-PTX strings,
-one per output register of a 32-bit word of codes. Their torch counterpart is
-`element_codes.mxfp4_to_float`; the kernels' `gpu` tests check them against it."""
+`grouped_mxfp4_gemm` and the Gluon kernel of `grouped_mxfp4_gluon`), and the attention's FP4
+rows where `sparse_mqa.MqaTiles.unpack_rows` asks for it: four inline-PTX strings, one per
+output register of a 32-bit word of codes. Their torch counterparts are
+`element_codes.mxfp4_to_float` and `fp4_rows_to_float`; the kernels' `gpu` tests check them
+against those, and `tests/kernels/test_mxfp4_unpack.py` runs the strings on the CPU through a
+model of their instructions."""
 
 from __future__ import annotations
 
