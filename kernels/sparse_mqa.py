@@ -1014,6 +1014,9 @@ def sparse_mqa(
             raise ValueError(f"pool must be uint8 [blocks, {128 // ratio}, {dim // 2 + dim // 16}]")
         if selection.shape[0] != num_tokens:
             raise ValueError("the selection needs one row per token")
+        starts = (pool.data_ptr(), pool.stride(0), pool.stride(1))
+        if tiles.unpack_rows and any(start % 4 for start in starts):
+            raise ValueError(f"tiles {tiles} read the pool's rows as 32-bit words: 4-byte rows")
     if not num_tokens:
         return out
     # The per-sequence stride of the window rows is a multiple of 16 elements for every model

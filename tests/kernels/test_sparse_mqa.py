@@ -400,6 +400,13 @@ def test_unpacked_rows_give_the_same_bits_as_the_plain_decode_on_cuda(case, tile
     plain = dataclasses.replace(tiles, unpack_rows=False)
     unpacked = sparse_mqa(*bf16, **sources, tiles=tiles)
     assert torch.equal(unpacked, sparse_mqa(*bf16, **sources, tiles=plain))
+    if "global_rows" in sources:  # rows off 4-byte boundaries are refused, not misread
+        pool, *rest = sources["global_rows"]
+        wide = torch.zeros(*pool.shape[:-1], pool.shape[-1] + 1, dtype=pool.dtype, device="cuda")
+        wide[..., : pool.shape[-1]] = pool
+        sources["global_rows"] = (wide[..., : pool.shape[-1]], *rest)
+        with pytest.raises(ValueError, match="32-bit words"):
+            sparse_mqa(*bf16, **sources, tiles=tiles)
 
 
 @pytest.mark.gpu
