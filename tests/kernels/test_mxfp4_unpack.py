@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from kernels.element_codes import fp4_rows_to_float, mxfp4_to_float
+from kernels.element_codes import e4m3_to_float, fp4_rows_to_float, mxfp4_to_float
 from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
 from kernels.sparse_mqa import _UNPACK_PRESCALE
 
@@ -60,11 +60,16 @@ def _run_ptx(asm: str, word: torch.Tensor, multiplier: torch.Tensor) -> torch.Te
     return registers["$0"]
 
 
-def _unpacked(words: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
-    """float32 [..., 8 · words] in value order: register j holds values j and j + 4 of its word."""
+def _unpacked(
+    words: torch.Tensor, multiplier: torch.Tensor, then: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32 [..., 8 · words] in value order: register j holds values j and j + 4 of its word;
+    `then`: bf16x2 registers each output register is multiplied by afterwards."""
     values = torch.empty(*words.shape, 8)
     for j, asm in enumerate((UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3)):
         pair = _run_ptx(asm.value, words, multiplier)
+        if then is not None:
+            pair = _bf16x2_product(pair, then)
         values[..., j] = _bf16_bits_to_float(pair & 0xFFFF)
         values[..., j + 4] = _bf16_bits_to_float(pair >> 16)
     return values.flatten(-2)
@@ -100,16 +105,10 @@ def test_attention_row_unpack_is_the_fp4_row_codec_for_every_scale() -> None:
     codes = torch.randint(0, 256, (rows, dim // 2), dtype=torch.uint8, generator=generator)
     scales = scale_bytes[:, None].expand(rows, dim // 16)
     packed = torch.cat([codes, scales], dim=1)
-    # the kernel's scale pair: e4m3 read as fp16 bits (e4m3 · 2^-8), times 2^16, in bf16
-    bits = ((scales.to(torch.int32) & 0x80) << 8) | ((scales.to(torch.int32) & 0x7F) << 7)
-    scale = bits.to(torch.int16).view(torch.float16).float() * 65536.0
-    scale_bits = scale.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    # the kernel's scale pair: e4m3 · 2^8 in bf16 (exact), in both halves, one per two words
+    scale = (e4m3_to_float(scales) * 256.0).to(torch.bfloat16)
+    scale_bits = scale.view(torch.int16).to(torch.int64) & 0xFFFF
     pairs = (scale_bits | (scale_bits << 16)).repeat_interleave(2, dim=1)
     words = _words(codes)
     prescale = torch.full_like(words, int(_UNPACK_PRESCALE.value))
-    values = torch.empty(rows, dim // 8, 8)
-    for j, asm in enumerate((UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3)):
-        pair = _bf16x2_product(_run_ptx(asm.value, words, prescale), pairs)
-        values[..., j] = _bf16_bits_to_float(pair & 0xFFFF)
-        values[..., j + 4] = _bf16_bits_to_float(pair >> 16)
-    assert _same_bits(values.flatten(-2), fp4_rows_to_float(packed))
+    assert _same_bits(_unpacked(words, prescale, then=pairs), fp4_rows_to_float(packed))
