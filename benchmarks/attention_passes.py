@@ -3,8 +3,8 @@
     python3 benchmarks/attention_passes.py [--sequences 64 256] [--prefill 4096] [--rotate-back]
                                            [--rotate-q]
 
-Each launch runs the `TILES` choice, the candidates that are that shape with other row-decode
-or register-cap options (`MqaTiles.unpack_rows`, `values_maxnreg`), and every two-pass
+Each launch runs the `TILES` choice, the candidates that are that shape with the other
+row decode (`MqaTiles.unpack_rows`), and every two-pass
 candidate, on the release layer of `kernel_speed --only attention` (64 heads × 512, window
 128, 512 selected FP4 rows, 8K context): one token per sequence (window in the MXFP8 ring), or
 one prefill chunk of N tokens ending at 8K (window from bf16 rows); each shape timed alone
@@ -98,10 +98,10 @@ def main() -> None:
         return
     two_pass = [tiles for tiles in CANDIDATES if tiles.two_pass]
 
-    def variants_of(choice):  # the choice's shape with the candidates' decode and cap options
-        plain = {"unpack_rows": False, "values_maxnreg": None}
+    def variants_of(choice):  # the choice's shape with the candidates' other row decode
+        shape = dataclasses.replace(choice, unpack_rows=False)
         return [t for t in CANDIDATES
-                if t != choice and dataclasses.replace(t, **plain) == choice]  # fmt: skip
+                if t != choice and dataclasses.replace(t, unpack_rows=False) == shape]  # fmt: skip
 
     print(f"{'T':>5} {'tiles':<26} {'µs':>8} {'GB/s':>7} {'TFLOP/s':>8} {'rel diff':>9}")
     for num_seqs, new in launches:

@@ -58,6 +58,7 @@ dequantisation, a direct softmax).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -108,9 +109,6 @@ class MqaTiles:
     unpack_rows (CUDA): the selected FP4 rows decoded by the expert GEMM's in-register unpack
     (`_unpacked_global_rows`: 32-bit words, inline PTX, bf16x2 multiplies) instead of
     `_global_rows`'s per-value conversions; the same exact bf16 rows.
-    values_maxnreg (two passes): the values pass compiled under this register cap (168: three
-    programs of 4 warps per SM instead of two; sm90 compile, Triton 3.6: 220 → 168 registers,
-    15 spill stores outside the loop, 5 more instructions in it).
     """
 
     block_h: int
@@ -122,7 +120,6 @@ class MqaTiles:
     two_pass: bool = False
     rotates_q: bool = False
     unpack_rows: bool = False
-    values_maxnreg: int | None = None
 
     def __str__(self) -> str:
         d = self.block_d or "D"
@@ -130,10 +127,9 @@ class MqaTiles:
         rotates = " rq" if self.rotates_q else ""
         stages = f" st{self.num_stages}" if self.num_stages != 1 else ""
         unpack = " up" if self.unpack_rows else ""
-        capped = f" vr{self.values_maxnreg}" if self.values_maxnreg else ""
         return (
             f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}{passes}"
-            f"{rotates}{stages}{unpack}{capped}"
+            f"{rotates}{stages}{unpack}"
         )
 
 
@@ -145,10 +141,14 @@ class MqaTiles:
 # with 128 columns: 6.8 ms). 2026-12-03 (`benchmarks/attention_passes.py`): the same shape in two
 # passes 138 / 325 µs at 64 / 256 (one pass 136 / 545); a 4,096-token prefill chunk 3.89 ms
 # (one pass, 32 heads: 5.58 ms).
+# 2026-12-07 (H100, `attention_passes.py`): the selected rows through the register unpack
+# (`unpack_rows`) at every shape: 16 tokens 76.8 -> 75.2 µs, 64: 135.3 -> 117.2, 256: 298.7 ->
+# 275.4, a 4,096-token chunk 3,677 -> 3,433; launches whose pool it cannot read take the plain
+# decode (the same bits).
 TILES: tuple[tuple[int, MqaTiles], ...] = (
-    (16, MqaTiles(16, 64, splits=2, rotates_q=True)),
-    (64, MqaTiles(64, 32, block_d=128, num_warps=4)),
-    (1 << 62, MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True)),
+    (16, MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True)),
+    (64, MqaTiles(64, 32, block_d=128, num_warps=4, unpack_rows=True)),
+    (1 << 62, MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, unpack_rows=True)),
 )
 # Two-pass launches take at most this many tokens each: the scores' buffer (fp32 [tokens, H,
 # window + selected rows], ~164 KB per token at the released shape) stays under ~0.7 GB.
@@ -179,13 +179,8 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(64, 32, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 64, block_d=128, num_warps=8, two_pass=True),
     MqaTiles(64, 32, block_d=256, num_warps=8, two_pass=True),
-    # the selected rows through the expert GEMM's unpack (`unpack_rows`), not yet timed
-    MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True),
-    MqaTiles(64, 32, block_d=128, num_warps=4, unpack_rows=True),
-    MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, unpack_rows=True),
-    # three values programs per SM (`values_maxnreg`), not yet timed
-    MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, values_maxnreg=168),
-    MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, unpack_rows=True, values_maxnreg=168),
+    # the `TILES` shapes with the plain per-value decode of the selected rows
+    MqaTiles(16, 64, splits=2, rotates_q=True),
 )
 if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate queries in the load
     TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4, rotates_q=True)),)
@@ -195,6 +190,18 @@ if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate querie
 def choose_tiles(num_tokens: int) -> MqaTiles:
     """The `TILES` entry for a launch of `num_tokens` query tokens."""
     return next(tiles for bound, tiles in TILES if num_tokens <= bound)
+
+
+def _unpack_rows_runs(global_rows: tuple | None) -> bool:
+    """Whether `MqaTiles.unpack_rows` can read this launch's pool: on a GPU (not the
+    interpreter), with the pool's start and strides on 4-byte boundaries (32-bit word loads).
+    Without selected rows it changes nothing."""
+    if _INTERPRETING:
+        return False
+    if global_rows is None:
+        return True
+    pool = global_rows[0]
+    return not any(start % 4 for start in (pool.data_ptr(), pool.stride(0), pool.stride(1)))
 
 
 @triton.jit
@@ -895,11 +902,10 @@ def _two_passes(
     )  # fmt: skip
     freqs, pass_width, rotating = rotation
     values_grid = _token_major_grid(num_tokens, num_heads, tiles.block_h, dim // block_d)
-    capped = {"maxnreg": tiles.values_maxnreg} if tiles.values_maxnreg else {}
     _mqa_values_kernel[values_grid](
         seq_of_token, positions, *sources, scores, m_all, total_all, out, num_heads,
         num_selected, rows.shape[1], *row_strides, *score_strides, out.stride(0),
-        out.stride(1), freqs, pass_width, BLOCK_D=block_d, **common, **rotating, **capped,
+        out.stride(1), freqs, pass_width, BLOCK_D=block_d, **common, **rotating,
     )  # fmt: skip
 
 
@@ -982,13 +988,13 @@ def sparse_mqa(
         raise ValueError("window_floor must be int64 [sequences]")
     if tiles is None:
         tiles = FIXED_TILES if fixed_tiles else choose_tiles(num_tokens)
+        if tiles.unpack_rows and not _unpack_rows_runs(global_rows):
+            tiles = dataclasses.replace(tiles, unpack_rows=False)  # the same rows, bit for bit
     block_d = min(tiles.block_d or dim, dim)
     if block_d < 32 or dim % block_d or tiles.splits & (tiles.splits - 1):
         raise ValueError(f"tiles {tiles} need 32 <= block_d | {dim} and power-of-two splits")
     if tiles.two_pass and tiles.splits != 1:
         raise ValueError(f"tiles {tiles}: two passes take no row splits")
-    if tiles.values_maxnreg and not tiles.two_pass:
-        raise ValueError(f"tiles {tiles}: only the two passes' values pass takes a register cap")
     if tiles.unpack_rows and _INTERPRETING:
         raise ValueError(f"tiles {tiles}: the rows' inline-PTX unpack needs a GPU")
     for freqs in (rotate_back, rotate_q):
@@ -1014,8 +1020,7 @@ def sparse_mqa(
             raise ValueError(f"pool must be uint8 [blocks, {128 // ratio}, {dim // 2 + dim // 16}]")
         if selection.shape[0] != num_tokens:
             raise ValueError("the selection needs one row per token")
-        starts = (pool.data_ptr(), pool.stride(0), pool.stride(1))
-        if tiles.unpack_rows and any(start % 4 for start in starts):
+        if tiles.unpack_rows and not _unpack_rows_runs(global_rows):
             raise ValueError(f"tiles {tiles} read the pool's rows as 32-bit words: 4-byte rows")
     if not num_tokens:
         return out
