@@ -271,7 +271,8 @@ def main() -> None:
                     candidates += [
                         (
                             f"gluon w{t['num_warps']} s{t['stages']}"
-                            + (" early" if t.get("early_up_words") else ""),
+                            + (" early" if t.get("early_up_words") else "")
+                            + (f" g{t['group_blocks']}" if t.get("group_blocks") else ""),
                             {"GLUON": True, **t},
                         )
                         for t in tables

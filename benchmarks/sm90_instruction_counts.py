@@ -203,8 +203,9 @@ def main() -> None:
             constexprs = {"TOP_K": 6, "GATED": gated, "TOKEN_ROWS": gated,
                           "HAS_ROW_WEIGHT": False, "BLOCK_M": block_m,
                           "STAGES": tiles["stages"], "STORE_KERNEL_ORDER": gated,
-                          "EARLY_UP_WORDS": tiles.get("early_up_words", False)}  # fmt: skip
-            types = dict(_DECODE_TYPES, out_ptr="*bf16" if gated else "*fp32")
+                          "EARLY_UP_WORDS": tiles.get("early_up_words", False),
+                          "GROUP_BLOCKS": tiles.get("group_blocks", 0)}  # fmt: skip
+            types = dict(_DECODE_TYPES, out_ptr="*bf16" if gated else "*fp32", num_blocks="i32")
             compiled = _compile(gluon_gemm._decode_kernel, types, constexprs,
                                 {"num_warps": tiles["num_warps"]})  # fmt: skip
             values = 128  # gate and up of one step, or two steps of the down, per thread

@@ -164,6 +164,18 @@ if AVAILABLE:
         return step % STAGES
 
     @gluon.jit
+    def _grouped_program(num_blocks, num_tiles, GROUP_BLOCKS: gl.constexpr):
+        """(block, column tile) of a one-axis grid ordered in groups of GROUP_BLOCKS blocks:
+        within a group the blocks are fastest, then the column tiles, so the programs running
+        together read a few blocks' x rows and their experts' weights, which L2 keeps."""
+        program = gl.program_id(0)
+        per_group = GROUP_BLOCKS * num_tiles
+        first = (program // per_group) * GROUP_BLOCKS
+        size = gl.minimum(num_blocks - first, GROUP_BLOCKS)
+        within = program % per_group
+        return first + within % size, within // size
+
+    @gluon.jit
     def _decode_kernel(
         x_ptr,
         codes_ptr,
@@ -174,6 +186,7 @@ if AVAILABLE:
         row_weight_ptr,
         N,
         K,
+        num_blocks,
         gate_limit,
         stride_xm,
         stride_ce,
@@ -189,6 +202,7 @@ if AVAILABLE:
         STAGES: gl.constexpr,
         STORE_KERNEL_ORDER: gl.constexpr,
         EARLY_UP_WORDS: gl.constexpr,
+        GROUP_BLOCKS: gl.constexpr,
     ):
         num_warps: gl.constexpr = gl.num_warps()
         BLOCK_N: gl.constexpr = 16 * num_warps
@@ -203,7 +217,11 @@ if AVAILABLE:
             [BLOCK_M, _STEP_K], gl.bfloat16
         )
 
-        block = gl.program_id(0)
+        if GROUP_BLOCKS:
+            block, tile = _grouped_program(num_blocks, gl.cdiv(N, BLOCK_N), GROUP_BLOCKS)
+        else:  # a two-axis grid, blocks fastest
+            block = gl.program_id(0)
+            tile = gl.program_id(1)
         expert = gl.load(block_expert_ptr + block)
         if expert < 0:
             return
@@ -217,7 +235,7 @@ if AVAILABLE:
         x_ptrs = x_ptr + in_row.to(gl.int64)[:, None] * stride_xm + x_cols[None, :]
 
         # this program's weight rows (tail rows recompute row N - 1, never stored)
-        offs_n = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_layout)
+        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_layout)
         offs_n = gl.where(offs_n < N, offs_n, N - 1)
         words_ptr = codes_ptr + expert.to(gl.int64) * (stride_ce // 4)
         word_cols = gl.arange(0, 16, layout=gl.SliceLayout(0, words_layout))
@@ -308,9 +326,7 @@ if AVAILABLE:
             weight = gl.load(row_weight_ptr + gl.where(is_row, pair, 0), mask=is_row, other=0.0)
             acc = acc * weight[None, :]
         out_row = out_pos if TOKEN_ROWS else pair
-        out_n = gl.program_id(1) * BLOCK_N + gl.arange(
-            0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout)
-        )
+        out_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
         if STORE_KERNEL_ORDER:  # `grouped_mxfp4_gemm._kernel_order`
             c = out_n & 127
             word = c >> 3
@@ -354,7 +370,7 @@ CANDIDATES: tuple[dict, ...] = tuple(
 PREFILL_CANDIDATES: tuple[dict, ...] = (
     {"num_warps": 8, "stages": 3},
     {"num_warps": 8, "stages": 4},
-)
+) + tuple({"num_warps": 8, "stages": 4, "group_blocks": group} for group in (4, 8, 16))
 
 
 def runs_here(x: Tensor) -> bool:
@@ -380,13 +396,16 @@ def launch_decode(
     num_warps: int = 4,
     stages: int = STAGES,
     early_up_words: bool = False,
+    group_blocks: int = 0,
     out_kernel_order: bool = False,
 ) -> None:
     """`_decode_kernel` over `blocks`: x bf16 [rows, K] already in the kernel's K order (gate/up:
     token rows; down: position rows), weights (codes int8 [E, N_w, K/2], scales uint8
     [E, N_w, K/32]), out [positions or pairs, N] written at the block's rows. 16 · num_warps
     weight rows per program. early_up_words (gate/up): the up matrix's words are read from
-    shared memory before the gate's unpack (a candidate, `CANDIDATES`).
+    shared memory before the gate's unpack (a candidate, `CANDIDATES`). group_blocks: the
+    programs run in groups of this many blocks, each group's column tiles together
+    (`_grouped_program`); 0: all blocks of a column tile, then the next tile.
 
     Raises:
         ValueError: a shape this kernel does not take (K not a multiple of 128, blocks of other
@@ -400,8 +419,13 @@ def launch_decode(
     code_starts = (codes.data_ptr(), codes.stride(0), codes.stride(1))
     if any(start % 4 for start in scale_starts) or any(start % 16 for start in code_starts):
         raise ValueError("weight rows must start on 4-byte scale and 16-byte code boundaries")
+    if group_blocks < 0:
+        raise ValueError(f"group_blocks = {group_blocks}: not a group size")
     block_n = 16 * num_warps
-    grid = (blocks.block_expert.numel(), -(-n // block_n))
+    num_blocks = blocks.block_expert.numel()
+    grid = (num_blocks, -(-n // block_n))
+    if group_blocks:
+        grid = (grid[0] * grid[1],)
     _decode_kernel[grid](
         x,
         codes.view(torch.int32),
@@ -412,6 +436,7 @@ def launch_decode(
         row_weight if row_weight is not None else x,
         n,
         k,
+        num_blocks,
         float(gate_limit or 0.0),
         x.stride(0),
         codes.stride(0),
@@ -427,5 +452,6 @@ def launch_decode(
         STAGES=stages,
         STORE_KERNEL_ORDER=out_kernel_order,
         EARLY_UP_WORDS=early_up_words,
+        GROUP_BLOCKS=group_blocks,
         num_warps=num_warps,
     )

@@ -22,7 +22,8 @@ needs_hopper = pytest.mark.skipif(
 
 def _tiles_id(tiles: dict) -> str:
     early = "-early" if tiles.get("early_up_words") else ""
-    return f"w{tiles['num_warps']}-s{tiles['stages']}{early}"
+    group = f"-g{tiles['group_blocks']}" if tiles.get("group_blocks") else ""
+    return f"w{tiles['num_warps']}-s{tiles['stages']}{early}{group}"
 
 
 _DECODE_SHAPES = (  # (tokens, dim, inter, block_m)
@@ -130,6 +131,30 @@ def test_launcher_choice_with_kernel_order_between_gate_up_and_down(
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("group_blocks", [1, 3, 8, 64])
+def test_grouped_program_order_gives_the_same_bits(group_blocks: int) -> None:
+    """`group_blocks` only reorders the programs: every (block, column tile) is computed once,
+    the same way, also where the last group is short or one group holds every block."""
+    device, num_experts, top_k, dim, inter, num_tokens = "cuda", 8, 6, 1024, 384, 700
+    torch.manual_seed(group_blocks)
+    x = torch.randn(num_tokens, dim, device=device).bfloat16()
+    blocks = align_to_experts(
+        _routing(num_tokens, num_experts, top_k, seed=7, device=device), num_experts, 128
+    )
+    w13, s13, _, _ = decode_expert_weights(num_experts, dim, inter, device)
+    x = grouped._in_kernel_order(x)
+    outs = []
+    for group in (0, group_blocks):
+        out = torch.full((blocks.num_positions, inter), float("nan"), device=device)
+        gluon_decode.launch_decode(x, blocks, (w13, s13), out, 7.0, None, num_warps=8,
+                                   group_blocks=group)  # fmt: skip
+        outs.append(out[blocks.pair_of_pos >= 0])
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_launcher_gives_prefill_blocks_to_gluon_only_with_exact_scales(monkeypatch) -> None:
     """Blocks of 128 rows go to the Gluon kernel where `PREFILL_KERNEL` says so and the caller
     vouches for its unpack (`register_unpack`), and the result is the reference's; without
@@ -175,25 +200,31 @@ def test_launcher_refuses_shapes_it_does_not_take() -> None:
 
 
 @pytest.mark.skipif(not gluon_decode.AVAILABLE, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("gated", [True, False], ids=["gate_up", "down"])
-def test_compiled_kernel_keeps_its_schedule(gated: bool) -> None:
-    """Compiled for sm90 here: the words and x rows arrive by 16-byte cp.async, the unpacked
-    weights reach the wgmma without crossing threads (no shuffle, no shared-memory store), and
-    each product is waited for with one still in flight (the tensor cores overlap the next
-    unpack)."""
+@pytest.mark.parametrize(
+    ("gated", "block_m"),
+    [(True, 32), (False, 32), (True, 128), (False, 128)],
+    ids=["gate_up", "down", "gate_up-prefill", "down-prefill"],
+)
+def test_compiled_kernel_keeps_its_schedule(gated: bool, block_m: int) -> None:
+    """Compiled for sm90 here at the launch table's tiles (blocks of 32 rows: 256 tokens;
+    128: prefill): the words and x rows arrive by 16-byte cp.async, the unpacked weights reach
+    the wgmma without crossing threads (no shuffle, no shared-memory store), and each product
+    is waited for with one still in flight (the tensor cores overlap the next unpack)."""
     pointers = {
         "x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": "*u8", "pair_of_pos_ptr": "*i32",
         "block_expert_ptr": "*i32", "row_weight_ptr": "*fp32",
         "out_ptr": "*bf16" if gated else "*fp32",
     }  # fmt: skip
     strides = ("stride_xm", "stride_ce", "stride_cn", "stride_se", "stride_sn", "stride_om")
-    types = {**pointers, **dict.fromkeys(("N", "K", *strides), "i32"), "gate_limit": "fp32"}
+    sizes = ("N", "K", "num_blocks", *strides)
+    types = {**pointers, **dict.fromkeys(sizes, "i32"), "gate_limit": "fp32"}
     n, k = (2304, 5120) if gated else (5120, 2304)
-    tiles = gluon_decode.decode_tiles(n, k, 32, gated)  # the launch table's, 256 tokens
+    tiles = gluon_decode.decode_tiles(n, k, block_m, gated)
     constexprs = {
         "TOP_K": 6, "GATED": gated, "TOKEN_ROWS": gated, "HAS_ROW_WEIGHT": not gated,
-        "BLOCK_M": 32, "STAGES": tiles["stages"], "STORE_KERNEL_ORDER": gated,
+        "BLOCK_M": block_m, "STAGES": tiles["stages"], "STORE_KERNEL_ORDER": gated,
         "EARLY_UP_WORDS": tiles.get("early_up_words", False),
+        "GROUP_BLOCKS": tiles.get("group_blocks", 0),
     }  # fmt: skip
     ptx = compile_for_hopper(
         gluon_decode._decode_kernel,
@@ -207,7 +238,8 @@ def test_compiled_kernel_keeps_its_schedule(gated: bool) -> None:
     assert re.search(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)
     # gate and up per step; the down's two steps per iteration and its odd last step
     launches = 2 if gated else 3
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16", ptx)) == 8 * launches
+    products = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_m}k16", ptx)
+    assert len(products) == 8 * launches
 
 
 def test_launcher_refuses_weights_off_their_copy_boundaries() -> None:
