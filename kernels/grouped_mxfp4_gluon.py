@@ -348,9 +348,9 @@ def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
     an H100 (2026-12-07, docs/performance.md): decode blocks 4 warps; gate/up 4 slots at
     blocks of 32 rows (256 tokens: 0.478 ms against the Triton kernel's 0.534), 3 at blocks
     of 16; down 6 slots (256 tokens: 0.255 against 0.315 ms). Prefill blocks of 128 rows: 8
-    warps, 4 slots (`PREFILL_CANDIDATES`)."""
+    warps, 4 slots, programs in groups of 8 blocks (`PREFILL_CANDIDATES`)."""
     if block_m == 128:  # prefill (`PREFILL_CANDIDATES`): 4 slots won both uses on the H100
-        return {"num_warps": 8, "stages": 4}
+        return {"num_warps": 8, "stages": 4, "group_blocks": 8}
     if gated:
         return {"num_warps": 4, "stages": 4 if block_m > 16 else 3}
     return {"num_warps": 4, "stages": 6}
@@ -366,7 +366,10 @@ CANDIDATES: tuple[dict, ...] = tuple(
 # the tensor cores, not the unpack, bound a step. What fits sm90's registers and shared memory
 # (local compile, 8 warps, 3 or 4 slots: 235-255 registers, no spills, 122-196 KB of shared
 # memory). H100, 4,096 tokens (2026-12-07 third session): gate/up 2.71 / 2.55 ms at 3 / 4 slots
-# against the Triton prefill kernel's 4.33; down 2.58 / 2.28 against 2.29.
+# against the Triton prefill kernel's 4.33; down 2.58 / 2.28 against 2.29. In groups of 4, 8, 16
+# blocks (2026-12-07 fourth session): down 1.63 / 1.66 / 1.65 ms against 2.30 in the plain
+# order (the x rows of a block stay in L2 while its 40 column tiles run), gate/up 2.64 in every
+# order; `gpu_rank` prefill 458.8 -> 434.5 ms at groups of 8 and of 16.
 PREFILL_CANDIDATES: tuple[dict, ...] = (
     {"num_warps": 8, "stages": 3},
     {"num_warps": 8, "stages": 4},
