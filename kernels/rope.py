@@ -25,7 +25,7 @@ from kernels.rounding import round_to
 
 __all__ = ["apply_rope", "apply_rope_reference", "cos_sin", "rotate"]
 
-_BLOCK_R = 16
+_BLOCK_R = 64  # rows per program at most: every head of a position's queries
 # Triton's CPU interpreter has no libdevice; there tl.cos / tl.sin (numpy's) stand in.
 _LIBDEVICE = not interpreting()
 
@@ -75,14 +75,17 @@ def _rope_kernel(
     in_half = i < half
     angle = tl.load(position_ptr + p).to(tl.float32) * tl.load(freq_ptr + i, mask=in_half)
     c, s = cos_sin(angle, sign, LIBDEVICE)
-    mask = is_row[:, None] & in_half[None, :]
-    even = base[:, None] + pass_width + 2 * i[None, :]
-    a = tl.load(x_ptr + even, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + even + 1, mask=mask, other=0.0).to(tl.float32)
+    # the rotated tail as one contiguous [BLOCK_R, 2 · BLOCK_HALF] tile (wide loads and
+    # stores), its pairs split in registers
+    channels = tl.arange(0, 2 * BLOCK_HALF)
+    mask = is_row[:, None] & (channels < 2 * half)[None, :]
+    tail = base[:, None] + pass_width + channels[None, :]
+    pairs = tl.reshape(tl.load(x_ptr + tail, mask=mask, other=0.0), [BLOCK_R, BLOCK_HALF, 2])
+    a, b = tl.split(pairs.to(tl.float32))
     rotated_even, rotated_odd = rotate(a, b, c[None, :], s[None, :])
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + even, round_to(rotated_even, dtype).to(dtype), mask=mask)
-    tl.store(out_ptr + even + 1, round_to(rotated_odd, dtype).to(dtype), mask=mask)
+    rotated = tl.join(round_to(rotated_even, dtype), round_to(rotated_odd, dtype))
+    tl.store(out_ptr + tail, tl.reshape(rotated, [BLOCK_R, 2 * BLOCK_HALF]).to(dtype), mask=mask)
     if BLOCK_PASS > 0:
         cols = tl.arange(0, BLOCK_PASS)
         kept = is_row[:, None] & (cols < pass_width)[None, :]
@@ -119,7 +122,8 @@ def apply_rope(
     if x.numel():
         pass_width = width - 2 * half
         copied = pass_width if not in_place else 0
-        grid = (num_positions, triton.cdiv(rows_per_position, _BLOCK_R))
+        block_r = min(_BLOCK_R, triton.next_power_of_2(rows_per_position))
+        grid = (num_positions, triton.cdiv(rows_per_position, block_r))
         _rope_kernel[grid](
             x,
             positions.contiguous(),
@@ -130,7 +134,7 @@ def apply_rope(
             pass_width,
             half,
             -1.0 if inverse else 1.0,
-            BLOCK_R=_BLOCK_R,
+            BLOCK_R=block_r,
             BLOCK_PASS=triton.next_power_of_2(copied) if copied else 0,
             BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
             LIBDEVICE=_LIBDEVICE,
