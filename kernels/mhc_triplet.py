@@ -50,6 +50,7 @@ from torch import Tensor
 
 from kernels import check_runnable, interpreting
 from kernels.mhc_mix import mhc_mix_reference, mix_and_store
+from kernels.tile_counters import tile_counters
 
 __all__ = [
     "CONFIGS",
@@ -395,29 +396,6 @@ def mhc_triplet(
         num_warps=config.num_warps,  # the one launch's: the same layouts
     )
     return pre, post, comb
-
-
-# device → int32 tile counters, zero between launches (`mhc_triplet`'s one launch). One buffer
-# per device: the model's launches on a device run in one stream's order (a graph's capture
-# warms up on a side stream first, then captures, never both at once). A buffer that grows
-# stays alive in `_OUTGROWN`: graphs captured before still point at it.
-_COUNTERS: dict[torch.device, Tensor] = {}
-_OUTGROWN: list[Tensor] = []
-_MIN_COUNTERS = 1024  # tiles: 65,536 tokens at the 64-token tile
-
-
-def tile_counters(device: torch.device, num_tiles: int) -> Tensor | None:
-    """`device`'s zeroed counters for `num_tiles` token tiles, made (or grown) here; None
-    where they must grow while a CUDA graph is being captured (the launch then takes two)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < num_tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if counters is not None:
-            _OUTGROWN.append(counters)
-        size = max(_MIN_COUNTERS, triton.next_power_of_2(num_tiles))
-        counters = _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return counters
 
 
 def mhc_logits_reference(mix: Tensor, base: Tensor, scale: Tensor, n: int) -> Tensor:

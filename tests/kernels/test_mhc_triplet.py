@@ -196,7 +196,7 @@ def one_and_two_launches(cases, device: str = "cpu") -> list[list[bool]]:
     """Per (tokens, D, config) case: whether the one launch's pre, post and comb equal the two
     launches' bit for bit (twice: the counters must be back at zero for the second), and
     whether the counters are all zero after."""
-    from kernels.mhc_triplet import tile_counters
+    from kernels.tile_counters import tile_counters
 
     rows = []
     for seed, (num_tokens, d, config) in enumerate(cases):
