@@ -2,7 +2,8 @@
 
     python3 benchmarks/gpu_rank.py [--prefill 4096 16384 32768] [--decode 16 64 256]
                                    [--context 8192] [--steps 5] [--profile] [--eager]
-                                   [--dense-gemm {bf16,fp8}] [--cuda-graph-mode {segments,step}]
+                                   [--dense-gemm {bf16,fp8,fp8-weights}]
+                                   [--cuda-graph-mode {segments,step}]
                                    [--out DIR]
     python3 benchmarks/gpu_rank.py --smoke            # the `tiny` preset on the CPU, seconds
     python3 benchmarks/gpu_rank.py --batch-invariant [--prefill ..] [--decode ..] [--smoke]
@@ -10,7 +11,8 @@
 The configuration is `shared/design/performance.md`'s: all 40 layers at real widths, 48 routed
 experts per layer with top-6 routing, Engram tables for a 2 M vocabulary, DSpark stages with 16
 experts; random weights drawn on the GPU (`random_model`), routed experts kept MXFP4, the rest
-bf16 (`--dense-gemm fp8`: the dense linears kept FP8, `kernels/fp8_block_gemm`). It measures
+bf16 (`--dense-gemm fp8`: the dense linears kept FP8, `kernels/fp8_block_gemm`; `fp8-weights`:
+kept FP8 with bf16 activations, `kernels/fp8_weight_gemm` at decode sizes). It measures
 the two ceilings (device copy bandwidth; bf16 and fp8 matmul rates), then:
 
 * prefill: one sequence, one chunk of N tokens from position 0 (exact mode: every layer runs on
@@ -497,7 +499,7 @@ def main() -> None:
         default="segments",
         help="step: decode steps replay whole from one CUDA graph each (`step_graph.py`)",
     )
-    parser.add_argument("--dense-gemm", choices=["bf16", "fp8"], default="bf16")
+    parser.add_argument("--dense-gemm", choices=["bf16", "fp8", "fp8-weights"], default="bf16")
     parser.add_argument(
         "--engram-vocab",
         type=int,
@@ -526,7 +528,9 @@ def main() -> None:
     start = time.perf_counter()
     limits = results["ceilings"] = ceilings(device)
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in limits.items()})}", flush=True)
-    numerics = Numerics(dense_fp8=args.dense_gemm == "fp8")
+    numerics = Numerics(
+        dense_fp8=args.dense_gemm != "bf16", dense_fp8_activations=args.dense_gemm == "fp8"
+    )
     results["dense_gemm"] = args.dense_gemm
     model = random_model(cfg, device, dtype, quantized_experts=True, numerics=numerics)
     results["cuda_graphs"] = device.type == "cuda" and not args.eager

@@ -68,7 +68,7 @@ ACTIVATION_MEMORY_FRACTION = 0.5
 # About 1,300 full V4.1 slots of ~3 MB (`cache.md` §3.2): minutes of an agent fleet's turns.
 DEFAULT_RESUME_SLOT_MEMORY = 4 << 30
 KV_STORAGES = ("quantized", "exact")
-DENSE_GEMMS = ("bf16", "fp8")
+DENSE_GEMMS = ("bf16", "fp8", "fp8-weights")
 CUDA_GRAPH_MODES = ("segments", "step")
 
 
@@ -164,8 +164,11 @@ class EngineConfig:
         experts, indexer queries, Engram and DSpark projections) run: `bf16` dequantised to
         the compute dtype at load (the reference numerics), or `fp8` kept FP8 with their tile
         scales and multiplied on FP8 tensor cores with activations quantized per (row, 32
-        columns) (`engine/models/deepseek_v41/dense.py`; half the bytes). `fp8` needs CUDA,
-        bfloat16 and quantized KV storage (the exact storage is the reference mode).
+        columns) (`engine/models/deepseek_v41/dense.py`; half the bytes), or `fp8-weights`
+        kept FP8 and multiplied with bf16 activations (W8A16: decode steps stream the FP8
+        bytes, each weight decoded to the bf16 value of `bf16`, so the products are the same;
+        `kernels/fp8_weight_gemm.py`). Both need CUDA and bfloat16; `fp8` also quantized KV
+        storage (the exact storage is the reference mode).
     batch_invariant: a request's logits do not depend on the batch's composition, bit for
         bit (`Numerics.batch_invariant`: fixed-order matmuls, attention and indexer; slower).
     """
@@ -239,13 +242,21 @@ class EngineConfig:
     def _check_dense_gemm(self) -> None:
         if self.dense_gemm not in DENSE_GEMMS:
             raise ValueError(f"dense_gemm must be one of {DENSE_GEMMS}, not {self.dense_gemm!r}")
-        if self.dense_gemm != "fp8":
+        if self.dense_gemm == "bf16":
             return
         if torch.device(self.device).type != "cuda" or self.dtype != "bfloat16":
             raise ValueError(
-                "--dense-gemm fp8 runs on FP8 tensor cores: it needs --device cuda and --dtype "
-                f"bfloat16 (got {self.device}, {self.dtype}); on the CPU use bf16"
+                f"--dense-gemm {self.dense_gemm} runs FP8 weights on the GPU's kernels: it needs "
+                f"--device cuda and --dtype bfloat16 (got {self.device}, {self.dtype}); on the "
+                "CPU use bf16"
             )
+        if self.batch_invariant and self.dense_gemm == "fp8-weights":
+            raise ValueError(
+                "--batch-invariant runs every dense matmul in one fixed order; the FP8-weight "
+                "GEMM's K splits follow the step's rows: use --dense-gemm bf16"
+            )
+        if self.dense_gemm != "fp8":
+            return
         if self.kv_storage == "exact":
             raise ValueError(
                 "--dense-gemm fp8 changes the model's numerics; --kv-storage exact (the "
@@ -263,7 +274,8 @@ class EngineConfig:
         `batch_invariant`)."""
         return Numerics(
             kv_quantize=self.kv_storage == "quantized",
-            dense_fp8=self.dense_gemm == "fp8",
+            dense_fp8=self.dense_gemm != "bf16",
+            dense_fp8_activations=self.dense_gemm == "fp8",
             batch_invariant=self.batch_invariant,
         )
 

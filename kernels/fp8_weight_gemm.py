@@ -52,6 +52,7 @@ __all__ = [
     "CANDIDATES",
     "WeightGemmTiles",
     "choose_tiles",
+    "dequantize_fp8_weight",
     "fp8_weight_gemm",
     "fp8_weight_gemm_reference",
 ]
@@ -183,14 +184,70 @@ def _fp8_weight_gemm_kernel(
             tl.store(out_ptr + out_offsets, total.to(out_ptr.dtype.element_ty), mask=is_out)
 
 
+@triton.jit
+def _dequantize_kernel(
+    w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_ws, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROUND_IN_BITS: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (n < N)[:, None] & (k < K)[None, :]
+    codes = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=mask, other=0)
+    biased = tl.load(ws_ptr + (n // 32)[:, None] * stride_ws + (k // 32)[None, :], mask=mask)
+    w = _decoded(codes, biased.to(tl.int32))
+    w = round_to(w, tl.bfloat16) if ROUND_IN_BITS else w  # the interpreter truncates casts
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * K + k[None, :], w.to(tl.bfloat16), mask=mask)
+
+
+def dequantize_fp8_weight(weight: Tensor, scale: Tensor) -> Tensor:
+    """bf16 [N, K] of the stored weight (same arguments as `fp8_weight_gemm`), the values the
+    kernel multiplies, in one launch: what a product with more rows than a decode step's takes
+    before a bf16 GEMM.
+
+    Raises:
+        ValueError: as `fp8_weight_gemm` for the weight and its scales.
+    """
+    weight, scale = _weight_bytes(weight, scale)
+    check_runnable(weight, "dequantize_fp8_weight")
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=weight.device)
+    if n and k:
+        grid = (triton.cdiv(n, 64), triton.cdiv(k, 128))
+        _dequantize_kernel[grid](
+            weight, scale, out, n, k, weight.stride(0), scale.stride(0), BLOCK_N=64,
+            BLOCK_K=128, ROUND_IN_BITS=not _DOT_BF16,
+        )  # fmt: skip
+    return out
+
+
+def _weight_bytes(weight: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """(codes, scale bytes) as uint8 views, checked: [N, K] codes with K a multiple of 32 and
+    one scale per 32 × 32 tile, rows of unit column stride."""
+    weight = weight.view(torch.uint8) if weight.dtype == torch.float8_e4m3fn else weight
+    scale = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+    if weight.dtype != torch.uint8 or scale.dtype != torch.uint8 or weight.dim() != 2:
+        raise ValueError("weight and scale must be FP8 codes [N, K] and e8m0 bytes")
+    if weight.stride(-1) != 1 or scale.dim() != 2 or scale.stride(-1) != 1:
+        raise ValueError("weight and scale rows need unit column stride")
+    total_n, k = weight.shape
+    if k % BLOCK or tuple(scale.shape) != (triton.cdiv(total_n, BLOCK), k // BLOCK):
+        raise ValueError(
+            f"weight {tuple(weight.shape)} needs K % {BLOCK} == 0 and scales "
+            f"{(triton.cdiv(total_n, BLOCK), k // BLOCK)}, got {tuple(scale.shape)}"
+        )
+    return weight, scale
+
+
 @functools.cache
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _splits(tiles: WeightGemmTiles, programs: int, steps: int, device: torch.device) -> int:
-    """K splits: the tiles' own, or as many as give every multiprocessor two programs while
-    each split keeps four steps or more."""
+    """K splits: the tiles' own, or as many as give every multiprocessor two programs per
+    tile of tokens (`programs`: weight-row tiles; a function of N alone, so the count, a
+    constexpr, does not change with M within a row of `choose_tiles`: the warm-up's powers of
+    two reach every compiled variant) while each split keeps four steps or more."""
     if tiles.splits:
         return max(1, min(tiles.splits, steps))
     if device.type != "cuda":
@@ -218,20 +275,10 @@ def fp8_weight_gemm(
         ValueError: shapes, dtypes or tiles the kernel cannot take, or not on CUDA (nor in
             Triton's interpreter).
     """
-    weight = weight.view(torch.uint8) if weight.dtype == torch.float8_e4m3fn else weight
-    scale = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
-    if weight.dtype != torch.uint8 or scale.dtype != torch.uint8 or weight.dim() != 2:
-        raise ValueError("weight and scale must be FP8 codes [N, K] and e8m0 bytes")
-    if weight.stride(-1) != 1 or scale.dim() != 2 or scale.stride(-1) != 1:
-        raise ValueError("weight and scale rows need unit column stride")
+    weight, scale = _weight_bytes(weight, scale)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16 (W8A16), got {x.dtype}")
     total_n, k = weight.shape
-    if k % BLOCK or tuple(scale.shape) != (triton.cdiv(total_n, BLOCK), k // BLOCK):
-        raise ValueError(
-            f"weight {tuple(weight.shape)} needs K % {BLOCK} == 0 and scales "
-            f"{(triton.cdiv(total_n, BLOCK), k // BLOCK)}, got {tuple(scale.shape)}"
-        )
     tiles = tiles or choose_tiles(x.numel() // max(x.shape[-1], 1))
     if tiles.block_k % BLOCK or tiles.block_n % BLOCK or tiles.block_m < 16:
         raise ValueError(f"tiles {tiles}: BLOCK_K and BLOCK_N multiples of 32, BLOCK_M >= 16")
@@ -249,7 +296,7 @@ def fp8_weight_gemm(
     if m and total_n:
         grid_mn = (triton.cdiv(m, tiles.block_m), triton.cdiv(total_n, tiles.block_n))
         steps = triton.cdiv(k, tiles.block_k)
-        splits = _splits(tiles, grid_mn[0] * grid_mn[1], steps, x.device)
+        splits = _splits(tiles, grid_mn[1], steps, x.device)
         steps_per_split = triton.cdiv(steps, splits)
         splits = triton.cdiv(steps, steps_per_split)
         if splits > 1:

@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the checkpoint's FP8 dense linears (attention, shared experts): bf16 = "
         "dequantised at load (reference numerics); fp8 = kept FP8 and run on FP8 tensor cores "
         "with activations quantized per (row, 32 columns), half the bytes (CUDA, bfloat16, "
-        "quantized KV storage)",
+        "quantized KV storage); fp8-weights = kept FP8 and multiplied with bf16 activations, "
+        "the products of bf16 from half the bytes (CUDA, bfloat16)",
     )
     add(
         "--batch-invariant",

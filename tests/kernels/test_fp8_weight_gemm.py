@@ -14,6 +14,7 @@ from kernels.fp8_block_gemm import dequantize_weight_reference
 from kernels.fp8_weight_gemm import (
     WeightGemmTiles,
     choose_tiles,
+    dequantize_fp8_weight,
     fp8_weight_gemm,
     fp8_weight_gemm_reference,
 )
@@ -61,10 +62,11 @@ def gemm_results(device: str = "cpu") -> list[list[float]]:
     return rows
 
 
-def decoded_weight_mismatches(device: str = "cpu", lowest_scale: int = 8) -> int:
-    """Weights read back through x = I (each output one product by 1.0): how many differ from
-    the loader's bf16 values, over every e4m3 code (NaN aside) and scale bytes from
-    `lowest_scale` to 134 (the interpreter flushes float32 subnormals: it takes 8 and up)."""
+def decoded_weight_mismatches(device: str = "cpu", lowest_scale: int = 8) -> list[int]:
+    """Weights read back through x = I (each output one product by 1.0), and from
+    `dequantize_fp8_weight`: how many differ from the loader's bf16 values, over every e4m3
+    code (NaN aside) and scale bytes from `lowest_scale` to 134 (the interpreter flushes
+    float32 subnormals: it takes 8 and up)."""
     generator = torch.Generator().manual_seed(1)
     codes = torch.arange(256, dtype=torch.uint8).repeat(64, 1)[:, torch.randperm(256)][:, :128]
     codes[(codes & 0x7F) == 0x7F] = 0x38  # 1.0 for the NaN codes
@@ -75,7 +77,9 @@ def decoded_weight_mismatches(device: str = "cpu", lowest_scale: int = 8) -> int
         tiles=WeightGemmTiles(64, 64, 64),
     )  # fmt: skip
     expected = dequantize_weight_reference(codes, scale, 32).to(torch.bfloat16).float().T
-    return int((weights.cpu() != expected).sum())  # the codes are a strided view: rows apart
+    dequantized = dequantize_fp8_weight(codes.to(device), scale.to(device)).float().T.cpu()
+    # the codes are a strided view: rows apart
+    return [int((weights.cpu() != expected).sum()), int((dequantized != expected).sum())]
 
 
 _INTERPRETED = """
@@ -88,7 +92,7 @@ print(json.dumps({"gemm": gemm_results(), "decoded": decoded_weight_mismatches()
 @pytest.mark.slow  # ~10 s in the interpreter
 def test_kernel_matches_its_reference_in_the_triton_interpreter() -> None:
     result = run_interpreted(_INTERPRETED)
-    assert result["decoded"] == 0
+    assert result["decoded"] == [0, 0]
     for error, same, counters_zero in result["gemm"]:
         assert error < 1e-6 and same == 1.0 and counters_zero == 1.0
 
@@ -144,7 +148,7 @@ def test_cuda_gemm_matches_reference(m: int, k: int, n: int, groups: int) -> Non
 
 @pytest.mark.gpu
 def test_cuda_weights_decode_to_the_loaders_bf16_values() -> None:
-    assert decoded_weight_mismatches("cuda", lowest_scale=1) == 0
+    assert decoded_weight_mismatches("cuda", lowest_scale=1) == [0, 0]
 
 
 @pytest.mark.gpu

@@ -169,3 +169,122 @@ def test_cuda_graphs_replay_the_fp8_kernels(tiny_checkpoint: Path) -> None:
         return logits
 
     assert torch.equal(decode(True), decode(False))
+
+
+# ---- W8A16: the FP8 weights with bf16 activations (`Numerics.dense_fp8_activations` False) ----
+
+W8A16 = Numerics(dense_fp8=True, dense_fp8_activations=False)
+
+
+def _w8a16_pair(n_out: int, n_in: int) -> tuple[FP8BlockLinear, nn.Linear]:
+    fp8, dense = _pair(n_out, n_in)
+    w8a16 = FP8BlockLinear(n_in, n_out, 32, quantize_activations=False)
+    w8a16.load_state_dict(fp8.state_dict())
+    return w8a16, dense
+
+
+def test_w8a16_linear_is_the_dequantized_linear() -> None:
+    """Off the kernel path: the weight dequantized to x's dtype and the dense path's GEMM, so
+    bit for bit the default model's linear (and `grouped_linear`'s groups)."""
+    torch.manual_seed(0)
+    w8a16, dense = _w8a16_pair(96, 128)
+    x = torch.randn(3, 5, 128)
+    assert torch.equal(w8a16(x), dense(x))
+    w8a16, dense = _w8a16_pair(4 * 32, 64)
+    x = torch.randn(7, 4 * 64)
+    assert torch.equal(grouped_linear(w8a16, x, 4), grouped_linear(dense, x, 4))
+
+
+def test_w8a16_model_gives_the_default_models_logits(tiny_checkpoint: Path) -> None:
+    prompts = _prompts()
+    exact = Numerics(kv_quantize=False)
+    reference = load_model(tiny_checkpoint, numerics=exact, progress=False).logits(prompts)
+    numerics = Numerics(kv_quantize=False, dense_fp8=True, dense_fp8_activations=False)
+    model = load_model(tiny_checkpoint, numerics=numerics, progress=False)
+    assert any(isinstance(m, FP8BlockLinear) for m in model.modules())
+    assert held_weight_bytes(model) == planned_weight_bytes(
+        read_config(tiny_checkpoint), 1, torch.float32, dense_fp8=True
+    )
+    assert torch.equal(model.logits(prompts), reference)
+
+
+_W8A16_INTERPRETED = """
+import json
+import torch
+from tests.models.test_dense_fp8 import _w8a16_pair
+torch.manual_seed(0)
+errors = []
+for rows, groups in ((5, 1), (300, 1), (9, 2)):  # the kernel, the dequantized weight, groups
+    w8a16, dense = _w8a16_pair(64 * groups, 128)
+    x = torch.randn(rows, 128 * groups).bfloat16()
+    ours = w8a16(x, groups).float()
+    weight = dense.weight.bfloat16().float()
+    if groups == 1:
+        expected = x.float() @ weight.T
+    else:
+        parts = x.float().unflatten(-1, (groups, -1))
+        expected = torch.einsum("tgk,gnk->tgn", parts, weight.unflatten(0, (groups, -1)))
+        expected = expected.flatten(-2)
+    errors.append(float((ours - expected).norm() / expected.norm()))
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.slow
+def test_w8a16_linear_on_the_kernel_path_in_the_triton_interpreter() -> None:
+    """bf16 x through `kernels.fp8_weight_gemm` (a decode step's rows) or the weight
+    dequantized by `dequantize_fp8_weight` (more rows): the bf16 path's products, within one
+    bf16 rounding of the output."""
+    from tests.kernels.interpreted import run_interpreted
+
+    assert all(error < 4e-3 for error in run_interpreted(_W8A16_INTERPRETED))
+
+
+@pytest.mark.gpu
+def test_cuda_w8a16_model_tracks_the_bf16_model(tiny_checkpoint: Path) -> None:
+    """The same products as the bf16 path (sums in another order), whole model on the GPU,
+    with CUDA graphs replaying the kernels' K splits."""
+    prompts = [[0] + list(range(10, 10 + n)) for n in (30, 17, 45, 8)]
+
+    def decode(numerics: Numerics, graphs: bool) -> torch.Tensor:
+        model = load_model(
+            tiny_checkpoint, device="cuda", dtype=torch.bfloat16, quantized_experts=True,
+            numerics=numerics, progress=False,
+        )  # fmt: skip
+        batch, state = model.fresh_batch(prompts)
+        with torch.inference_mode():
+            model.forward_step(batch, state)
+            if graphs:
+                model.enable_cuda_graphs()
+            positions = [len(p) for p in prompts]
+            step = sequential_batch(
+                [[7]] * 4, positions, [0, 1, 2, 3], batch.block_tables, device="cuda"
+            )
+            logits = model.forward_step(step, state).logits.float()
+        assert model.graph_failures() == {}
+        return logits
+
+    w8a16 = decode(W8A16, True)
+    assert torch.equal(w8a16, decode(W8A16, False))
+    bf16 = decode(Numerics(), False)
+    # NOTE: bounds not yet measured; a random model amplifies each flipped bf16 rounding, a
+    # wrong weight layout or scale gives uncorrelated logits instead
+    assert _rel(w8a16, bf16) < 0.3
+    assert torch.corrcoef(torch.stack((w8a16.flatten(), bf16.flatten())))[0, 1] > 0.95
+
+
+@pytest.mark.gpu
+def test_cuda_w8a16_linears_match_the_dequantized_weights(tiny_checkpoint: Path) -> None:
+    """Every FP8 linear of the model at its own weights, on the kernel (5 rows) and on the
+    dequantized weight (300 rows): the bf16 GEMM's result within one bf16 rounding."""
+    model = load_model(
+        tiny_checkpoint, device="cuda", dtype=torch.bfloat16, numerics=W8A16, progress=False
+    )
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, FP8BlockLinear)}
+    assert linears
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, linear in linears.items():
+        weight = fp8_block_dequantize(linear.weight, linear.scale).bfloat16().float()
+        for rows in (5, 300):
+            x = torch.randn(rows, linear.in_features, generator=g, device="cuda").bfloat16()
+            assert _rel(linear(x), x.float() @ weight.T) < 4e-3, (name, rows)

@@ -328,6 +328,17 @@ def test_cli_dense_gemm():
         EngineConfig(dense_gemm="int8")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--dense-gemm", "fp16"])
+    # W8A16: the FP8 weights with bf16 activations, the same products (exact KV storage too)
+    weights = engine("--device", "cuda", "--dtype", "bfloat16", "--dense-gemm", "fp8-weights",
+                     "--kv-storage", "exact")  # fmt: skip
+    numerics = weights.numerics
+    assert numerics.dense_fp8 and not numerics.dense_fp8_activations and not numerics.kv_quantize
+    assert chosen.numerics.dense_fp8_activations
+    with pytest.raises(ValueError, match="needs --device cuda and --dtype bfloat16"):
+        engine("--device", "cpu", "--dense-gemm", "fp8-weights")
+    with pytest.raises(ValueError, match="K splits"):
+        EngineConfig(device="cuda", dtype="bfloat16", dense_gemm="fp8-weights",
+                     batch_invariant=True)  # fmt: skip
 
 
 def test_cli_dtype_defaults_to_bfloat16_on_cuda_and_float32_on_the_cpu():

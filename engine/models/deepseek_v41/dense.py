@@ -11,6 +11,12 @@ loader dequantizes them to the compute dtype and `nn.Linear` runs them. With `de
 become `FP8BlockLinear`: `weight` float8_e4m3fn [out, in] and `scale` float8_e8m0fnu (the stored
 names and bytes), activations quantized to FP8 per (row, block of input columns) and multiplied
 on FP8 tensor cores by `kernels.fp8_block_gemm` (fp32 accumulation, output in x's dtype).
+With `dense_fp8` and not `dense_fp8_activations` (W8A16) the activations stay bf16: decode-sized
+products stream the FP8 bytes through `kernels.fp8_weight_gemm`, which decodes each weight in
+registers to the bf16 value the default loader stores, larger ones dequantize the weight per
+call and take the bf16 GEMM (`FP8BlockLinear._bf16_activations`). Its products are the
+default path's; only the order of the fp32 sums differs (half the weight bytes, in memory and
+per decode step).
 
 On the CPU (tests, the end-to-end error in docs/model.md) the kernel's numerics run as its
 torch reference: the same activation codes and scales, both operands dequantized, a float32
@@ -70,10 +76,15 @@ from engine.models.deepseek_v41.config import ceil_div
 from kernels import fp8_block_gemm as fp8_gemm
 from kernels import runs_kernels
 from kernels.bf16_split import bf16_split, bf16_split_reference
+from kernels.fp8_weight_gemm import dequantize_fp8_weight, fp8_weight_gemm
 from kernels.invariant_matmul import invariant_matmul
 from kernels.parts_sum import parts_sum, parts_sum_reference
 
 ROW_TILE = 16
+# W8A16 (`FP8BlockLinear` without activation quantization): products of up to this many rows
+# stream the FP8 weights through `kernels.fp8_weight_gemm` (a decode step's); more rows take
+# the weight dequantized to bf16 and the bf16 GEMM (the weights' bytes no longer bound them).
+W8A16_MAX_ROWS = 256
 
 
 def dense_matmul(x: Tensor, weight: Tensor, batch_invariant: bool = False) -> Tensor:
@@ -223,13 +234,17 @@ def bf16_mm_to_fp32_runs(device: torch.device) -> bool:
 
 
 class FP8BlockLinear(nn.Module):
-    """`y = x · Wᵀ` with W as the checkpoint stores it (module docstring); no bias."""
+    """`y = x · Wᵀ` with W as the checkpoint stores it (module docstring); no bias.
+    quantize_activations False: bf16 activations (W8A16, `Numerics.dense_fp8_activations`)."""
 
-    def __init__(self, in_features: int, out_features: int, block: int) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, block: int, quantize_activations: bool = True
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.block = block
+        self.quantize_activations = quantize_activations
         self.register_buffer(
             "weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn)
         )
@@ -244,6 +259,8 @@ class FP8BlockLinear(nn.Module):
 
     def forward(self, x: Tensor, groups: int = 1) -> Tensor:
         """x [..., groups·in] → [..., out] in x's dtype; groups > 1: `grouped_linear`."""
+        if not self.quantize_activations:
+            return self._bf16_activations(x, groups)
         if runs_kernels(x):
             return fp8_gemm.fp8_block_gemm(
                 x, self.weight, self.scale, block=self.block, groups=groups, out_dtype=x.dtype
@@ -253,8 +270,25 @@ class FP8BlockLinear(nn.Module):
         )
         return y.to(x.dtype)
 
+    def _bf16_activations(self, x: Tensor, groups: int) -> Tensor:
+        """W8A16: up to `W8A16_MAX_ROWS` rows of a bf16 x on the kernel path through
+        `kernels.fp8_weight_gemm` (the FP8 bytes streamed, decoded in registers); more rows,
+        or elsewhere, through the weight dequantized to x's dtype and the dense path's GEMM
+        (`dequantize_fp8_weight`, one launch, on the kernel path). The same products either
+        way: the weights' values are the dequantized bf16 path's."""
+        rows = x.numel() // max(x.shape[-1], 1)
+        if runs_kernels(x) and x.dtype == torch.bfloat16:
+            if rows <= W8A16_MAX_ROWS:
+                return fp8_weight_gemm(x, self.weight, self.scale, groups=groups)
+            weight = dequantize_fp8_weight(self.weight, self.scale)
+        else:
+            weight = fp8_gemm.dequantize_weight_reference(self.weight, self.scale, self.block)
+            weight = weight.to(x.dtype)
+        return dense_matmul(x, weight) if groups == 1 else grouped_matmul(x, weight, groups)
+
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, fp8 block {self.block}"
+        bf16 = "" if self.quantize_activations else ", bf16 activations"
+        return f"in={self.in_features}, out={self.out_features}, fp8 block {self.block}{bf16}"
 
 
 def grouped_linear(linear: nn.Module, x: Tensor, groups: int) -> Tensor:
@@ -262,9 +296,14 @@ def grouped_linear(linear: nn.Module, x: Tensor, groups: int) -> Tensor:
     times rows g·N..(g+1)·N of the weight → [..., G·N] (the attention's `wo_a`)."""
     if isinstance(linear, FP8BlockLinear):
         return linear(x, groups)
-    weight = linear.weight.view(groups, -1, linear.weight.shape[-1])
+    return grouped_matmul(x, linear.weight, groups, getattr(linear, "batch_invariant", False))
+
+
+def grouped_matmul(x: Tensor, weight: Tensor, groups: int, batch_invariant: bool = False) -> Tensor:
+    """x [..., G·K] · weight [G·N, K] in G row groups (`grouped_linear`)."""
+    weight = weight.view(groups, -1, weight.shape[-1])
     x = x.unflatten(-1, (groups, -1))
-    if getattr(linear, "batch_invariant", False):
+    if batch_invariant:
         parts = [dense_matmul(x[..., g, :], weight[g], True) for g in range(groups)]
         return torch.cat(parts, -1)
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
@@ -281,11 +320,15 @@ def grouped_linear(linear: nn.Module, x: Tensor, groups: int) -> Tensor:
 
 
 def keep_dense_fp8(
-    model: nn.Module, fp8_weight_shapes: dict[str, tuple[int, int]], block: int
+    model: nn.Module,
+    fp8_weight_shapes: dict[str, tuple[int, int]],
+    block: int,
+    quantize_activations: bool = True,
 ) -> None:
     """Replace each `nn.Linear` named in `fp8_weight_shapes` (checkpoint weight name → [out,
-    in]; e.g. `layers.0.attn.wq_a.weight`) by an `FP8BlockLinear` of that shape. Names the model
-    does not have (an expert-parallel rank, DSpark left out) are skipped.
+    in]; e.g. `layers.0.attn.wq_a.weight`) by an `FP8BlockLinear` of that shape (with
+    `quantize_activations`). Names the model does not have (an expert-parallel rank, DSpark
+    left out) are skipped.
 
     Raises:
         ValueError: a named module is not an `nn.Linear` of that shape.
@@ -305,4 +348,6 @@ def keep_dense_fp8(
             in_features,
         ):
             raise ValueError(f"{path} is not a dense linear [{out_features}, {in_features}]")
-        setattr(parent, attr, FP8BlockLinear(in_features, out_features, block))
+        setattr(
+            parent, attr, FP8BlockLinear(in_features, out_features, block, quantize_activations)
+        )

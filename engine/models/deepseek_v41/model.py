@@ -86,6 +86,9 @@ class Numerics:
         cores with activations quantized per (row, 32 columns) (`dense.py`; `model.md` §13 item
         4: the activation quantization of FP8 GEMMs is backend-dependent). False dequantizes
         them to the compute dtype (the reference numerics).
+    dense_fp8_activations: with `dense_fp8`, quantize the activations (above); False keeps
+        them in the compute dtype (W8A16: the FP8 weights decoded to exactly the values the
+        default path holds, so the products are its own; `dense.py`).
     batch_invariant: a request's logits do not depend on what else is in the step: every
         dense matmul through `dense.dense_matmul`'s fixed-order path (a Triton kernel with
         constant tiles on CUDA, constant row tiles on the CPU), attention and indexer with one
@@ -100,6 +103,7 @@ class Numerics:
     moe_weight_before_down: bool = False
     moe_batch_invariant: bool = False
     dense_fp8: bool = False
+    dense_fp8_activations: bool = True
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -343,7 +347,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.numerics.dense_fp8:
             specs = full_inventory(cfg) if include_dspark else text_inventory(cfg)
             fp8 = {spec.name: spec.shape for spec in specs if spec.kind == "fp8"}
-            keep_dense_fp8(self, fp8, cfg.fp8_block_size)
+            keep_dense_fp8(self, fp8, cfg.fp8_block_size, self.numerics.dense_fp8_activations)
         numerics = self.numerics
         # The modules with a `batch_invariant` switch besides MoE.
         switched = (Linear, MXFP4Linear, Block, Attention, Compressor, Expert, Engram)

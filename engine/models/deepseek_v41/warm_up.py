@@ -5,7 +5,8 @@ equal to 1, 16-byte aligned pointers, launch options). The rule that keeps servi
 compiles (docs/architecture.md): every kernel on the serving path takes its launch shape from a
 table that is a pure function of shapes (`sparse_mqa.TILES` by token count, `mhc_triplet.CONFIGS`
 by token count, `index_scores.block_t_for` by new tokens per sequence, the grouped MXFP4 GEMM's
-`decode_tiles` / `prefill_tiles` by block size, `fp8_block_gemm.default_config` by rows), marks
+`decode_tiles` / `prefill_tiles` by block size, `fp8_block_gemm.default_config` and
+`fp8_weight_gemm.choose_tiles` by rows), marks
 the integers that change from step to step `do_not_specialize`, and is never autotuned; the
 warm-up then reaches every row of every table. On the H200 a server whose warm-up missed rows
 spent 18 % of its engine thread compiling and 14 % autotuning under 256 streams (ITL p99 2.4 s;
