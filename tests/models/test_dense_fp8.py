@@ -142,33 +142,32 @@ def test_cuda_fp8_model_matches_its_cpu_emulation(tiny_checkpoint: Path) -> None
     assert torch.corrcoef(torch.stack((logits.flatten(), cpu.flatten())))[0, 1] > 0.8
 
 
+def cuda_decode_logits(checkpoint: Path, numerics: Numerics, graphs: bool) -> torch.Tensor:
+    """Logits of one decode step of four sequences after their prefill, on CUDA in bf16 with
+    MXFP4 experts; `graphs`: the step replayed from CUDA graphs (none may fail to capture)."""
+    prompts = [[0] + list(range(10, 10 + n)) for n in (30, 17, 45, 8)]
+    model = load_model(
+        checkpoint, device="cuda", dtype=torch.bfloat16, quantized_experts=True,
+        numerics=numerics, progress=False,
+    )  # fmt: skip
+    batch, state = model.fresh_batch(prompts)
+    with torch.inference_mode():
+        model.forward_step(batch, state)
+        if graphs:
+            model.enable_cuda_graphs()
+        positions = [len(p) for p in prompts]
+        step = sequential_batch(
+            [[7]] * 4, positions, [0, 1, 2, 3], batch.block_tables, device="cuda"
+        )
+        logits = model.forward_step(step, state).logits.float()
+    assert model.graph_failures() == {}
+    return logits
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_replay_the_fp8_kernels(tiny_checkpoint: Path) -> None:
-    prompts = [[0] + list(range(10, 10 + n)) for n in (30, 17, 45, 8)]
-
-    def decode(graphs: bool) -> torch.Tensor:
-        model = load_model(
-            tiny_checkpoint,
-            device="cuda",
-            dtype=torch.bfloat16,
-            quantized_experts=True,
-            numerics=FP8,
-            progress=False,
-        )
-        batch, state = model.fresh_batch(prompts)
-        with torch.inference_mode():
-            model.forward_step(batch, state)
-            if graphs:
-                model.enable_cuda_graphs()
-            positions = [len(p) for p in prompts]
-            step = sequential_batch(
-                [[7]] * 4, positions, [0, 1, 2, 3], batch.block_tables, device="cuda"
-            )
-            logits = model.forward_step(step, state).logits.float()
-        assert model.graph_failures() == {}
-        return logits
-
-    assert torch.equal(decode(True), decode(False))
+    graphed = cuda_decode_logits(tiny_checkpoint, FP8, True)
+    assert torch.equal(graphed, cuda_decode_logits(tiny_checkpoint, FP8, False))
 
 
 # ---- W8A16: the FP8 weights with bf16 activations (`Numerics.dense_fp8_activations` False) ----
@@ -244,29 +243,9 @@ def test_w8a16_linear_on_the_kernel_path_in_the_triton_interpreter() -> None:
 def test_cuda_w8a16_model_tracks_the_bf16_model(tiny_checkpoint: Path) -> None:
     """The same products as the bf16 path (sums in another order), whole model on the GPU,
     with CUDA graphs replaying the kernels' K splits."""
-    prompts = [[0] + list(range(10, 10 + n)) for n in (30, 17, 45, 8)]
-
-    def decode(numerics: Numerics, graphs: bool) -> torch.Tensor:
-        model = load_model(
-            tiny_checkpoint, device="cuda", dtype=torch.bfloat16, quantized_experts=True,
-            numerics=numerics, progress=False,
-        )  # fmt: skip
-        batch, state = model.fresh_batch(prompts)
-        with torch.inference_mode():
-            model.forward_step(batch, state)
-            if graphs:
-                model.enable_cuda_graphs()
-            positions = [len(p) for p in prompts]
-            step = sequential_batch(
-                [[7]] * 4, positions, [0, 1, 2, 3], batch.block_tables, device="cuda"
-            )
-            logits = model.forward_step(step, state).logits.float()
-        assert model.graph_failures() == {}
-        return logits
-
-    w8a16 = decode(W8A16, True)
-    assert torch.equal(w8a16, decode(W8A16, False))
-    bf16 = decode(Numerics(), False)
+    w8a16 = cuda_decode_logits(tiny_checkpoint, W8A16, True)
+    assert torch.equal(w8a16, cuda_decode_logits(tiny_checkpoint, W8A16, False))
+    bf16 = cuda_decode_logits(tiny_checkpoint, Numerics(), False)
     # NOTE: bounds not yet measured; a random model amplifies each flipped bf16 rounding, a
     # wrong weight layout or scale gives uncorrelated logits instead
     assert _rel(w8a16, bf16) < 0.3
