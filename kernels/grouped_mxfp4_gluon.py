@@ -175,7 +175,7 @@ if AVAILABLE:
         within = program % per_group
         return first + within % size, within // size
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_blocks"])  # step-varying: one variant
     def _decode_kernel(
         x_ptr,
         codes_ptr,
