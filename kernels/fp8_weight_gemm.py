@@ -59,7 +59,7 @@ __all__ = [
 
 BLOCK = 32  # the checkpoint's weight tile side (`weight_block_size`)
 _TWO_TO_120 = tl.constexpr(2.0**120)
-_DOT_BF16 = not interpreting()
+_INTERPRETING = interpreting()
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def dequantize_fp8_weight(weight: Tensor, scale: Tensor) -> Tensor:
         grid = (triton.cdiv(n, 64), triton.cdiv(k, 128))
         _dequantize_kernel[grid](
             weight, scale, out, n, k, weight.stride(0), scale.stride(0), BLOCK_N=64,
-            BLOCK_K=128, ROUND_IN_BITS=not _DOT_BF16,
+            BLOCK_K=128, ROUND_IN_BITS=_INTERPRETING,
         )  # fmt: skip
     return out
 
@@ -299,13 +299,11 @@ def fp8_weight_gemm(
         splits = _splits(tiles, grid_mn[1], steps, x.device)
         steps_per_split = triton.cdiv(steps, splits)
         splits = triton.cdiv(steps, steps_per_split)
-        if splits > 1:
+        counters = tile_counters(x.device, grid_mn[0] * grid_mn[1]) if splits > 1 else None
+        if counters is None:  # one split, or a capture outgrew the counters: no workspace
+            splits, steps_per_split, partials, counters = 1, steps, out, out
+        else:
             partials = torch.empty(splits, m, total_n, dtype=torch.float32, device=x.device)
-            counters = tile_counters(x.device, grid_mn[0] * grid_mn[1])
-        if splits > 1 and counters is None:  # a capture outgrew the counters: no split
-            splits, steps_per_split = 1, steps
-        if splits == 1:
-            partials = counters = out
         _fp8_weight_gemm_kernel[(*grid_mn, splits)](
             rows,
             weight,
@@ -326,7 +324,7 @@ def fp8_weight_gemm(
             BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k,
-            DOT_BF16=_DOT_BF16,
+            DOT_BF16=not _INTERPRETING,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
