@@ -29,7 +29,7 @@ signs come from x's bits). Rows holding NaN are not pinned to the
 reference.
 
     grid (rows / BLOCK_R): rows viewed as [N, D] (or [N, row bytes]), a tile of BLOCK_R rows
-    per program; even and odd elements are loaded as two [BLOCK_R, D/2] halves of the pairs
+    per program; a row tile is loaded whole and split into its even and odd elements
 """
 
 from __future__ import annotations
@@ -77,15 +77,21 @@ _LIBDEVICE = not interpreting()
 @triton.jit
 def _rotated_pairs(
     x_even, x_odd, rows, is_row, pairs, mask, position_ptr, freq_ptr, rows_per_position,
-    pass_pairs, DTYPE: tl.constexpr, LIBDEVICE: tl.constexpr,
+    pass_pairs, DTYPE: tl.constexpr, ONE_POSITION: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
     """`kernels.rope`'s rotation of the pairs [BLOCK_R, BLOCK_HALF] at or past `pass_pairs`
     (row r at position `position[r // rows_per_position]`), rounded to `DTYPE` as that kernel
-    stores it; the other pairs unchanged."""
+    stores it; the other pairs unchanged. ONE_POSITION: every row of the tile shares the first
+    row's position, whose angles are taken once for the tile (the same values)."""
     is_rotated = mask & (pairs >= pass_pairs)[None, :]
     freq = tl.load(freq_ptr + pairs - pass_pairs, mask=pairs >= pass_pairs, other=0.0)
-    position = tl.load(position_ptr + rows // rows_per_position, mask=is_row, other=0)
-    c, s = cos_sin(position.to(tl.float32)[:, None] * freq[None, :], 1.0, LIBDEVICE)
+    if ONE_POSITION:
+        position = tl.load(position_ptr + tl.min(rows) // rows_per_position)
+        c, s = cos_sin(position.to(tl.float32) * freq, 1.0, LIBDEVICE)
+        c, s = c[None, :], s[None, :]
+    else:
+        position = tl.load(position_ptr + rows // rows_per_position, mask=is_row, other=0)
+        c, s = cos_sin(position.to(tl.float32)[:, None] * freq[None, :], 1.0, LIBDEVICE)
     rotated_even, rotated_odd = rotate(x_even, x_odd, c, s)
     x_even = tl.where(is_rotated, round_to(rotated_even, DTYPE), x_even)
     return x_even, tl.where(is_rotated, round_to(rotated_odd, DTYPE), x_odd)
@@ -109,6 +115,7 @@ def _fp4_quantize_kernel(
     CLAMP_SCALE: tl.constexpr,
     ROUND_TRIP: tl.constexpr,
     ROTATE: tl.constexpr,
+    ONE_POSITION: tl.constexpr,
     IN_BF16_BITS: tl.constexpr,
     OUT_BF16_BITS: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -120,13 +127,18 @@ def _fp4_quantize_kernel(
     rows = rows.to(tl.int64)
     pairs = tl.arange(0, BLOCK_HALF)
     mask = is_row[:, None] & (pairs < DIM // 2)[None, :]
-    even = rows[:, None] * x_row_stride + 2 * pairs[None, :]
-    x_even = load_float32(x_ptr, even, mask, IN_BF16_BITS)
-    x_odd = load_float32(x_ptr, even + 1, mask, IN_BF16_BITS)
+    # the row as one contiguous [BLOCK_R, 2 · BLOCK_HALF] tile (wide loads), pairs split in
+    # registers
+    channels = tl.arange(0, 2 * BLOCK_HALF)
+    row_mask = is_row[:, None] & (channels < DIM)[None, :]
+    x = load_float32(
+        x_ptr, rows[:, None] * x_row_stride + channels[None, :], row_mask, IN_BF16_BITS
+    )
+    x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_R, BLOCK_HALF, 2]))
     if ROTATE:  # the indexer's queries: RoPE first, as `kernels.rope` (rows masked past the end)
         x_even, x_odd = _rotated_pairs(
             x_even, x_odd, rows, is_row, pairs, mask, position_ptr, freq_ptr, rows_per_position,
-            pass_pairs, tl.bfloat16 if IN_BF16_BITS else tl.float32, LIBDEVICE,
+            pass_pairs, tl.bfloat16 if IN_BF16_BITS else tl.float32, ONE_POSITION, LIBDEVICE,
         )  # fmt: skip
     x_even = tl.reshape(x_even, [BLOCK_R, NUM_BLOCKS, PAIRS])
     x_odd = tl.reshape(x_odd, [BLOCK_R, NUM_BLOCKS, PAIRS])
@@ -154,11 +166,13 @@ def _fp4_quantize_kernel(
         tl.static_assert(not E4M3_SCALE)  # index rows only
         value_even = e2m1_scaled(code_even, exponent[:, :, None])
         value_odd = e2m1_scaled(code_odd, exponent[:, :, None])
-        out_even = rows[:, None] * DIM + 2 * pairs[None, :]
-        value_even = tl.reshape(value_even, [BLOCK_R, BLOCK_HALF])
-        store_float32(out_ptr, out_even, value_even, mask, OUT_BF16_BITS)
-        value_odd = tl.reshape(value_odd, [BLOCK_R, BLOCK_HALF])
-        store_float32(out_ptr, out_even + 1, value_odd, mask, OUT_BF16_BITS)
+        value = tl.join(
+            tl.reshape(value_even, [BLOCK_R, BLOCK_HALF]),
+            tl.reshape(value_odd, [BLOCK_R, BLOCK_HALF]),
+        )
+        value = tl.reshape(value, [BLOCK_R, 2 * BLOCK_HALF])
+        out = rows[:, None] * DIM + channels[None, :]
+        store_float32(out_ptr, out, value, row_mask, OUT_BF16_BITS)
     else:
         out_rows = rows * (DIM // 2 + DIM // GROUP)
         packed = tl.reshape(code_even | (code_odd << 4), [BLOCK_R, BLOCK_HALF])
@@ -248,6 +262,7 @@ def _quantize(
         out = torch.empty(x.shape, dtype=round_trip, device=x.device)
     if num_rows:
         block_half, block_r = _tile(dim)
+        rows_per_position = num_rows // max(1, positions.numel()) if rotation is not None else 1
         _fp4_quantize_kernel[(triton.cdiv(num_rows, block_r),)](
             _bits_if_bf16(rows),
             _bits_if_bf16(out),
@@ -255,7 +270,7 @@ def _quantize(
             freqs,
             num_rows,
             rows.stride(0),
-            num_rows // max(1, positions.numel()) if rotation is not None else 1,
+            rows_per_position,
             dim // 2 - freqs.numel() if rotation is not None else 0,
             DIM=dim,
             BLOCK_HALF=block_half,
@@ -265,6 +280,7 @@ def _quantize(
             CLAMP_SCALE=clamp_scale,
             ROUND_TRIP=round_trip is not None,
             ROTATE=rotation is not None,
+            ONE_POSITION=rotation is not None and rows_per_position % block_r == 0,
             IN_BF16_BITS=rows.dtype == torch.bfloat16,
             OUT_BF16_BITS=out.dtype == torch.bfloat16,
             LIBDEVICE=_LIBDEVICE,

@@ -107,6 +107,9 @@ ROTATED_CASES = [
     ((7, 16, 64), 1, 64, "bfloat16"),
     ((2, 3, 2, 96), 2, 32, "bfloat16"),
     ((0, 4, 128), 1, 64, "bfloat16"),
+    # a position's rows fill whole tiles (the indexer's 64 heads): angles taken once per tile
+    ((3, 64, 128), 1, 64, "bfloat16"),
+    ((2, 32, 128), 1, 64, "float32"),
 ]
 
 
@@ -236,6 +239,7 @@ def test_quantize_kernel_compiles_for_hopper_with_ieee_arithmetic(group: int, ro
         {**pointers, **integers, "pass_pairs": "i32"},
         {"DIM": dim, "BLOCK_HALF": dim // 2, "BLOCK_R": 8, "GROUP": group}
         | {"E4M3_SCALE": not index, "CLAMP_SCALE": True, "ROUND_TRIP": index, "ROTATE": rotate}
+        | {"ONE_POSITION": rotate}
         | {"IN_BF16_BITS": True, "OUT_BF16_BITS": False, "LIBDEVICE": True},
         {*pointers, "x_row_stride", "rows_per_position"},
     )
