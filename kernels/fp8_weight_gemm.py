@@ -3,11 +3,15 @@
     y[m, n] = Σ_k x[m, k] · W[n, k],   W[n, k] = e4m3(W8[n, k]) · 2^(S[n // 32, k // 32] − 127)
 
 W stays as stored (float8_e4m3fn [N, K] and one ue8m0 scale per 32 × 32 tile, `model.md` §5.3).
-Each weight is decoded in registers to float32 exactly (the e4m3 bits placed in float32's
-lowest exponent bits give e4m3 · 2^-120; two exact products by 2^120 and by the tile's power of
-two) and rounded to bf16, which is the value the loader's dequantization stores for the default
-bf16 path (`dequantize_weight_reference(...).to(bfloat16)`): so the products are that path's, on
-bf16 tensor cores with fp32 accumulation, while the weights stream half the bytes. The
+Each weight is decoded in registers to bf16: the hardware's e4m3 → f16 conversion (two codes
+per instruction, exact) and f16 → bf16 (exact: three mantissa bits), then one bf16 product by
+the tile's power of two, exact wherever the result is a normal bf16 and rounded as the loader's
+float32 product cast to bf16 where it is not (both round the exact value once). That is the
+value the loader's dequantization stores for the default bf16 path
+(`dequantize_weight_reference(...).to(bfloat16)`): so the products are that path's, on bf16
+tensor cores with fp32 accumulation, while the weights stream half the bytes. (The first
+decode, float32 from the bits with two exact products, took three times the instructions and
+held the kernel at a third of the DRAM bandwidth; the interpreter keeps it, `_decoded`.) The
 activations are not quantized (unlike `kernels.fp8_block_gemm`, whose products differ).
 
     grid (token tiles, weight-row tiles, K splits): program (m, n, s) computes the tile of
@@ -35,6 +39,7 @@ values (the GPU's bf16 operands; the interpreter flushes float32 subnormals, so 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -93,8 +98,10 @@ CANDIDATES: tuple[WeightGemmTiles, ...] = tuple(
 
 
 def choose_tiles(m: int) -> WeightGemmTiles:
-    """The launch shape for M tokens. NOTE: not yet timed on a GPU
-    (`benchmarks/fp8_weight_gemm.py`); tokens fill the MMA's N side in tiles of up to 64."""
+    """The launch shape for M tokens: tokens fill the MMA's N side in tiles of up to 64. Timed
+    (`benchmarks/fp8_weight_gemm.py --all`, H100): within 3 % of the fastest candidate at 16,
+    32 and 64 tokens on every released shape but `wo_a` / `wo_b` at 16 (128 weight rows and 8
+    warps: 4 % and 8 % faster there)."""
     return WeightGemmTiles(min(64, max(16, triton.next_power_of_2(max(m, 1)))))
 
 
@@ -154,18 +161,24 @@ def _fp8_weight_gemm_kernel(
             ws_ptr + scale_rows[:, None] * stride_ws + scale_cols[None, :],
             mask=in_scale_rows[:, None] & (scale_cols < tl.cdiv(K, 32))[None, :],
             other=0,
-        ).to(tl.int32)
-        biased = tl.broadcast_to(biased[:, None, :, None], (BLOCK_N // 32, 32, BLOCK_K // 32, 32))
-        w = _decoded(codes, tl.reshape(biased, (BLOCK_N, BLOCK_K)))
+        )
         x = tl.load(
             x_ptr + m.to(tl.int64)[None, :] * stride_xm + (x_first + k)[:, None],
             mask=in_m[None, :] & in_k[:, None],
             other=0.0,
         )
-        if DOT_BF16:
-            acc = tl.dot(w.to(tl.bfloat16), x, acc)
+        if DOT_BF16:  # e4m3 → bf16 (module docstring), times the tile's power of two in bf16
+            power = (biased.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+            power = tl.broadcast_to(power[:, None, :, None], (BLOCK_N // 32, 32, BLOCK_K // 32, 32))
+            w = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            acc = tl.dot(w * tl.reshape(power, (BLOCK_N, BLOCK_K)), x, acc)
         else:  # the interpreter: bf16 values, multiplied in float32 (module NOTE)
-            acc = tl.dot(round_to(w, tl.bfloat16), x.to(tl.float32), acc)  # noqa: SIM108
+            biased = biased.to(tl.int32)
+            biased = tl.broadcast_to(
+                biased[:, None, :, None], (BLOCK_N // 32, 32, BLOCK_K // 32, 32)
+            )
+            w = _decoded(codes, tl.reshape(biased, (BLOCK_N, BLOCK_K)))
+            acc = tl.dot(round_to(w, tl.bfloat16), x.to(tl.float32), acc)
     out_offsets = m.to(tl.int64)[None, :] * stride_om + n[:, None]
     is_out = in_m[None, :] & in_n[:, None]
     if SPLITS == 1:
@@ -269,7 +282,7 @@ def fp8_weight_gemm(
     """y = x · Wᵀ per group (module docstring): x bf16 [..., G·K], weight float8_e4m3fn (or
     uint8 bytes) [G·N, K], scale float8_e8m0fnu (or uint8) [ceil(G·N/32), K/32] → out_dtype
     (default bf16) [..., G·N], fp32 accumulation, one rounding at the end. tiles: default
-    `choose_tiles(M)`.
+    `choose_tiles(M)`, with 32 weight rows per tile where groups of N/G rows need them.
 
     Raises:
         ValueError: shapes, dtypes or tiles the kernel cannot take, or not on CUDA (nor in
@@ -279,7 +292,10 @@ def fp8_weight_gemm(
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16 (W8A16), got {x.dtype}")
     total_n, k = weight.shape
-    tiles = tiles or choose_tiles(x.numel() // max(x.shape[-1], 1))
+    if tiles is None:
+        tiles = choose_tiles(x.numel() // max(x.shape[-1], 1))
+        if groups > 1 and (total_n // groups) % tiles.block_n:  # small groups: 32-row tiles
+            tiles = dataclasses.replace(tiles, block_n=BLOCK)
     if tiles.block_k % BLOCK or tiles.block_n % BLOCK or tiles.block_m < 16:
         raise ValueError(f"tiles {tiles}: BLOCK_K and BLOCK_N multiples of 32, BLOCK_M >= 16")
     group_n = total_n // max(groups, 1)

@@ -21,13 +21,16 @@ from kernels.fp8_weight_gemm import (
 from tests.kernels.interpreted import compile_for_hopper, run_interpreted
 
 # (M, K, N, groups, tiles or None for the table's): a ragged N (96) and a lone token, K split
-# two and three ways (the last split short), the grouped form, and tokens over two tiles
+# two and three ways (the last split short), the grouped form, tokens over two tiles, and
+# groups of 32 rows under the table's 64-row tiles (the launcher takes 32-row tiles: the
+# `tiny` model's `wo_a`)
 CASES = [
     (5, 256, 96, 1, WeightGemmTiles(16, 32, 64, splits=2)),
     (1, 128, 64, 1, WeightGemmTiles(16, 64, 64, splits=2)),
     (16, 384, 64, 1, None),
     (40, 256, 128, 2, WeightGemmTiles(16, 64, 64, splits=3)),
     (70, 128, 64, 1, WeightGemmTiles(64, 64, 64)),
+    (3, 64, 32, 2, None),
 ]
 
 

@@ -15,8 +15,10 @@ With `dense_fp8` and not `dense_fp8_activations` (W8A16) the activations stay bf
 products stream the FP8 bytes through `kernels.fp8_weight_gemm`, which decodes each weight in
 registers to the bf16 value the default loader stores, larger ones dequantize the weight per
 call and take the bf16 GEMM (`FP8BlockLinear._bf16_activations`). Its products are the
-default path's; only the order of the fp32 sums differs (half the weight bytes, in memory and
-per decode step).
+default path's; only the order of the fp32 sums differs. It halves the dense weights' memory
+(~6.5 GB of an EP8 rank's 13 GB); it is not faster: the kernel streams half the bytes at half
+cuBLAS's rate (H100: decode 16 rows 28.1 vs 28.0 ms per step, 256 rows 65.3 vs 57.0 ms, where
+each call dequantizes; docs/performance.md).
 
 On the CPU (tests, the end-to-end error in docs/model.md) the kernel's numerics run as its
 torch reference: the same activation codes and scales, both operands dequantized, a float32
@@ -83,8 +85,10 @@ from kernels.parts_sum import parts_sum, parts_sum_reference
 ROW_TILE = 16
 # W8A16 (`FP8BlockLinear` without activation quantization): products of up to this many rows
 # stream the FP8 weights through `kernels.fp8_weight_gemm` (a decode step's); more rows take
-# the weight dequantized to bf16 and the bf16 GEMM (the weights' bytes no longer bound them).
-W8A16_MAX_ROWS = 256
+# the weight dequantized to bf16 and the bf16 GEMM. Measured (H100, docs/performance.md): the
+# kernel ties cuBLAS's bf16 GEMM at 16–64 rows and loses at 256, where dequantizing per call
+# costs less.
+W8A16_MAX_ROWS = 64
 
 
 def dense_matmul(x: Tensor, weight: Tensor, batch_invariant: bool = False) -> Tensor:
