@@ -113,6 +113,13 @@ def _decoded(codes, biased):
     return unit * _TWO_TO_120 * (biased << 23).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _per_weight(tiles, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N / 32, BLOCK_K / 32] values, one per 32 × 32 weight tile → [BLOCK_N, BLOCK_K]."""
+    tiles = tl.broadcast_to(tiles[:, None, :, None], (BLOCK_N // 32, 32, BLOCK_K // 32, 32))
+    return tl.reshape(tiles, (BLOCK_N, BLOCK_K))
+
+
 @triton.jit(do_not_specialize=["M", "steps_per_split"])  # step-varying: one variant
 def _fp8_weight_gemm_kernel(
     x_ptr,
@@ -169,15 +176,10 @@ def _fp8_weight_gemm_kernel(
         )
         if DOT_BF16:  # e4m3 → bf16 (module docstring), times the tile's power of two in bf16
             power = (biased.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
-            power = tl.broadcast_to(power[:, None, :, None], (BLOCK_N // 32, 32, BLOCK_K // 32, 32))
             w = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            acc = tl.dot(w * tl.reshape(power, (BLOCK_N, BLOCK_K)), x, acc)
+            acc = tl.dot(w * _per_weight(power, BLOCK_N, BLOCK_K), x, acc)
         else:  # the interpreter: bf16 values, multiplied in float32 (module NOTE)
-            biased = biased.to(tl.int32)
-            biased = tl.broadcast_to(
-                biased[:, None, :, None], (BLOCK_N // 32, 32, BLOCK_K // 32, 32)
-            )
-            w = _decoded(codes, tl.reshape(biased, (BLOCK_N, BLOCK_K)))
+            w = _decoded(codes, _per_weight(biased.to(tl.int32), BLOCK_N, BLOCK_K))
             acc = tl.dot(round_to(w, tl.bfloat16), x.to(tl.float32), acc)
     out_offsets = m.to(tl.int64)[None, :] * stride_om + n[:, None]
     is_out = in_m[None, :] & in_n[:, None]
@@ -292,13 +294,13 @@ def fp8_weight_gemm(
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16 (W8A16), got {x.dtype}")
     total_n, k = weight.shape
+    group_n = total_n // max(groups, 1)
     if tiles is None:
         tiles = choose_tiles(x.numel() // max(x.shape[-1], 1))
-        if groups > 1 and (total_n // groups) % tiles.block_n:  # small groups: 32-row tiles
+        if groups > 1 and group_n % tiles.block_n:  # small groups: 32-row tiles
             tiles = dataclasses.replace(tiles, block_n=BLOCK)
     if tiles.block_k % BLOCK or tiles.block_n % BLOCK or tiles.block_m < 16:
         raise ValueError(f"tiles {tiles}: BLOCK_K and BLOCK_N multiples of 32, BLOCK_M >= 16")
-    group_n = total_n // max(groups, 1)
     if groups < 1 or total_n % groups or (groups > 1 and group_n % tiles.block_n):
         raise ValueError(f"{groups} groups must split N = {total_n} into tiles' multiples")
     if x.shape[-1] != groups * k:
