@@ -38,6 +38,10 @@ CANDIDATES = [
                                                        (64, 256, 4), (64, 512, 4), (64, 1024, 4),
                                                        (64, 2048, 4), (64, 4096, 4), (128, 2048, 8),
                                                        (128, 4096, 8), (128, 8192, 8))),
+    # several BLOCK_K chunks per loop step (the same bits as one), and narrower splits
+    *(TripletConfig("bf16x6", t, s, 4, c) for t, s, c in (
+        (16, 128, 1), (16, 128, 2), (16, 256, 2), (16, 256, 4), (16, 512, 2), (16, 512, 4),
+        (16, 1024, 2), (16, 1024, 4), (64, 512, 2), (64, 1024, 2), (64, 1024, 4))),
 ]  # fmt: skip
 
 
@@ -95,7 +99,8 @@ def main() -> None:
                 mark = "*" if config == config_for(num_tokens) else " "
                 print(
                     f" {mark} {config.precision:<7} tile {config.block_t:>4} split "
-                    f"{config.split_cols:>5} warps {config.num_warps:>2}: {us:8.1f} µs "
+                    f"{config.split_cols:>5} warps {config.num_warps:>2} chunks {config.chunks}: "
+                    f"{us:8.1f} µs "
                     f"{moved / us / 1e3:7.0f} GB/s  vs float64 {worst_relative(out, exact):.2e}"
                     f"  vs torch {vs_torch:.2e}",
                     flush=True,

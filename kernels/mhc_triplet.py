@@ -74,14 +74,20 @@ class TripletConfig:
     block_t: int
     split_cols: int
     num_warps: int = 4
+    chunks: int = (
+        1  # BLOCK_K chunks per loop step: independent dot chains the scheduler interleaves
+    )
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.block_t < 16 or self.block_t & (self.block_t - 1):
             raise ValueError(f"block_t must be a power of two >= 16, got {self.block_t}")
-        if self.split_cols < BLOCK_K or self.split_cols % BLOCK_K:
-            raise ValueError(f"split_cols must be a multiple of {BLOCK_K}, got {self.split_cols}")
+        if self.chunks < 1 or self.chunks & (self.chunks - 1):
+            raise ValueError(f"chunks must be a power of two >= 1, got {self.chunks}")
+        step = BLOCK_K * self.chunks
+        if self.split_cols < step or self.split_cols % step:
+            raise ValueError(f"split_cols must be a multiple of {step}, got {self.split_cols}")
 
 
 _FINISH_BLOCK_T = 16  # launch 2's token tile (and the one launch's finishing sub-tiles)
@@ -169,6 +175,7 @@ def _mhc_partials_kernel(
     ITERS: tl.constexpr,
     N: tl.constexpr,
     FINISH_BLOCK_T: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
@@ -178,19 +185,22 @@ def _mhc_partials_kernel(
     weights = fn_ptr + m[None, :].to(tl.int64) * width
     dots = tl.zeros((BLOCK_T, MIX_PAD), dtype=tl.float32)
     squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for k0 in range(0, SPLIT, BLOCK_K):
-        k = split * SPLIT + k0 + tl.arange(0, BLOCK_K)
-        in_row = k < width
-        x = tl.load(rows + k[None, :], mask=is_token[:, None] & in_row[None, :], other=0.0)
-        x = x.to(tl.float32)
-        w = tl.load(weights + k[:, None], mask=(m[None, :] < MIX) & in_row[:, None], other=0.0)
-        w = w.to(tl.float32)
-        if PRECISION == "ieee":
-            dots = tl.dot(x, w, dots, input_precision="ieee")
-        else:
-            is_bf16 = x_ptr.dtype.element_ty == tl.bfloat16
-            dots += _chunk_dot(x, w, PRECISION, is_bf16, BF16_DOTS)
-        squares += tl.sum(x * x, axis=1)
+    for k0 in range(0, SPLIT, BLOCK_K * CHUNKS):
+        # CHUNKS chunks per step: their dots are independent chains (each from zero), added to
+        # the sums in column order, so the bits do not depend on CHUNKS
+        for c in tl.static_range(CHUNKS):
+            k = split * SPLIT + k0 + c * BLOCK_K + tl.arange(0, BLOCK_K)
+            in_row = k < width
+            x = tl.load(rows + k[None, :], mask=is_token[:, None] & in_row[None, :], other=0.0)
+            x = x.to(tl.float32)
+            w = tl.load(weights + k[:, None], mask=(m[None, :] < MIX) & in_row[:, None], other=0.0)
+            w = w.to(tl.float32)
+            if PRECISION == "ieee":
+                dots = tl.dot(x, w, dots, input_precision="ieee")
+            else:
+                is_bf16 = x_ptr.dtype.element_ty == tl.bfloat16
+                dots += _chunk_dot(x, w, PRECISION, is_bf16, BF16_DOTS)
+            squares += tl.sum(x * x, axis=1)
     dots = tl.where(m[None, :] == MIX, squares[:, None], dots)
     out = (split.to(tl.int64) * num_tokens + t[:, None]) * MIX_PAD + m[None, :]
     tl.store(part_ptr + out, dots, mask=is_token[:, None])
@@ -234,8 +244,6 @@ def _finish_tile(
     written by other programs of the same grid."""
     i = tl.arange(0, N)
     j = tl.arange(0, N)
-    gate_mask = is_token[:, None]
-    cell_mask = is_token[:, None, None]
     cell = 2 * N + j[None, :, None] * N + i[None, None, :]
     row = part_ptr + t.to(tl.int64) * MIX_PAD
     split_stride = tl.full((), MIX_PAD, tl.int64) * num_tokens  # num_tokens may be a constexpr 1
@@ -243,16 +251,18 @@ def _finish_tile(
     post = tl.zeros((BLOCK_T, N), dtype=tl.float32)
     comb = tl.zeros((BLOCK_T, N, N), dtype=tl.float32)
     squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    # NOTE: one split per loop step, in split order (no atomics). Loading 16 splits per step
-    # as one [16, BLOCK_T, N, N] tree made the launch 3x slower on the H200 (40 vs 12 µs per
-    # site at 64 tokens, `gpu_rank --profile`, 2026-12-02)
-    for split in range(num_splits):
-        p = row + split * split_stride
-        pre += tl.load(p[:, None] + i[None, :], mask=gate_mask, other=0.0, cache_modifier=".cg")
-        post += tl.load(p[:, None] + N + i[None, :], mask=gate_mask, other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-        comb += tl.load(p[:, None, None] + cell, mask=cell_mask, other=0.0, cache_modifier=".cg")
-        squares += tl.load(p + (2 * N + N * N), mask=is_token, other=0.0, cache_modifier=".cg")
+    # NOTE: summed one split after another, in split order (no atomics, no tree: loading 16
+    # splits per step as one [16, BLOCK_T, N, N] tree made the launch 3x slower on the H200, 40
+    # vs 12 µs per site at 64 tokens, `gpu_rank --profile`, 2026-12-02). Sixteen splits' loads
+    # per loop step, all issued before their sums wait on them (one step's latency, not
+    # sixteen); a split past the last reads zeros, and a sum that starts at +0 is unchanged by
+    # adding +0, so the bits are those of the plain split-order loop.
+    for split in range(0, num_splits, 16):
+        for quad in tl.static_range(4):
+            pre, post, comb, squares = _add_four_splits(
+                pre, post, comb, squares, row + (split + 4 * quad) * split_stride, split_stride,
+                num_splits - split - 4 * quad, i, cell, is_token, N,
+            )  # fmt: skip
     r = tl.rsqrt(squares * inv_width + norm_eps)
     # mix = dots · r, rounded, then one fused multiply-add, as the released kernel rounds it
     pre = tl.fma(
@@ -271,6 +281,43 @@ def _finish_tile(
         tl.load(base_ptr + cell).to(tl.float32),
     )
     mix_and_store(pre, post, comb, t, is_token, pre_ptr, post_ptr, comb_ptr, hc_eps, ITERS, N)
+
+
+@triton.jit
+def _add_four_splits(
+    pre, post, comb, squares, p, split_stride, splits_left, i, cell, is_token, N: tl.constexpr
+):
+    """The sums plus the partials of the four splits from `p` on, in their order; splits at or
+    past `splits_left` read as zeros. The loads skip L1 (`.cg`): in one launch the partials were
+    written by other programs of the same grid."""
+    args = (p, split_stride, splits_left, i, cell, is_token, N)
+    pre0, post0, comb0, squares0 = _split_partials(0, *args)
+    pre1, post1, comb1, squares1 = _split_partials(1, *args)
+    pre2, post2, comb2, squares2 = _split_partials(2, *args)
+    pre3, post3, comb3, squares3 = _split_partials(3, *args)
+    pre = pre + pre0 + pre1 + pre2 + pre3
+    post = post + post0 + post1 + post2 + post3
+    comb = comb + comb0 + comb1 + comb2 + comb3
+    squares = squares + squares0 + squares1 + squares2 + squares3
+    return pre, post, comb, squares
+
+
+@triton.jit
+def _split_partials(
+    index: tl.constexpr, p, split_stride, splits_left, i, cell, is_token, N: tl.constexpr
+):
+    """Split `index`'s pre [T, N], post [T, N], comb [T, N, N] and Σ z² [T] partials (rows
+    `p` + index · split_stride), zeros if index >= splits_left."""
+    p += index * split_stride
+    # per token, not a scalar: the interpreter takes no 0-d mask operand
+    live = is_token & (tl.zeros_like(is_token.to(tl.int32)) + index < splits_left)
+    pre = tl.load(p[:, None] + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
+    post = tl.load(p[:, None] + N + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
+    comb = tl.load(
+        p[:, None, None] + cell, mask=live[:, None, None], other=0.0, cache_modifier=".cg"
+    )
+    squares = tl.load(p + (2 * N + N * N), mask=live, other=0.0, cache_modifier=".cg")
+    return pre, post, comb, squares
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # step-varying: one variant
@@ -336,7 +383,8 @@ def mhc_triplet(
     config = config or config_for(num_tokens)
     width = n * d
     mix_pad = max(16, triton.next_power_of_2(mix + 1))
-    split = min(config.split_cols, triton.cdiv(width, BLOCK_K) * BLOCK_K)
+    step = BLOCK_K * config.chunks
+    split = min(config.split_cols, triton.cdiv(width, step) * step)
     num_splits = triton.cdiv(width, split)
     num_tiles = triton.cdiv(num_tokens, config.block_t)
     counters = tile_counters(device, num_tiles) if one_launch else None
@@ -373,6 +421,7 @@ def mhc_triplet(
         ITERS=iters,
         N=n,
         FINISH_BLOCK_T=_FINISH_BLOCK_T,
+        CHUNKS=config.chunks,
         num_warps=config.num_warps,
     )
     if counters is not None:

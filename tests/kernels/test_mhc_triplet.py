@@ -135,6 +135,10 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
         TripletConfig("fp16", 16, 512)
     with pytest.raises(ValueError, match="split_cols"):
         TripletConfig("bf16x6", 16, 100)
+    with pytest.raises(ValueError, match="split_cols must be a multiple of 256"):
+        TripletConfig("bf16x6", 16, 384, chunks=4)
+    with pytest.raises(ValueError, match="chunks"):
+        TripletConfig("bf16x6", 16, 384, chunks=3)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +165,7 @@ def test_kernels_compile_for_hopper(
     types |= {"num_splits": "i32", "inv_width": "fp32", "norm_eps": "fp32", "hc_eps": "fp32"}
     constexprs = {"MIX": 24, "MIX_PAD": 32, "BLOCK_T": block_t, "BLOCK_K": 64, "SPLIT": 512}
     constexprs |= {"PRECISION": precision, "BF16_DOTS": True, "ONE_LAUNCH": one_launch}
-    constexprs |= {"ITERS": 20, "N": 4, "FINISH_BLOCK_T": 16}
+    constexprs |= {"ITERS": 20, "N": 4, "FINISH_BLOCK_T": 16, "CHUNKS": 1 + one_token}
     ptx = compile_for_hopper(
         _mhc_partials_kernel,
         {**types, **count_type},
@@ -228,6 +232,44 @@ def test_one_launch_equals_two_launches_in_the_triton_interpreter() -> None:
         "print(json.dumps(one_and_two_launches(ONE_LAUNCH_CASES)))\n"
     )
     for case, row in zip(ONE_LAUNCH_CASES, run_interpreted(code), strict=True):
+        assert all(row), (case, row)
+
+
+def chunked_launches(cases, device: str = "cpu") -> list[list[bool]]:
+    """Per (tokens, D, split, chunks) case: whether the launch with `chunks` BLOCK_K chunks per
+    loop step gives pre, post and comb bit for bit equal to one chunk per step, the same split."""
+    rows = []
+    for seed, (num_tokens, d, split, chunks) in enumerate(cases):
+        inputs = triplet_inputs(num_tokens, d, seed, device)
+        one = mhc_triplet(
+            *inputs, NORM_EPS, HC_EPS, ITERS, config=TripletConfig("bf16x6", 16, split)
+        )
+        config = TripletConfig("bf16x6", 16, split, chunks=chunks)
+        several = mhc_triplet(*inputs, NORM_EPS, HC_EPS, ITERS, config=config)
+        rows.append([torch.equal(a, b) for a, b in zip(several, one, strict=True)])
+    return rows
+
+
+# fp32 and bf16 rows; 20 and 80 splits (more than one step of the finish's sixteen), a split
+# wider than the row (the launcher narrows it to whole steps)
+CHUNKED_CASES = [(20, 320, 128, 2), (3, 5120, 256, 4), (17, 320, 128, 2), (2, 64, 512, 4)]
+
+
+@pytest.mark.slow  # ~6 s in the interpreter
+def test_chunks_per_step_give_the_same_bits_in_the_triton_interpreter() -> None:
+    code = (
+        "import json\n"
+        "from tests.kernels.test_mhc_triplet import CHUNKED_CASES, chunked_launches\n"
+        "print(json.dumps(chunked_launches(CHUNKED_CASES)))\n"
+    )
+    for case, row in zip(CHUNKED_CASES, run_interpreted(code), strict=True):
+        assert all(row), (case, row)
+
+
+@pytest.mark.gpu
+def test_chunks_per_step_give_the_same_bits_on_cuda() -> None:
+    cases = CHUNKED_CASES + [(16, 5120, 512, 2), (64, 5120, 256, 4), (256, 5120, 1024, 2)]
+    for case, row in zip(cases, chunked_launches(cases, "cuda"), strict=True):
         assert all(row), (case, row)
 
 
