@@ -1,7 +1,7 @@
 """Launch-1 configurations of `kernels.mhc_triplet` (precision × token tile × split × warps) at
 the released width (N = 4 streams, D = 5120, fp32 residual, mix 24), against the torch path.
 
-    python3 benchmarks/mhc_tiles.py [--tokens 16 64 256 4096]
+    python3 benchmarks/mhc_tiles.py [--tokens 16 64 256 4096] [--precision bf16x6] [--block-t 16]
 
 Per T: each candidate's median µs for the whole site (both launches; CUDA events,
 `triton.testing.do_bench`), the GB/s of the residual and fn bytes over it, and the worst
@@ -20,6 +20,7 @@ import triton.testing
 
 from kernels.mhc_mix import mhc_mix_reference
 from kernels.mhc_triplet import (
+    PRECISIONS,
     TripletConfig,
     config_for,
     mhc_logits_reference,
@@ -74,7 +75,14 @@ def worst_relative(ours, reference) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 256, 4096])
+    parser.add_argument("--precision", choices=PRECISIONS, help="only this precision's candidates")
+    parser.add_argument("--block-t", type=int, help="only candidates with this token tile")
     args = parser.parse_args()
+    candidates = [
+        config
+        for config in CANDIDATES
+        if args.precision in (None, config.precision) and args.block_t in (None, config.block_t)
+    ]
     best: dict[int, tuple[float, TripletConfig]] = {}
     for num_tokens in args.tokens:
         inputs = site_inputs(num_tokens)
@@ -88,7 +96,7 @@ def main() -> None:
             moved = inputs[0].numel() * 4 + inputs[1].numel() * 4
             print(f"T={num_tokens}: torch path {torch_us:8.1f} µs, vs float64 "
                   f"{worst_relative(torch_fp32, exact):.2e}", flush=True)  # fmt: skip
-            for config in CANDIDATES:
+            for config in candidates:
 
                 def run(a=inputs, c=config):
                     return mhc_triplet(*a, NORM_EPS, HC_EPS, ITERS, config=c)
