@@ -76,12 +76,13 @@ def _mhc_mix_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     is_token = t < num_tokens
     i = tl.arange(0, N)
-    j = tl.arange(0, N)
     row = logits_ptr + t[:, None].to(tl.int64) * width
     pre = tl.load(row + i[None, :], mask=is_token[:, None], other=0.0)
     post = tl.load(row + N + i[None, :], mask=is_token[:, None], other=0.0)
-    cell = t[:, None, None].to(tl.int64) * width + 2 * N + j[None, :, None] * N + i[None, None, :]
-    comb = tl.load(logits_ptr + cell, mask=is_token[:, None, None], other=0.0)
+    # loaded as [BLOCK_T, N²] and reshaped: a token's cells in one warp, where the Sinkhorn's
+    # sums over j and over i need no shared memory (`mhc_triplet._finish_tile`)
+    cell = row + 2 * N + tl.arange(0, N * N)[None, :]
+    comb = tl.reshape(tl.load(cell, mask=is_token[:, None], other=0.0), (BLOCK_T, N, N))
     mix_and_store(pre, post, comb, t, is_token, pre_ptr, post_ptr, comb_ptr, hc_eps, ITERS, N)
 
 

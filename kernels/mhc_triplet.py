@@ -243,13 +243,16 @@ def _finish_tile(
     gates and Sinkhorn, stored. The loads skip L1 (`.cg`): in one launch the partials were
     written by other programs of the same grid."""
     i = tl.arange(0, N)
-    j = tl.arange(0, N)
-    cell = 2 * N + j[None, :, None] * N + i[None, None, :]
+    # comb as [BLOCK_T, N²] (row j, column i at j·N + i) until the Sinkhorn: a token's cells
+    # contiguous in one warp, so that the Sinkhorn's sums over j and over i stay in the warp
+    # (as [BLOCK_T, N, N] the compiler spread j over the warps: shared memory and a barrier
+    # per sum)
+    cell = 2 * N + tl.arange(0, N * N)
     row = part_ptr + t.to(tl.int64) * MIX_PAD
     split_stride = tl.full((), MIX_PAD, tl.int64) * num_tokens  # num_tokens may be a constexpr 1
     pre = tl.zeros((BLOCK_T, N), dtype=tl.float32)
     post = tl.zeros((BLOCK_T, N), dtype=tl.float32)
-    comb = tl.zeros((BLOCK_T, N, N), dtype=tl.float32)
+    comb = tl.zeros((BLOCK_T, N * N), dtype=tl.float32)
     squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
     # NOTE: summed one split after another, in split order (no atomics, no tree: loading 16
     # splits per step as one [16, BLOCK_T, N, N] tree made the launch 3x slower on the H200, 40
@@ -276,10 +279,11 @@ def _finish_tile(
         tl.load(base_ptr + N + i).to(tl.float32)[None, :],
     )
     comb = tl.fma(
-        comb * r[:, None, None],
+        comb * r[:, None],
         tl.load(scale_ptr + 2).to(tl.float32),
-        tl.load(base_ptr + cell).to(tl.float32),
+        tl.load(base_ptr + cell).to(tl.float32)[None, :],
     )
+    comb = tl.reshape(comb, (BLOCK_T, N, N))
     mix_and_store(pre, post, comb, t, is_token, pre_ptr, post_ptr, comb_ptr, hc_eps, ITERS, N)
 
 
@@ -306,16 +310,14 @@ def _add_four_splits(
 def _split_partials(
     index: tl.constexpr, p, split_stride, splits_left, i, cell, is_token, N: tl.constexpr
 ):
-    """Split `index`'s pre [T, N], post [T, N], comb [T, N, N] and Σ z² [T] partials (rows
+    """Split `index`'s pre [T, N], post [T, N], comb [T, N²] and Σ z² [T] partials (rows
     `p` + index · split_stride), zeros if index >= splits_left."""
     p += index * split_stride
     # per token, not a scalar: the interpreter takes no 0-d mask operand
     live = is_token & (tl.zeros_like(is_token.to(tl.int32)) + index < splits_left)
     pre = tl.load(p[:, None] + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
     post = tl.load(p[:, None] + N + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
-    comb = tl.load(
-        p[:, None, None] + cell, mask=live[:, None, None], other=0.0, cache_modifier=".cg"
-    )
+    comb = tl.load(p[:, None] + cell[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
     squares = tl.load(p + (2 * N + N * N), mask=live, other=0.0, cache_modifier=".cg")
     return pre, post, comb, squares
 
