@@ -10,6 +10,10 @@ their column indices, −1 in place of a −inf entry:
           passes over the row
     take  every entry above v_k, then entries equal to v_k in column order until there are
           k: one pass, each tile's picks placed by a prefix count after the ones before
+
+Rows of up to `RESIDENT_WIDTH` scores are loaded once and every pass runs on the registers
+(the decode steps' rows: few rows, one program each, so each pass's latency counts); longer
+rows are read again by each pass, in tiles.
     order the k picks sorted in registers by (value descending, column ascending)
 
 which is `torch.topk(x, k)` followed by `where(isfinite(values), indices, −1)`
@@ -39,6 +43,8 @@ MIN_ROWS = 128
 MAX_WIDTH = 8192
 
 BLOCK = 1024
+# Rows up to this width are loaded once and held in registers (≤ 32 fp32 a thread at 8 warps)
+RESIDENT_WIDTH = 8192
 # the low half of a packed pick: 2³² − 1 − column, so that lower columns sort first
 _COLUMN_MASK = tl.constexpr(0xFFFFFFFF)
 
@@ -59,6 +65,30 @@ def _radix_digits(row_ptr, width, prefix, prefix_mask, SHIFT: tl.constexpr, BLOC
     return counts
 
 
+@triton.jit
+def _resident_digits(u, inside, prefix, prefix_mask, SHIFT: tl.constexpr):
+    """`_radix_digits` of a row held in registers (u: its unsigned ordered keys)."""
+    digit = ((u >> SHIFT) & 255).to(tl.int32)
+    match = inside & ((u & prefix_mask) == prefix)
+    return tl.histogram(tl.where(match, digit, 256 + (digit & 255)), 2 * 256)
+
+
+@triton.jit
+def _pick(keys, cols, inside, kth, ties, tied, taken, out_row):
+    """Stores the picks among `keys` (at `cols`) after the `taken` ones before: every key
+    above kth, and keys equal to kth while fewer than `ties` of them were taken (`tied` seen
+    before); returns the new (taken, tied)."""
+    is_tie = (keys == kth) & inside
+    tie_rank = tied + tl.cumsum(is_tie.to(tl.int32), axis=0) - 1
+    pick = ((keys > kth) & inside) | (is_tie & (tie_rank < ties))
+    slot = taken + tl.cumsum(pick.to(tl.int32), axis=0) - 1
+    packed = (keys.to(tl.int64) << 32) | (_COLUMN_MASK - cols.to(tl.int64))
+    tl.store(out_row + slot, packed, mask=pick)
+    taken += tl.sum(pick.to(tl.int32), axis=0)
+    tied += tl.sum(is_tie.to(tl.int32), axis=0)
+    return taken, tied
+
+
 @triton.jit(do_not_specialize=["width", "row_stride", "k"])
 def _index_topk_kernel(
     x_ptr,
@@ -68,10 +98,18 @@ def _index_topk_kernel(
     k,
     BLOCK: tl.constexpr,
     K_PAD: tl.constexpr,
+    RESIDENT: tl.constexpr,
 ):
+    """RESIDENT (a power of two ≥ width, or 0): the row loaded once and held in registers
+    for every pass; 0: each pass streams the row in BLOCK-wide tiles."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + row * row_stride
     out_row = out_ptr + row * k
+    if RESIDENT:
+        cols = tl.arange(0, RESIDENT)
+        inside = cols < width
+        keys = _keys(tl.load(row_ptr + cols, mask=inside, other=-float("inf")))
+        u = keys.to(tl.uint32, bitcast=True) ^ 0x80000000  # unsigned, ordered as x
     # v_k's key, a digit of 8 bits per pass from the top (a radix select): among the keys
     # matching the digits found so far, the digit whose keys at or above it reach the count
     # still wanted
@@ -80,7 +118,10 @@ def _index_topk_kernel(
     wanted = k
     bins = tl.arange(0, 2 * 256)
     for step in tl.static_range(4):
-        counts = _radix_digits(row_ptr, width, prefix, prefix_mask, 24 - 8 * step, BLOCK)
+        if RESIDENT:
+            counts = _resident_digits(u, inside, prefix, prefix_mask, 24 - 8 * step)
+        else:
+            counts = _radix_digits(row_ptr, width, prefix, prefix_mask, 24 - 8 * step, BLOCK)
         counts = tl.where(bins < 256, counts, 0)
         at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
         digit = tl.max(tl.where((at_or_above >= wanted) & (bins < 256), bins, 0), axis=0)
@@ -92,18 +133,14 @@ def _index_topk_kernel(
     ties = wanted  # entries equal to v_k to take, the first by column
     taken = tl.zeros([], dtype=tl.int32)
     tied = tl.zeros([], dtype=tl.int32)
-    for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < width
-        keys = _keys(tl.load(row_ptr + cols, mask=inside, other=-float("inf")))
-        is_tie = (keys == kth) & inside
-        tie_rank = tied + tl.cumsum(is_tie.to(tl.int32), axis=0) - 1
-        pick = ((keys > kth) & inside) | (is_tie & (tie_rank < ties))
-        slot = taken + tl.cumsum(pick.to(tl.int32), axis=0) - 1
-        packed = (keys.to(tl.int64) << 32) | (_COLUMN_MASK - cols.to(tl.int64))
-        tl.store(out_row + slot, packed, mask=pick)
-        taken += tl.sum(pick.to(tl.int32), axis=0)
-        tied += tl.sum(is_tie.to(tl.int32), axis=0)
+    if RESIDENT:
+        taken, tied = _pick(keys, cols, inside, kth, ties, tied, taken, out_row)
+    else:
+        for start in range(0, width, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < width
+            keys = _keys(tl.load(row_ptr + cols, mask=inside, other=-float("inf")))
+            taken, tied = _pick(keys, cols, inside, kth, ties, tied, taken, out_row)
     tl.debug_barrier()  # the picks, stored by any thread, read back by others
     slots = tl.arange(0, K_PAD)
     smallest = tl.full([K_PAD], -(2**63), tl.int64)
@@ -115,10 +152,11 @@ def _index_topk_kernel(
     tl.store(out_row + slots, tl.where(finite, columns, -1), mask=slots < k)
 
 
-def index_topk(scores: Tensor, k: int) -> Tensor:
+def index_topk(scores: Tensor, k: int, *, resident_width: int = RESIDENT_WIDTH) -> Tensor:
     """`index_topk_reference` in one launch: fp32 scores [..., J] (unit column stride), 0 ≤ k
     ≤ J → int64 [..., k] column indices, best first (ties: lower column first), −1 where
-    the score is −inf.
+    the score is −inf. Rows of J ≤ resident_width are held in registers, longer ones streamed
+    per pass (the same selection either way).
 
     Raises:
         ValueError: another dtype, k outside [0, J], or not on CUDA (nor in Triton's
@@ -143,6 +181,7 @@ def index_topk(scores: Tensor, k: int) -> Tensor:
         k,
         BLOCK=BLOCK,
         K_PAD=triton.next_power_of_2(k),
+        RESIDENT=triton.next_power_of_2(width) if width <= resident_width else 0,
         num_warps=8,
     )
     return out

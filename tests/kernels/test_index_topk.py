@@ -40,12 +40,14 @@ def _scores_of(x: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
     return torch.where(selection >= 0, x.gather(-1, selection.clamp(min=0)), -1e30)
 
 
-def selections(cases, device: str = "cpu") -> list[list[bool]]:
-    """Per case: [equal to the stable-sort rule, same scores in the same order as torch.topk]."""
+def selections(cases, device: str = "cpu", resident_width: int | None = None) -> list[list[bool]]:
+    """Per case: [equal to the stable-sort rule, same scores in the same order as torch.topk]
+    (resident_width: the launcher's, default its own)."""
     rows = []
+    options = {} if resident_width is None else {"resident_width": resident_width}
     for seed, (num_rows, width, k) in enumerate(cases):
         x = scores_with_ties_and_holes(num_rows, width, seed).to(device)
-        got = index_topk(x, k)
+        got = index_topk(x, k, **options)
         reference = index_topk_reference(x, k)
         rows.append(
             [
@@ -57,12 +59,13 @@ def selections(cases, device: str = "cpu") -> list[list[bool]]:
     return rows
 
 
-@pytest.mark.slow  # ~4 s in the interpreter
-def test_selection_is_torchs_in_the_triton_interpreter() -> None:
+@pytest.mark.slow  # ~8 s in the interpreter
+@pytest.mark.parametrize("resident_width", [0, 8192], ids=["streamed", "resident"])
+def test_selection_is_torchs_in_the_triton_interpreter(resident_width: int) -> None:
     code = (
         "import json\n"
         "from tests.kernels.test_index_topk import CASES, selections\n"
-        "print(json.dumps(selections(CASES)))\n"
+        f"print(json.dumps(selections(CASES, resident_width={resident_width})))\n"
     )
     for case, row in zip(CASES, run_interpreted(code), strict=True):
         assert all(row), (case, row)
@@ -94,13 +97,14 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
         index_topk(x, 4)
 
 
-def test_kernel_compiles_for_hopper() -> None:
+@pytest.mark.parametrize("resident", [0, 4096])
+def test_kernel_compiles_for_hopper(resident: int) -> None:
     from kernels.index_topk import _index_topk_kernel
 
     ptx = compile_for_hopper(
         _index_topk_kernel,
         {"x_ptr": "*fp32", "out_ptr": "*i64", "width": "i32", "row_stride": "i32", "k": "i32"},
-        {"BLOCK": 1024, "K_PAD": 512},
+        {"BLOCK": 1024, "K_PAD": 512, "RESIDENT": resident},
         {"x_ptr", "out_ptr"},
         {"num_warps": 8},
     )
@@ -110,5 +114,8 @@ def test_kernel_compiles_for_hopper() -> None:
 @pytest.mark.gpu
 def test_selection_is_torchs_on_cuda() -> None:
     cases = CASES + [(256, 12288, 512), (256, 6144, 512), (16, 4096, 512), (1, 65536, 512)]
-    for case, row in zip(cases, selections(cases, "cuda"), strict=True):
-        assert all(row), (case, row)
+    cases += [(16, 8192, 512), (16, 2048, 512)]
+    for resident_width in (0, 8192):
+        rows = selections(cases, "cuda", resident_width)
+        for case, row in zip(cases, rows, strict=True):
+            assert all(row), (case, resident_width, row)
