@@ -11,7 +11,8 @@ Variants, median µs per call: "topk" (what the model runs), "topk unsorted + so
 best-first order from an unsorted selection: the same set, order equal unless scores tie),
 "sort" (a full descending sort, what the selection would cost without topk), on CUDA "kernel"
 (`kernels.index_topk`, what the kernel path runs: one launch, the torch path's −1 masking
-included; the same indices where no scores tie), and for the
+included; the same indices where no scores tie; "kernel streamed" the same with every pass
+reading the row again, as rows longer than `RESIDENT_WIDTH` always do), and for the
 candidate mask "kthvalue mask" (the k-th largest as a threshold: the same set unless the k-th
 value ties). "same" says whether the variant returned the same indices in the same order (mask
 variants: the same mask). Writes indexer_topk.json.
@@ -75,6 +76,7 @@ def selection_variants(scores: torch.Tensor, k: int) -> dict[str, Callable[[], t
         from kernels.index_topk import index_topk
 
         variants["kernel"] = lambda: index_topk(scores, k)
+        variants["kernel streamed"] = lambda: index_topk(scores, k, resident_width=0)
     return variants
 
 
