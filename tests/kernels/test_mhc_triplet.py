@@ -224,14 +224,19 @@ ONE_LAUNCH_CASES = [
 ]
 
 
+def _interpreted_rows(cases: str, function: str) -> list:
+    """`function(cases)` of this module, run in Triton's interpreter."""
+    return run_interpreted(
+        "import json\n"
+        f"from tests.kernels.test_mhc_triplet import {cases}, {function}\n"
+        f"print(json.dumps({function}({cases})))\n"
+    )
+
+
 @pytest.mark.slow  # ~4 s in the interpreter
 def test_one_launch_equals_two_launches_in_the_triton_interpreter() -> None:
-    code = (
-        "import json\n"
-        "from tests.kernels.test_mhc_triplet import ONE_LAUNCH_CASES, one_and_two_launches\n"
-        "print(json.dumps(one_and_two_launches(ONE_LAUNCH_CASES)))\n"
-    )
-    for case, row in zip(ONE_LAUNCH_CASES, run_interpreted(code), strict=True):
+    rows = _interpreted_rows("ONE_LAUNCH_CASES", "one_and_two_launches")
+    for case, row in zip(ONE_LAUNCH_CASES, rows, strict=True):
         assert all(row), (case, row)
 
 
@@ -257,12 +262,8 @@ CHUNKED_CASES = [(20, 320, 128, 2), (3, 5120, 256, 4), (17, 320, 128, 2), (2, 64
 
 @pytest.mark.slow  # ~6 s in the interpreter
 def test_chunks_per_step_give_the_same_bits_in_the_triton_interpreter() -> None:
-    code = (
-        "import json\n"
-        "from tests.kernels.test_mhc_triplet import CHUNKED_CASES, chunked_launches\n"
-        "print(json.dumps(chunked_launches(CHUNKED_CASES)))\n"
-    )
-    for case, row in zip(CHUNKED_CASES, run_interpreted(code), strict=True):
+    rows = _interpreted_rows("CHUNKED_CASES", "chunked_launches")
+    for case, row in zip(CHUNKED_CASES, rows, strict=True):
         assert all(row), (case, row)
 
 
