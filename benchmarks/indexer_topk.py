@@ -11,8 +11,8 @@ Variants, median µs per call: "topk" (what the model runs), "topk unsorted + so
 best-first order from an unsorted selection: the same set, order equal unless scores tie),
 "sort" (a full descending sort, what the selection would cost without topk), on CUDA "kernel"
 (`kernels.index_topk`, what the kernel path runs: one launch, the torch path's −1 masking
-included; the same indices where no scores tie; "kernel streamed" the same with every pass
-reading the row again, as rows longer than `RESIDENT_WIDTH` always do), and for the
+included; the same indices where no scores tie; "kernel resident" the same with rows of up to
+`RESIDENT_WIDTH` scores held in registers, read once instead of once per pass), and for the
 candidate mask "kthvalue mask" (the k-th largest as a threshold: the same set unless the k-th
 value ties). "same" says whether the variant returned the same indices in the same order (mask
 variants: the same mask). Writes indexer_topk.json.
@@ -73,10 +73,10 @@ def selection_variants(scores: torch.Tensor, k: int) -> dict[str, Callable[[], t
 
     variants = {"topk": topk, "topk unsorted + sort k": unsorted_then_sort, "sort": full_sort}
     if scores.is_cuda:
-        from kernels.index_topk import index_topk
+        from kernels.index_topk import RESIDENT_WIDTH, index_topk
 
         variants["kernel"] = lambda: index_topk(scores, k)
-        variants["kernel streamed"] = lambda: index_topk(scores, k, resident_width=0)
+        variants["kernel resident"] = lambda: index_topk(scores, k, resident_width=RESIDENT_WIDTH)
     return variants
 
 

@@ -11,9 +11,9 @@ their column indices, −1 in place of a −inf entry:
     take  every entry above v_k, then entries equal to v_k in column order until there are
           k: one pass, each tile's picks placed by a prefix count after the ones before
 
-Rows of up to `RESIDENT_WIDTH` scores are loaded once and every pass runs on the registers
-(the decode steps' rows: few rows, one program each, so each pass's latency counts); longer
-rows are read again by each pass, in tiles.
+Asked to (`resident_width`), rows of up to `RESIDENT_WIDTH` scores are loaded once and every
+pass runs on the registers (meant for the decode steps' rows: few rows, one program each, so
+each pass's reload is latency); otherwise each pass reads the row again, in tiles.
     order the k picks sorted in registers by (value descending, column ascending)
 
 which is `torch.topk(x, k)` followed by `where(isfinite(values), indices, −1)`
@@ -43,7 +43,9 @@ MIN_ROWS = 128
 MAX_WIDTH = 8192
 
 BLOCK = 1024
-# Rows up to this width are loaded once and held in registers (≤ 32 fp32 a thread at 8 warps)
+# The widest row the kernel can hold in registers (≤ 32 fp32 a thread at 8 warps). Not yet the
+# launcher's default: never run on a GPU (2026-12-07); `benchmarks/indexer_topk.py` times it
+# ("kernel resident") against the streamed passes and torch's top-k, which decides.
 RESIDENT_WIDTH = 8192
 # the low half of a packed pick: 2³² − 1 − column, so that lower columns sort first
 _COLUMN_MASK = tl.constexpr(0xFFFFFFFF)
@@ -152,11 +154,11 @@ def _index_topk_kernel(
     tl.store(out_row + slots, tl.where(finite, columns, -1), mask=slots < k)
 
 
-def index_topk(scores: Tensor, k: int, *, resident_width: int = RESIDENT_WIDTH) -> Tensor:
+def index_topk(scores: Tensor, k: int, *, resident_width: int = 0) -> Tensor:
     """`index_topk_reference` in one launch: fp32 scores [..., J] (unit column stride), 0 ≤ k
     ≤ J → int64 [..., k] column indices, best first (ties: lower column first), −1 where
-    the score is −inf. Rows of J ≤ resident_width are held in registers, longer ones streamed
-    per pass (the same selection either way).
+    the score is −inf. Rows of J ≤ resident_width (at most `RESIDENT_WIDTH`) are held in
+    registers, longer ones streamed per pass (the same selection either way).
 
     Raises:
         ValueError: another dtype, k outside [0, J], or not on CUDA (nor in Triton's
@@ -168,6 +170,8 @@ def index_topk(scores: Tensor, k: int, *, resident_width: int = RESIDENT_WIDTH) 
     width = scores.shape[-1]
     if not 0 <= k <= width:
         raise ValueError(f"k must be in [0, {width}], got {k}")
+    if not 0 <= resident_width <= RESIDENT_WIDTH:
+        raise ValueError(f"resident_width must be in [0, {RESIDENT_WIDTH}], got {resident_width}")
     check_runnable(scores, "index_topk")
     out = torch.empty(*scores.shape[:-1], k, dtype=torch.int64, device=scores.device)
     if not out.numel():

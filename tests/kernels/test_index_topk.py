@@ -93,6 +93,8 @@ def test_launcher_rejects_what_the_kernel_cannot_take() -> None:
         index_topk(x.t(), 1)
     with pytest.raises(ValueError, match="k must be"):
         index_topk(x, 17)
+    with pytest.raises(ValueError, match="resident_width"):
+        index_topk(x, 4, resident_width=16384)
     with pytest.raises(ValueError, match="CUDA"):
         index_topk(x, 4)
 
