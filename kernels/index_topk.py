@@ -10,10 +10,6 @@ their column indices, −1 in place of a −inf entry:
           passes over the row
     take  every entry above v_k, then entries equal to v_k in column order until there are
           k: one pass, each tile's picks placed by a prefix count after the ones before
-
-Asked to (`resident_width`), rows of up to `RESIDENT_WIDTH` scores are loaded once and every
-pass runs on the registers (meant for the decode steps' rows: few rows, one program each, so
-each pass's reload is latency); otherwise each pass reads the row again, in tiles.
     order the k picks sorted in registers by (value descending, column ascending)
 
 which is `torch.topk(x, k)` followed by `where(isfinite(values), indices, −1)`
@@ -21,6 +17,10 @@ which is `torch.topk(x, k)` followed by `where(isfinite(values), indices, −1)`
 open). The sort is what keeps a selection's order that of the torch path: the attention sums its
 rows in selection order. On CUDA torch's top-k of a few hundred rows of thousands of entries is
 a multi-block radix select of ~14 launches; the masking of −inf entries two more.
+
+Asked to (`resident_width`), rows of up to `RESIDENT_WIDTH` scores are loaded once and every
+pass runs on the registers (meant for the decode steps' rows: few rows, one program each, so
+each pass's reload is latency); otherwise each pass reads the row again, in tiles.
 """
 
 from __future__ import annotations

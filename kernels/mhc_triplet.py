@@ -74,9 +74,8 @@ class TripletConfig:
     block_t: int
     split_cols: int
     num_warps: int = 4
-    chunks: int = (
-        1  # BLOCK_K chunks per loop step: independent dot chains the scheduler interleaves
-    )
+    # BLOCK_K chunks per loop step: independent dot chains (the same sums, the same bits)
+    chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
