@@ -94,6 +94,9 @@ _FINISH_BLOCK_T = 16  # launch 2's token tile (and the one launch's finishing su
 # T. Chosen by `python3 benchmarks/mhc_tiles.py` on the H200 (2026-12-02, docs/performance.md):
 # per site 53.9 / 53.8 / 64.4 / 206.7 µs at T = 16 / 64 / 256 / 4,096 (ieee: 63 / 81 / 134 /
 # 1,477 µs), within 2e-6 of the torch path. Above 4,096 the 4,096 row (not timed there).
+# Kept on the H100 (2026-12-07, sixth session): narrower splits and `chunks` did not move the
+# site inside `gpu_rank`'s step (19 µs a site at 16 tokens in the graph; `do_bench` of one site
+# at decode sizes is bound by the host's launch rate, ~25 µs).
 CONFIGS: tuple[tuple[int, TripletConfig], ...] = (
     (256, TripletConfig("bf16x6", 16, 1024, 4)),
     (1 << 62, TripletConfig("bf16x6", 64, 1024, 4)),
