@@ -272,7 +272,8 @@ def main() -> None:
                         (
                             f"gluon w{t['num_warps']} s{t['stages']}"
                             + (" early" if t.get("early_up_words") else "")
-                            + (f" g{t['group_blocks']}" if t.get("group_blocks") else ""),
+                            + (f" g{t['group_blocks']}" if t.get("group_blocks") else "")
+                            + (f" r{t['max_registers']}" if t.get("max_registers") else ""),
                             {"GLUON": True, **t},
                         )
                         for t in tables

@@ -356,10 +356,16 @@ def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
     return {"num_warps": 4, "stages": 6}
 
 
-# What `benchmarks/grouped_gemm_tiles.py --gluon` times and the `gpu` tests check.
-CANDIDATES: tuple[dict, ...] = tuple(
-    {"num_warps": warps, "stages": stages} for warps in (4, 8) for stages in (3, 4, 5, 6)
-) + tuple({"num_warps": 4, "stages": stages, "early_up_words": True} for stages in (3, 4))
+# What `benchmarks/grouped_gemm_tiles.py --gluon` times and the `gpu` tests check. The
+# `max_registers` 128 rows: four programs per SM instead of three, where the ring's shared
+# memory allows (compiled here for sm90, Triton 3.6, 2026-12-07: gate/up at blocks of 32, 3
+# slots: 51 KB, 20 spill stores, 517 SASS a loop against 435 uncapped at 4 slots; down at
+# blocks of 32, 4 slots: 50 KB, 10 spill stores, 480 against 467; not yet run on a GPU).
+CANDIDATES: tuple[dict, ...] = (
+    tuple({"num_warps": warps, "stages": stages} for warps in (4, 8) for stages in (3, 4, 5, 6))
+    + tuple({"num_warps": 4, "stages": stages, "early_up_words": True} for stages in (3, 4))
+    + tuple({"num_warps": 4, "stages": stages, "max_registers": 128} for stages in (3, 4))
+)
 
 
 # Blocks of 128 rows (prefill): the wgmma's N of 128 tokens against each unpacked weight tile, so
@@ -400,6 +406,7 @@ def launch_decode(
     stages: int = STAGES,
     early_up_words: bool = False,
     group_blocks: int = 0,
+    max_registers: int = 0,
     out_kernel_order: bool = False,
 ) -> None:
     """`_decode_kernel` over `blocks`: x bf16 [rows, K] already in the kernel's K order (gate/up:
@@ -408,7 +415,8 @@ def launch_decode(
     weight rows per program. early_up_words (gate/up): the up matrix's words are read from
     shared memory before the gate's unpack (a candidate, `CANDIDATES`). group_blocks: the
     programs run in groups of this many blocks, each group's column tiles together
-    (`_grouped_program`); 0: all blocks of a column tile, then the next tile.
+    (`_grouped_program`); 0: all blocks of a column tile, then the next tile. max_registers:
+    the compiler's cap per thread (0: none; a candidate, `CANDIDATES`).
 
     Raises:
         ValueError: a shape this kernel does not take (K not a multiple of 128, blocks of other
@@ -424,6 +432,8 @@ def launch_decode(
         raise ValueError("weight rows must start on 4-byte scale and 16-byte code boundaries")
     if group_blocks < 0:
         raise ValueError(f"group_blocks = {group_blocks}: not a group size")
+    if max_registers and not 24 <= max_registers <= 255:
+        raise ValueError(f"max_registers = {max_registers}: not a register cap")
     block_n = 16 * num_warps
     num_blocks = blocks.block_expert.numel()
     grid = (num_blocks, -(-n // block_n))
@@ -457,4 +467,5 @@ def launch_decode(
         EARLY_UP_WORDS=early_up_words,
         GROUP_BLOCKS=group_blocks,
         num_warps=num_warps,
+        **({"maxnreg": max_registers} if max_registers else {}),
     )

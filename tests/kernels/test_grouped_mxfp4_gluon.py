@@ -23,7 +23,8 @@ needs_hopper = pytest.mark.skipif(
 def _tiles_id(tiles: dict) -> str:
     early = "-early" if tiles.get("early_up_words") else ""
     group = f"-g{tiles['group_blocks']}" if tiles.get("group_blocks") else ""
-    return f"w{tiles['num_warps']}-s{tiles['stages']}{early}{group}"
+    cap = f"-r{tiles['max_registers']}" if tiles.get("max_registers") else ""
+    return f"w{tiles['num_warps']}-s{tiles['stages']}{early}{group}{cap}"
 
 
 _DECODE_SHAPES = (  # (tokens, dim, inter, block_m)
@@ -252,3 +253,13 @@ def test_launcher_refuses_weights_off_their_copy_boundaries() -> None:
     out = torch.empty(blocks.num_positions, 4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="boundaries"):
         gluon_decode.launch_decode(x, blocks, (codes, scales), out, 7.0, None)
+
+
+def test_launcher_refuses_a_register_cap_the_compiler_cannot_take() -> None:
+    blocks = align_to_experts(torch.zeros(4, 2, dtype=torch.long), 4, 16)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    weights = (torch.zeros(4, 8, 128, dtype=torch.int8), torch.zeros(4, 8, 8, dtype=torch.uint8))
+    out = torch.empty(blocks.num_positions, 4, dtype=torch.bfloat16)
+    for cap in (8, 300):
+        with pytest.raises(ValueError, match="register cap"):
+            gluon_decode.launch_decode(x, blocks, weights, out, 7.0, None, max_registers=cap)
