@@ -98,10 +98,11 @@ def main() -> None:
         return
     two_pass = [tiles for tiles in CANDIDATES if tiles.two_pass]
 
-    def variants_of(choice):  # the choice's shape with the candidates' other row decode
-        shape = dataclasses.replace(choice, unpack_rows=False)
-        return [t for t in CANDIDATES
-                if t != choice and dataclasses.replace(t, unpack_rows=False) == shape]  # fmt: skip
+    def variants_of(choice):  # the choice's shape with the candidates' other decode or stages
+        def shape(tiles):
+            return dataclasses.replace(tiles, unpack_rows=False, num_stages=1)
+
+        return [t for t in CANDIDATES if t != choice and shape(t) == shape(choice)]
 
     print(f"{'T':>5} {'tiles':<26} {'µs':>8} {'GB/s':>7} {'TFLOP/s':>8} {'rel diff':>9}")
     for num_seqs, new in launches:

@@ -181,6 +181,11 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(64, 32, block_d=256, num_warps=8, two_pass=True),
     # the `TILES` shapes with the plain per-value decode of the selected rows
     MqaTiles(16, 64, splits=2, rotates_q=True),
+    # the 16-token shape with Triton's pipelined loads: one program per SM there (sm90 compile,
+    # Triton 3.6: 228 registers, 128 KB of shared memory), so each tile's gathers wait in full;
+    # 2 / 3 stages compile to 234 / 255 registers, no spills (not yet run; 2026-12-07)
+    MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True, num_stages=2),
+    MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True, num_stages=3),
 )
 if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate queries in the load
     TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4, rotates_q=True)),)
