@@ -61,15 +61,14 @@ def _radix_digits(row_ptr, width, prefix, prefix_mask, SHIFT: tl.constexpr, BLOC
         inside = cols < width
         x = tl.load(row_ptr + cols, mask=inside, other=-float("inf"))
         u = _keys(x).to(tl.uint32, bitcast=True) ^ 0x80000000  # unsigned, ordered as x
-        digit = ((u >> SHIFT) & 255).to(tl.int32)
-        match = inside & ((u & prefix_mask) == prefix)
-        counts += tl.histogram(tl.where(match, digit, 256 + (digit & 255)), 2 * 256)
+        counts += _digit_counts(u, inside, prefix, prefix_mask, SHIFT)
     return counts
 
 
 @triton.jit
-def _resident_digits(u, inside, prefix, prefix_mask, SHIFT: tl.constexpr):
-    """`_radix_digits` of a row held in registers (u: its unsigned ordered keys)."""
+def _digit_counts(u, inside, prefix, prefix_mask, SHIFT: tl.constexpr):
+    """`_radix_digits`' counts over the unsigned ordered keys u of a tile, or of a whole row
+    held in registers."""
     digit = ((u >> SHIFT) & 255).to(tl.int32)
     match = inside & ((u & prefix_mask) == prefix)
     return tl.histogram(tl.where(match, digit, 256 + (digit & 255)), 2 * 256)
@@ -121,7 +120,7 @@ def _index_topk_kernel(
     bins = tl.arange(0, 2 * 256)
     for step in tl.static_range(4):
         if RESIDENT:
-            counts = _resident_digits(u, inside, prefix, prefix_mask, 24 - 8 * step)
+            counts = _digit_counts(u, inside, prefix, prefix_mask, 24 - 8 * step)
         else:
             counts = _radix_digits(row_ptr, width, prefix, prefix_mask, 24 - 8 * step, BLOCK)
         counts = tl.where(bins < 256, counts, 0)

@@ -40,14 +40,13 @@ def _scores_of(x: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
     return torch.where(selection >= 0, x.gather(-1, selection.clamp(min=0)), -1e30)
 
 
-def selections(cases, device: str = "cpu", resident_width: int | None = None) -> list[list[bool]]:
+def selections(cases, device: str = "cpu", resident_width: int = 0) -> list[list[bool]]:
     """Per case: [equal to the stable-sort rule, same scores in the same order as torch.topk]
-    (resident_width: the launcher's, default its own)."""
+    (resident_width: the launcher's)."""
     rows = []
-    options = {} if resident_width is None else {"resident_width": resident_width}
     for seed, (num_rows, width, k) in enumerate(cases):
         x = scores_with_ties_and_holes(num_rows, width, seed).to(device)
-        got = index_topk(x, k, **options)
+        got = index_topk(x, k, resident_width=resident_width)
         reference = index_topk_reference(x, k)
         rows.append(
             [
