@@ -4,7 +4,7 @@
                                            [--rotate-q]
 
 Each launch runs the `TILES` choice, the candidates that are that shape with the other
-row decode (`MqaTiles.unpack_rows`), and every two-pass
+row decode (`MqaTiles.unpack_rows`), and every two-pass and Gluon (`MqaTiles.gluon`)
 candidate, on the release layer of `kernel_speed --only attention` (64 heads × 512, window
 128, 512 selected FP4 rows, 8K context): one token per sequence (window in the MXFP8 ring), or
 one prefill chunk of N tokens ending at 8K (window from bf16 rows); each shape timed alone
@@ -96,7 +96,7 @@ def main() -> None:
     if args.rotate_q:
         rotate_q_rows(launches, device)
         return
-    two_pass = [tiles for tiles in CANDIDATES if tiles.two_pass]
+    two_pass = [tiles for tiles in CANDIDATES if tiles.two_pass or tiles.gluon]
 
     def variants_of(choice):  # the choice's shape with the candidates' other decode or stages
         def shape(tiles):

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import check_runnable, interpreting
+from kernels import check_runnable, interpreting, sparse_mqa_gluon
 from kernels.element_codes import fp4_rows_to_float, mxfp8_rows_to_float
 from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
 from kernels.rope import apply_rope, apply_rope_reference, cos_sin, rotate
@@ -109,6 +109,10 @@ class MqaTiles:
     unpack_rows (CUDA): the selected FP4 rows decoded by the expert GEMM's in-register unpack
     (`_unpacked_global_rows`: 32-bit words, inline PTX, bf16x2 multiplies) instead of
     `_global_rows`'s per-value conversions; the same exact bf16 rows.
+    gluon (sm90): the Gluon kernel instead (`kernels.sparse_mqa_gluon`: one pass, every head
+    and column of a token in one program of two warpgroups, block_n rows per tile; bf16
+    queries); the queries' and the output's RoPE as their own launches. Where the `TILES`
+    choice has it and the launch cannot take it, `GLUON_FALLBACK` runs instead.
     """
 
     block_h: int
@@ -120,6 +124,7 @@ class MqaTiles:
     two_pass: bool = False
     rotates_q: bool = False
     unpack_rows: bool = False
+    gluon: bool = False
 
     def __str__(self) -> str:
         d = self.block_d or "D"
@@ -127,9 +132,10 @@ class MqaTiles:
         rotates = " rq" if self.rotates_q else ""
         stages = f" st{self.num_stages}" if self.num_stages != 1 else ""
         unpack = " up" if self.unpack_rows else ""
+        gluon = " gl" if self.gluon else ""
         return (
             f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}{passes}"
-            f"{rotates}{stages}{unpack}"
+            f"{rotates}{stages}{unpack}{gluon}"
         )
 
 
@@ -186,7 +192,14 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     # 2 / 3 stages compile to 234 / 255 registers, no spills (not yet run; 2026-12-07)
     MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True, num_stages=2),
     MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True, num_stages=3),
+    # the Gluon kernel (sm90 compile, Triton 3.6: 255 registers without spills at D = 512;
+    # shared memory 208 KB at 64 rows per tile, 137 KB at 32; not yet run, 2026-12-07)
+    MqaTiles(64, 64, num_warps=8, gluon=True),
+    MqaTiles(64, 32, num_warps=8, gluon=True),
 )
+# What a launch whose `TILES` choice is a Gluon shape runs where that kernel cannot (not sm90,
+# fp32 queries, a pool off 4-byte rows): the two-pass shape.
+GLUON_FALLBACK = MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, unpack_rows=True)
 if _INTERPRETING:  # 16 heads per program, as the CUDA shapes that rotate queries in the load
     TILES = ((1 << 62, MqaTiles(16, 16, num_warps=4, rotates_q=True)),)
     FIXED_TILES = MqaTiles(16, 16, num_warps=4, rotates_q=True)
@@ -207,6 +220,17 @@ def _unpack_rows_runs(global_rows: tuple | None) -> bool:
         return True
     pool = global_rows[0]
     return not any(start % 4 for start in (pool.data_ptr(), pool.stride(0), pool.stride(1)))
+
+
+def _gluon_runs(q: Tensor, ring, window_rows, global_rows: tuple | None) -> bool:
+    """Whether `MqaTiles.gluon` can take this launch (`sparse_mqa_gluon.takes`)."""
+    if _INTERPRETING or not sparse_mqa_gluon.runs_here(q):
+        return False
+    if window_rows is not None:
+        rows = window_rows[0]
+        if rows.data_ptr() % 16 or any(stride % 8 for stride in rows.stride()[:2]):
+            return False
+    return sparse_mqa_gluon.takes(q, None if global_rows is None else global_rows[0])
 
 
 @triton.jit
@@ -993,8 +1017,15 @@ def sparse_mqa(
         raise ValueError("window_floor must be int64 [sequences]")
     if tiles is None:
         tiles = FIXED_TILES if fixed_tiles else choose_tiles(num_tokens)
+        if tiles.gluon and not _gluon_runs(q, ring, window_rows, global_rows):
+            tiles = GLUON_FALLBACK
         if tiles.unpack_rows and not _unpack_rows_runs(global_rows):
             tiles = dataclasses.replace(tiles, unpack_rows=False)  # the same rows, bit for bit
+    elif tiles.gluon and not _gluon_runs(q, ring, window_rows, global_rows):
+        raise ValueError(
+            f"tiles {tiles}: the Gluon kernel needs sm90, bf16 queries of width 64..512 and "
+            "16-byte window rows, 4-byte pool rows"
+        )
     block_d = min(tiles.block_d or dim, dim)
     if block_d < 32 or dim % block_d or tiles.splits & (tiles.splits - 1):
         raise ValueError(f"tiles {tiles} need 32 <= block_d | {dim} and power-of-two splits")
@@ -1065,6 +1096,15 @@ def sparse_mqa(
         selection.stride(0),
         tables.stride(0),
     )
+    if tiles.gluon:
+        sparse_mqa_gluon.launch(
+            q, seq_of_token, positions, sources, sink, out, softmax_scale, ratio=ratio,
+            window=window, window_in_ring=ring is not None, has_floor=window_floor is not None,
+            block_n=tiles.block_n,
+        )  # fmt: skip
+        if rotate_back is not None:  # out is rounded to q's dtype: `_rotated_back`'s result
+            apply_rope(out, positions, rotate_back, inverse=True, in_place=True)
+        return out
     if tiles.two_pass:
         window_per_token = ring is None
         for start in range(0, num_tokens, TWO_PASS_TOKENS):

@@ -1,0 +1,481 @@
+"""`sparse_mqa`'s attention in one pass over full-width rows, written in Gluon for Hopper: every
+head of a token in one program (the wgmma's M = 64), every output column in it, the rows
+decoded once into shared memory and read there by both products (FlashMLA's layout, which
+Triton's `tl.dot` path spilled on):
+
+    per program: one token's 64 heads; q [64, D] bf16 in shared memory (cp.async)
+    per tile of BLOCK_N rows (the window's, then the selected ones):
+        rows -> shared memory [BLOCK_N, D] bf16 (bf16 window rows by cp.async; MXFP8 ring
+                rows and FP4 pool rows decoded in registers, stored)
+        S = q · rowsᵀ                          wgmma, the two warpgroups half the rows each
+        online softmax over S (row max and sum across both warpgroups)
+        P = exp(S − max) as a bf16 head and remainder in shared memory (~16 bits, as the
+            Triton kernels' `_split_dot`)
+        O[:, half w] = O · alpha + P_head · rows + P_rest · rows   wgmma, warpgroup w: D/2
+                columns of O (128 fp32 registers a thread at D = 512)
+      the next tile's rows are loaded and decoded while the tensor cores run P · rows.
+    end: the sink folded in, O / sum stored (fp32, or rounded to q's dtype).
+
+Against the Triton two-pass kernels (`sparse_mqa._mqa_scores_kernel`, `_mqa_values_kernel`) a
+4,096-token chunk's scores make no round trip through memory (~2.7 GB per layer) and each row
+is decoded once per token instead of once per column block.
+
+Contract (what `launch` checks): q bf16 [T, H, D] with D a power of two from 64 to 512 (the
+products' N per warpgroup at most 256), any H (programs of 64 heads, the missing ones zero
+and never stored), rows as `sparse_mqa` takes them, a pool whose rows start on 4-byte
+boundaries (32-bit word loads). The RoPE of queries and output stays with the caller
+(`kernels.rope` launches, the same bits as `sparse_mqa`'s rounding then rotation).
+
+Gluon is experimental: `AVAILABLE` is False where this Triton lacks it, and `runs_here` False
+off sm90; `sparse_mqa` then keeps its Triton shapes. The torch reference is
+`sparse_mqa.sparse_mqa_reference`; the `gpu` tests compare with it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    # Triton 3.6 names the cp.async copy `async_copy_global_to_shared`, later ones `async_load`
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    AVAILABLE = True
+except (ImportError, AttributeError):  # a Triton without (this) Gluon
+    AVAILABLE = False
+
+HEADS = 64  # query heads per program: the wgmma's M
+NUM_WARPS = 8  # two warpgroups, each owning half of the output columns
+CHUNK = 128  # columns of a tile decoded in registers at once
+BLOCK_NS = (32, 64)  # rows per tile that fit shared memory beside q at D = 512
+
+
+if AVAILABLE:
+    _HEADS = gl.constexpr(HEADS)
+    _CHUNK = gl.constexpr(CHUNK)
+    # bf16 2^118 in both halves: the unpack's e2m1 · 2^-126 becomes e2m1 · 2^-8 (normal, exact)
+    _PRESCALE = gl.constexpr(0x7A807A80)
+    _BF16X2_PRODUCT = gl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
+
+    @gluon.constexpr_function
+    def _product_layout(n):
+        """Accumulator of [64, n]: the two warpgroups take n / 2 columns each."""
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16]
+        )
+
+    @gluon.constexpr_function
+    def _bytes_layout(width):
+        """[rows, width] tiles of `width`-byte-aligned loads: 16 contiguous bytes per thread."""
+        per_thread = 16 // width
+        return gl.BlockedLayout(
+            size_per_thread=[1, per_thread], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
+            order=[1, 0],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _window_valid(offset, position, floor, WINDOW: gl.constexpr):
+        """Which window rows `offset` (row i: key position p − WINDOW + 1 + i) are real."""
+        start = (position - (WINDOW - 1)).to(gl.int32)
+        return (offset >= (floor - start).to(gl.int32)) & (offset < WINDOW)
+
+    @gluon.jit
+    def _selected_rows(selection_ptr, block_table_ptr, token, seq, k, num_selected, stride_sel,
+                       stride_table, stride_pool_block, stride_pool_row,
+                       RATIO: gl.constexpr):  # fmt: skip
+        """Byte offsets in the pool of selected rows k, and which are real."""
+        j = gl.load(selection_ptr + token * stride_sel + k, mask=k < num_selected, other=-1)
+        valid = j >= 0
+        j = gl.where(valid, j, 0)
+        block = gl.load(block_table_ptr + seq * stride_table + (j * RATIO) // 128)
+        rows_per_block: gl.constexpr = 128 // RATIO
+        return block * stride_pool_block + (j % rows_per_block) * stride_pool_row, valid
+
+    @gluon.jit
+    def _scaled(packed, pairs):
+        """bf16 [.., 2] of the bf16x2 registers `packed` times `pairs` (low half, high half)."""
+        product = gl.inline_asm_elementwise(
+            _BF16X2_PRODUCT, "=r,r,r", [packed, pairs], gl.int32, is_pure=True, pack=1
+        )
+        low = (product & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+        return gl.join(low, (product >> 16).to(gl.uint16).to(gl.bfloat16, bitcast=True))
+
+    @gluon.jit
+    def _store_fp4_rows(rows_smem, pool_ptr, row_offset, valid, D: gl.constexpr,
+                        BLOCK_N: gl.constexpr):  # fmt: skip
+        """FP4 pool rows (D/2 bytes of e2m1 pairs, then D/16 e4m3 scales) as exact bf16 into
+        `rows_smem` [BLOCK_N, D], CHUNK columns at a time: each 32-bit word of codes through
+        the expert GEMM's unpack (e2m1 · 2^-8), then one bf16x2 multiply by its 16 columns'
+        scale · 2^8 (exact: at most 6 significant bits, between 2^-10 and 2^12)."""
+        layout: gl.constexpr = _bytes_layout(4)
+        width: gl.constexpr = _CHUNK if D > _CHUNK else D
+        words_per_chunk: gl.constexpr = width // 8
+        offsets = gl.convert_layout(row_offset, gl.SliceLayout(1, layout))
+        is_row = gl.convert_layout(valid, gl.SliceLayout(1, layout))[:, None]
+        word = gl.arange(0, words_per_chunk, layout=gl.SliceLayout(0, layout))
+        row_ptrs = pool_ptr + offsets[:, None]
+        prescale = gl.full([BLOCK_N, words_per_chunk], _PRESCALE, gl.int32, layout)
+        for chunk in gl.static_range(D // width):
+            first = chunk * words_per_chunk
+            word_ptrs = (row_ptrs + 4 * (first + word)[None, :]).to(gl.pointer_type(gl.int32))
+            words = gl.load(word_ptrs, mask=is_row, other=0)
+            scale_bytes = gl.load(
+                row_ptrs + (D // 2 + (first + word) // 2)[None, :], mask=is_row, other=0
+            ).to(gl.int32)
+            # e4m3 at fp16 bits reads as e4m3 · 2^-8; · 2^16 gives the multiplier e4m3 · 2^8
+            bits = ((scale_bytes & 0x80) << 8) | ((scale_bytes & 0x7F) << 7)
+            scales = bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * 65536.0
+            scales = scales.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+            pairs = scales | (scales << 16)
+            args = [words, prescale]
+            out0 = gl.inline_asm_elementwise(UNPACK_0, "=r,r,r", args, gl.int32, is_pure=True,
+                                             pack=1)  # fmt: skip
+            out1 = gl.inline_asm_elementwise(UNPACK_1, "=r,r,r", args, gl.int32, is_pure=True,
+                                             pack=1)  # fmt: skip
+            out2 = gl.inline_asm_elementwise(UNPACK_2, "=r,r,r", args, gl.int32, is_pure=True,
+                                             pack=1)  # fmt: skip
+            out3 = gl.inline_asm_elementwise(UNPACK_3, "=r,r,r", args, gl.int32, is_pure=True,
+                                             pack=1)  # fmt: skip
+            # out j holds values 8w + j (low half) and 8w + j + 4 (high half) of word w
+            values = gl.join(
+                gl.join(_scaled(out0, pairs), _scaled(out1, pairs)),
+                gl.join(_scaled(out2, pairs), _scaled(out3, pairs)),
+            )  # [N, W, h, j & 1, j >> 1]
+            values = gl.permute(values, [0, 1, 2, 4, 3])  # [N, W, h, j >> 1, j & 1]
+            values = gl.reshape(values, [BLOCK_N, width])  # column 8w + 4h + j
+            rows_smem.slice(chunk * width, width, dim=1).store(values)
+
+    @gluon.jit
+    def _store_ring_rows(rows_smem, ring_ptr, row_offset, valid, D: gl.constexpr,
+                         BLOCK_N: gl.constexpr):  # fmt: skip
+        """MXFP8 ring rows (D e4m3 codes, then D/32 ue8m0 scales) as exact bf16 into
+        `rows_smem` [BLOCK_N, D], CHUNK columns at a time, as [rows, groups of 32, 32]: each
+        thread holds 16 codes of one group and loads the group's scale once."""
+        layout: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, 1, 16], threads_per_warp=[4, 4, 2], warps_per_cta=[8, 1, 1],
+            order=[2, 1, 0],
+        )  # fmt: skip
+        groups: gl.constexpr = gl.SliceLayout(2, layout)
+        width: gl.constexpr = _CHUNK if D > _CHUNK else D
+        offsets = gl.convert_layout(row_offset, gl.SliceLayout(1, groups))
+        is_row = gl.convert_layout(valid, gl.SliceLayout(1, groups))[:, None]
+        group = gl.arange(0, width // 32, layout=gl.SliceLayout(0, groups))
+        within = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+        row_ptrs = ring_ptr + offsets[:, None]
+        for chunk in gl.static_range(D // width):
+            g = chunk * (width // 32) + group
+            exponent = gl.load(row_ptrs + (D + g)[None, :], mask=is_row, other=0)
+            multiplier = gl.exp2(exponent.to(gl.float32) - (127.0 - 8.0))
+            code_ptrs = row_ptrs[:, :, None] + (32 * g)[None, :, None] + within[None, None, :]
+            codes = gl.load(code_ptrs, mask=is_row[:, :, None], other=0).to(gl.int32)
+            # e4m3 (s, e, m) at fp16 bits: e4m3 · 2^-8
+            bits = ((codes & 0x80) << 8) | ((codes & 0x7F) << 7)
+            values = bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+            values = (values * multiplier[:, :, None]).to(gl.bfloat16)
+            rows_smem.slice(chunk * width, width, dim=1).store(gl.reshape(values, [BLOCK_N, width]))
+
+    @gluon.jit
+    def _load_tile(tile, rows_smem, token, seq, position, floor, window_index, window_ptr,
+                   pool_ptr, selection_ptr, block_table_ptr, num_selected, ring_len,
+                   stride_window_seq, stride_window_row, stride_pool_block, stride_pool_row,
+                   stride_sel, stride_table, RATIO: gl.constexpr, WINDOW: gl.constexpr,
+                   WINDOW_IN_RING: gl.constexpr, D: gl.constexpr,
+                   BLOCK_N: gl.constexpr):  # fmt: skip
+        """Tile `tile`'s rows (the window's tiles first, then the selected ones) into
+        `rows_smem`: bf16 window rows by cp.async (one commit group; rows that are not real
+        are zero), the others decoded and stored. The caller waits, fences and syncs."""
+        window_tiles: gl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
+        if tile < window_tiles:
+            if WINDOW_IN_RING:
+                _load_ring_tile(tile, rows_smem, position, floor, window_index, window_ptr,
+                                ring_len, stride_window_seq, stride_window_row, WINDOW, D,
+                                BLOCK_N)  # fmt: skip
+            else:
+                _copy_window_tile(tile, rows_smem, seq, position, floor, window_index,
+                                  window_ptr, stride_window_seq, stride_window_row, WINDOW, D,
+                                  BLOCK_N)  # fmt: skip
+        elif RATIO > 0:
+            _load_selected_tile(tile - window_tiles, rows_smem, token, seq, pool_ptr,
+                                selection_ptr, block_table_ptr, num_selected, stride_pool_block,
+                                stride_pool_row, stride_sel, stride_table, RATIO, D,
+                                BLOCK_N)  # fmt: skip
+
+    @gluon.jit
+    def _load_ring_tile(tile, rows_smem, position, floor, window_index, ring_ptr, ring_len,
+                        stride_window_seq, stride_window_row, WINDOW: gl.constexpr,
+                        D: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+        """Window tile `tile` from the sequence's ring of MXFP8 rows (`_store_ring_rows`): key
+        position q at row q % ring_len (ring_len >= WINDOW, 32-bit arithmetic per row)."""
+        layout: gl.constexpr = _bytes_layout(1)
+        offset = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        valid = _window_valid(offset, position, floor, WINDOW)
+        start = (position - (WINDOW - 1)).to(gl.int32)
+        base = gl.where(start >= 0, start % ring_len, start)
+        slot = base + offset
+        slot = gl.where(slot >= ring_len, slot - ring_len, slot)
+        row_offset = window_index * stride_window_seq + (
+            gl.where(valid, slot, 0) * stride_window_row
+        ).to(gl.int64)
+        _store_ring_rows(rows_smem, ring_ptr, row_offset, valid, D, BLOCK_N)
+
+    @gluon.jit
+    def _copy_window_tile(tile, rows_smem, seq, position, floor, window_index, window_ptr,
+                          stride_window_seq, stride_window_row, WINDOW: gl.constexpr,
+                          D: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+        """Window tile `tile` from the token's bf16 rows by cp.async, one commit group (rows
+        that are not real are zero-filled)."""
+        layout: gl.constexpr = _bytes_layout(2)
+        offset = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        valid = _window_valid(offset, position, floor, WINDOW)
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        row = (window_index + gl.where(valid, offset, 0)).to(gl.int64)
+        # the sequence stride comes in 16-byte units: the copies' alignment is then known
+        ptrs = window_ptr + seq * (stride_window_seq * 8) + row[:, None] * stride_window_row
+        _async_load(rows_smem, ptrs + d[None, :], mask=valid[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _load_selected_tile(tile, rows_smem, token, seq, pool_ptr, selection_ptr,
+                            block_table_ptr, num_selected, stride_pool_block, stride_pool_row,
+                            stride_sel, stride_table, RATIO: gl.constexpr, D: gl.constexpr,
+                            BLOCK_N: gl.constexpr):  # fmt: skip
+        """Selected tile `tile` (rows tile · BLOCK_N ..) from the FP4 pool (`_store_fp4_rows`)."""
+        layout: gl.constexpr = _bytes_layout(4)
+        k = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        row_offset, valid = _selected_rows(
+            selection_ptr, block_table_ptr, token, seq, k, num_selected, stride_sel,
+            stride_table, stride_pool_block, stride_pool_row, RATIO,
+        )  # fmt: skip
+        _store_fp4_rows(rows_smem, pool_ptr, row_offset.to(gl.int64), valid, D, BLOCK_N)
+
+    @gluon.jit
+    def _tile_valid(tile, token, position, floor, selection_ptr, num_selected, stride_sel,
+                    WINDOW: gl.constexpr, BLOCK_N: gl.constexpr,
+                    LAYOUT: gl.constexpr):  # fmt: skip
+        """Which of tile `tile`'s rows are real, [BLOCK_N] in LAYOUT."""
+        window_tiles: gl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
+        offset = gl.arange(0, BLOCK_N, layout=LAYOUT)
+        if tile < window_tiles:
+            valid = _window_valid(tile * BLOCK_N + offset, position, floor, WINDOW)
+        else:
+            k = (tile - window_tiles) * BLOCK_N + offset
+            j = gl.load(selection_ptr + token * stride_sel + k, mask=k < num_selected, other=-1)
+            valid = j >= 0
+        return valid
+
+    @gluon.jit(
+        do_not_specialize=[
+            "num_selected", "ring_len", "stride_window_seq", "stride_sel", "stride_table",
+        ]
+    )  # fmt: skip
+    def _attention_kernel(
+        q_ptr,
+        seq_ptr,
+        position_ptr,
+        window_ptr,
+        window_index_ptr,
+        window_floor_ptr,
+        pool_ptr,
+        selection_ptr,
+        block_table_ptr,
+        sink_ptr,
+        out_ptr,
+        num_heads,
+        num_selected,
+        ring_len,
+        softmax_scale,
+        stride_qt,
+        stride_qh,
+        stride_window_seq,
+        stride_window_row,
+        stride_pool_block,
+        stride_pool_row,
+        stride_sel,
+        stride_table,
+        stride_ot,
+        stride_oh,
+        RATIO: gl.constexpr,
+        WINDOW: gl.constexpr,
+        WINDOW_IN_RING: gl.constexpr,
+        HAS_FLOOR: gl.constexpr,
+        D: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+    ):
+        s_layout: gl.constexpr = _product_layout(BLOCK_N)
+        o_layout: gl.constexpr = _product_layout(D)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        q_load: gl.constexpr = _bytes_layout(2)
+        q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, D], gl.bfloat16)
+        rows_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_N, D], gl.bfloat16
+        )
+        p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [_HEADS, BLOCK_N], gl.bfloat16
+        )
+
+        head_blocks = gl.cdiv(num_heads, _HEADS)
+        program = gl.program_id(0)
+        token = (program // head_blocks).to(gl.int64)
+        first_head = (program % head_blocks) * _HEADS
+        seq = gl.load(seq_ptr + token)
+        position = gl.load(position_ptr + token)
+        floor = 0
+        if HAS_FLOOR:
+            floor = gl.load(window_floor_ptr + seq)
+        if WINDOW_IN_RING:  # the sequence's slot
+            window_index = gl.load(window_index_ptr + seq)
+        else:  # the token's first row in its sequence's rows
+            window_index = gl.load(window_index_ptr + token)
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [_HEADS, D], q_shared)
+        rows_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D], rows_shared)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HEADS, BLOCK_N], p_shared)
+
+        heads = first_head + gl.arange(0, _HEADS, layout=gl.SliceLayout(1, q_load))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, q_load))
+        q_ptrs = q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        _async_load(q_smem, q_ptrs, mask=(heads < num_heads)[:, None])
+        async_copy.commit_group()
+
+        window_tiles: gl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
+        num_tiles = window_tiles
+        if RATIO > 0:
+            num_tiles += gl.cdiv(num_selected, BLOCK_N)
+        _load_tile(0, rows_smem.index(0), token, seq, position, floor, window_index, window_ptr,
+                   pool_ptr, selection_ptr, block_table_ptr, num_selected, ring_len,
+                   stride_window_seq, stride_window_row, stride_pool_block, stride_pool_row,
+                   stride_sel, stride_table, RATIO, WINDOW, WINDOW_IN_RING, D,
+                   BLOCK_N)  # fmt: skip
+
+        m = gl.full([_HEADS], -1.0e30, gl.float32, s_rows)
+        total = gl.zeros([_HEADS], gl.float32, s_rows)
+        o = gl.zeros([_HEADS, D], gl.float32, o_layout)
+        s_init = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
+        for tile in range(num_tiles):
+            slot = tile % 2
+            rows = rows_smem.index(slot)
+            # this tile's rows (every thread's copies and stores) and q are in shared memory
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+            s = warpgroup_mma(q_smem, rows.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            valid = _tile_valid(tile, token, position, floor, selection_ptr, num_selected,
+                                stride_sel, WINDOW, BLOCK_N,
+                                gl.SliceLayout(0, s_layout))  # fmt: skip
+            s = warpgroup_mma_wait(0, deps=(s,))
+            s = gl.where(valid[None, :], s * softmax_scale, float("-inf"))
+            m_new = gl.maximum(m, gl.max(s, axis=1))
+            alpha = gl.exp(m - m_new)
+            p = gl.exp(s - m_new[:, None])
+            total = total * alpha + gl.sum(p, axis=1)
+            m = m_new
+            p_head = p.to(gl.bfloat16)
+            p_smem.index(0).store(p_head)
+            p_smem.index(1).store((p - p_head.to(gl.float32)).to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            o = o * gl.convert_layout(alpha, o_rows)[:, None]
+            o = warpgroup_mma(p_smem.index(0), rows, o, is_async=True)
+            o = warpgroup_mma(p_smem.index(1), rows, o, is_async=True)
+            if tile + 1 < num_tiles:  # the next tile's rows while the tensor cores run
+                _load_tile(tile + 1, rows_smem.index(1 - slot), token, seq, position, floor,
+                           window_index, window_ptr, pool_ptr, selection_ptr, block_table_ptr,
+                           num_selected, ring_len, stride_window_seq, stride_window_row,
+                           stride_pool_block, stride_pool_row, stride_sel, stride_table, RATIO,
+                           WINDOW, WINDOW_IN_RING, D, BLOCK_N)  # fmt: skip
+            o = warpgroup_mma_wait(0, deps=(o,))
+
+        out_heads = first_head + gl.arange(0, _HEADS, layout=o_rows)
+        is_head = out_heads < num_heads
+        sink = gl.load(sink_ptr + out_heads, mask=is_head, other=0.0)
+        m_o = gl.convert_layout(m, o_rows)
+        m_final = gl.maximum(m_o, sink)
+        rescale = gl.exp(m_o - m_final)
+        total = gl.convert_layout(total, o_rows) * rescale + gl.exp(sink - m_final)
+        out = o * (rescale / total)[:, None]
+        out_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        out_ptrs = out_ptr + token * stride_ot + out_heads[:, None] * stride_oh + out_d[None, :]
+        gl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
+
+
+def runs_here(q: Tensor) -> bool:
+    """Whether this kernel can run on q's device: Gluon present and a Hopper GPU (sm90)."""
+    if not (AVAILABLE and q.is_cuda):
+        return False
+    return _is_sm90(torch.cuda.current_device() if q.device.index is None else q.device.index)
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def takes(q: Tensor, pool: Tensor | None) -> bool:
+    """Whether `launch` takes this launch's queries and pool (module docstring's contract)."""
+    dim = q.shape[-1]
+    if q.dtype != torch.bfloat16 or dim & (dim - 1) or not 64 <= dim <= 512:
+        return False
+    if q.stride(-1) != 1 or q.data_ptr() % 16 or any(s % 8 for s in q.stride()[:2]):
+        return False  # q's rows by 16-byte copies
+    if pool is None:
+        return True
+    return not any(start % 4 for start in (pool.data_ptr(), pool.stride(0), pool.stride(1)))
+
+
+def launch(
+    q: Tensor,
+    seq_of_token: Tensor,
+    positions: Tensor,
+    sources: tuple[Tensor, ...],
+    sink: Tensor,
+    out: Tensor,
+    softmax_scale: float,
+    *,
+    ratio: int,
+    window: int,
+    window_in_ring: bool,
+    has_floor: bool,
+    block_n: int = 64,
+) -> None:
+    """`_attention_kernel` over the tokens of q, one program per token and 64 heads. sources:
+    (window rows, window index, floor, pool, selection, block tables) as `sparse_mqa` builds
+    them for its Triton kernels (without a KV source, ratio 0 and the last three unread).
+    out: [T, H, D] fp32 or q's dtype (rounded once).
+
+    Raises:
+        ValueError: what `takes` refuses, bf16 window rows off 16-byte boundaries, or
+            block_n not in BLOCK_NS.
+    """
+    rows, _, _, pool, selection, tables = sources
+    if not takes(q, pool if ratio else None):
+        raise ValueError("the Gluon attention takes bf16 q [T, H, 64..512] and 4-byte pool rows")
+    if not window_in_ring and (rows.data_ptr() % 16 or any(s % 8 for s in rows.stride()[:2])):
+        raise ValueError("the Gluon attention copies bf16 window rows in 16-byte pieces")
+    if block_n not in BLOCK_NS:
+        raise ValueError(f"block_n = {block_n}: the Gluon attention takes {BLOCK_NS}")
+    num_tokens, num_heads, dim = q.shape
+    if not num_tokens:
+        return
+    window_seq = rows.stride(0) if window_in_ring else rows.stride(0) // 8  # 16-byte units
+    grid = (num_tokens * -(-num_heads // HEADS),)
+    _attention_kernel[grid](
+        q, seq_of_token, positions, *sources, sink, out, num_heads,
+        selection.shape[1] if ratio else 0, rows.shape[1], softmax_scale, q.stride(0),
+        q.stride(1), window_seq, rows.stride(1), pool.stride(0), pool.stride(1),
+        selection.stride(0), tables.stride(0), out.stride(0), out.stride(1), RATIO=ratio,
+        WINDOW=window, WINDOW_IN_RING=window_in_ring, HAS_FLOOR=has_floor, D=dim,
+        BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )  # fmt: skip
