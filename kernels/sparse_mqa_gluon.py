@@ -52,6 +52,8 @@ try:
 
     # Triton 3.6 names the cp.async copy `async_copy_global_to_shared`, later ones `async_load`
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    # and its CTA barrier `thread_barrier`, later ones `barrier`
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     AVAILABLE = True
 except (ImportError, AttributeError):  # a Triton without (this) Gluon
     AVAILABLE = False
@@ -370,7 +372,7 @@ if AVAILABLE:
             # this tile's rows (every thread's copies and stores) and q are in shared memory
             async_copy.wait_group(0)
             fence_async_shared()
-            gl.thread_barrier()
+            _cta_barrier()
             s = warpgroup_mma(q_smem, rows.permute((1, 0)), s_init, use_acc=False, is_async=True)
             valid = _tile_valid(tile, token, position, floor, selection_ptr, num_selected,
                                 stride_sel, WINDOW, BLOCK_N,
@@ -386,7 +388,7 @@ if AVAILABLE:
             p_smem.index(0).store(p_head)
             p_smem.index(1).store((p - p_head.to(gl.float32)).to(gl.bfloat16))
             fence_async_shared()
-            gl.thread_barrier()
+            _cta_barrier()
             o = o * gl.convert_layout(alpha, o_rows)[:, None]
             o = warpgroup_mma(p_smem.index(0), rows, o, is_async=True)
             o = warpgroup_mma(p_smem.index(1), rows, o, is_async=True)
