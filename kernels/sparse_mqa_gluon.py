@@ -243,8 +243,8 @@ if AVAILABLE:
         valid = _window_valid(offset, position, floor, WINDOW)
         d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
         row = (window_index + gl.where(valid, offset, 0)).to(gl.int64)
-        # the sequence stride comes in 16-byte units: the copies' alignment is then known
-        ptrs = window_ptr + seq * (stride_window_seq * 8) + row[:, None] * stride_window_row
+        # the strides come in 16-byte units: the copies' alignment is then known
+        ptrs = window_ptr + seq * (stride_window_seq * 8) + row[:, None] * (stride_window_row * 8)
         _async_load(rows_smem, ptrs + d[None, :], mask=valid[:, None])
         async_copy.commit_group()
 
@@ -348,7 +348,8 @@ if AVAILABLE:
 
         heads = first_head + gl.arange(0, _HEADS, layout=gl.SliceLayout(1, q_load))
         d = gl.arange(0, D, layout=gl.SliceLayout(0, q_load))
-        q_ptrs = q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        # q's strides come in 16-byte units: the copies' alignment is then known
+        q_ptrs = q_ptr + token * (stride_qt * 8) + heads[:, None] * (stride_qh * 8) + d[None, :]
         _async_load(q_smem, q_ptrs, mask=(heads < num_heads)[:, None])
         async_copy.commit_group()
 
@@ -471,12 +472,14 @@ def launch(
     num_tokens, num_heads, dim = q.shape
     if not num_tokens:
         return
-    window_seq = rows.stride(0) if window_in_ring else rows.stride(0) // 8  # 16-byte units
+    # bf16 rows' and q's strides in 16-byte units (`_copy_window_tile`); ring rows' in bytes
+    unit = 1 if window_in_ring else 8
     grid = (num_tokens * -(-num_heads // HEADS),)
     _attention_kernel[grid](
         q, seq_of_token, positions, *sources, sink, out, num_heads,
-        selection.shape[1] if ratio else 0, rows.shape[1], softmax_scale, q.stride(0),
-        q.stride(1), window_seq, rows.stride(1), pool.stride(0), pool.stride(1),
+        selection.shape[1] if ratio else 0, rows.shape[1], softmax_scale, q.stride(0) // 8,
+        q.stride(1) // 8, rows.stride(0) // unit, rows.stride(1) // unit, pool.stride(0),
+        pool.stride(1),
         selection.stride(0), tables.stride(0), out.stride(0), out.stride(1), RATIO=ratio,
         WINDOW=window, WINDOW_IN_RING=window_in_ring, HAS_FLOOR=has_floor, D=dim,
         BLOCK_N=block_n, num_warps=NUM_WARPS,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import re
@@ -604,3 +605,30 @@ def test_decode_kernels_compile_without_64_bit_division() -> None:
         ptx = _decode_kernel_ptx(kernel, constexprs, num_warps)
         divisions = re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)
         assert divisions == [], (kernel.fn.__name__, divisions)
+
+
+def test_gluon_tiles_are_refused_where_that_kernel_cannot_run() -> None:
+    """Asked for by name, the Gluon shape is refused off sm90 (here: the CPU) and for fp32
+    queries with a clear error, never run in some other form."""
+    args, sources = _inputs(CASES[6])
+    tiles = next(tiles for tiles in CANDIDATES if tiles.gluon)
+    for q in (args[0], args[0].bfloat16()):
+        with pytest.raises(ValueError, match="Gluon kernel needs sm90, bf16 queries"):
+            sparse_mqa(q, *args[1:], **sources, tiles=tiles)
+
+
+@pytest.mark.slow
+def test_gluon_attention_runs_the_products_its_docstring_names() -> None:
+    """`sparse_mqa_gluon`, compiled for sm90 at the released decode layer: per tile one
+    q · rowsᵀ over D in steps of 16 (N = block_n / 2 rows per warpgroup) and two P · rows
+    (the probabilities' bf16 head and remainder; N = D / 2 columns per warpgroup), so each
+    row is decoded once per token and read by both products from shared memory."""
+    from kernels import sparse_mqa_gluon
+
+    if not sparse_mqa_gluon.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    for block_n in sparse_mqa_gluon.BLOCK_NS:
+        ptx = _decode_kernel_ptx(sparse_mqa_gluon._attention_kernel, {"BLOCK_N": block_n}, 8)
+        shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
+        expected = {f"m64n{block_n // 2}k16": 512 // 16, "m64n256k16": 2 * block_n // 16}
+        assert dict(collections.Counter(shapes)) == expected
