@@ -321,9 +321,7 @@ if AVAILABLE:
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         q_load: gl.constexpr = _bytes_layout(2)
         q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, D], gl.bfloat16)
-        rows_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-            [BLOCK_N, D], gl.bfloat16
-        )
+        rows_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
         p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [_HEADS, BLOCK_N], gl.bfloat16
         )
