@@ -62,11 +62,13 @@ HEADS = 64  # query heads per program: the wgmma's M
 NUM_WARPS = 8  # two warpgroups, each owning half of the output columns
 CHUNK = 128  # columns of a tile decoded in registers at once
 BLOCK_NS = (32, 64)  # rows per tile that fit shared memory beside q at D = 512
+SUM_COLUMNS = 16  # P · ones [BLOCK_N, SUM_COLUMNS]: the wgmma's narrowest N, 8 per warpgroup
 
 
 if AVAILABLE:
     _HEADS = gl.constexpr(HEADS)
     _CHUNK = gl.constexpr(CHUNK)
+    _SUM_COLUMNS = gl.constexpr(SUM_COLUMNS)
     # bf16 2^118 in both halves: the unpack's e2m1 · 2^-126 becomes e2m1 · 2^-8 (normal, exact)
     _PRESCALE = gl.constexpr(0x7A807A80)
     _BF16X2_PRODUCT = gl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
@@ -342,7 +344,22 @@ if AVAILABLE:
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [_HEADS, D], q_shared)
         rows_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D], rows_shared)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HEADS, BLOCK_N], p_shared)
+        # P's bf16 head and remainder: two allocations, so their stores need no barrier between
+        p_head_smem = gl.allocate_shared_memory(gl.bfloat16, [_HEADS, BLOCK_N], p_shared)
+        p_rest_smem = gl.allocate_shared_memory(gl.bfloat16, [_HEADS, BLOCK_N], p_shared)
+        # each warpgroup's row maxima of a tile, exchanged through shared memory
+        max_smem = gl.allocate_shared_memory(
+            gl.float32, [_HEADS, 2], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        )
+        # P · ones: the probabilities' row sums on the tensor cores, from the same bf16 head
+        # and remainder as the values' product (no cross-warpgroup sum per tile)
+        ones_layout: gl.constexpr = _bytes_layout(2)
+        ones_smem = gl.allocate_shared_memory(
+            gl.bfloat16,
+            [BLOCK_N, _SUM_COLUMNS],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, _SUM_COLUMNS], gl.bfloat16),
+            gl.full([BLOCK_N, _SUM_COLUMNS], 1.0, gl.bfloat16, ones_layout),
+        )
 
         heads = first_head + gl.arange(0, _HEADS, layout=gl.SliceLayout(1, q_load))
         d = gl.arange(0, D, layout=gl.SliceLayout(0, q_load))
@@ -362,7 +379,8 @@ if AVAILABLE:
                    BLOCK_N)  # fmt: skip
 
         m = gl.full([_HEADS], -1.0e30, gl.float32, s_rows)
-        total = gl.zeros([_HEADS], gl.float32, s_rows)
+        t_layout: gl.constexpr = _product_layout(_SUM_COLUMNS)
+        total = gl.zeros([_HEADS, _SUM_COLUMNS], gl.float32, t_layout)  # every column the sum
         o = gl.zeros([_HEADS, D], gl.float32, o_layout)
         s_init = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
         for tile in range(num_tiles):
@@ -378,26 +396,34 @@ if AVAILABLE:
                                 gl.SliceLayout(0, s_layout))  # fmt: skip
             s = warpgroup_mma_wait(0, deps=(s,))
             s = gl.where(valid[None, :], s * softmax_scale, float("-inf"))
-            m_new = gl.maximum(m, gl.max(s, axis=1))
+            # each warpgroup's maxima over its half of the rows (its own columns of S), then
+            # both halves' through shared memory: one barrier
+            halves = gl.max(gl.reshape(s, [_HEADS, 2, BLOCK_N // 2]), axis=2)
+            max_smem.store(halves)
+            _cta_barrier()
+            tile_max = gl.max(max_smem.load(s_layout), axis=1)
+            m_new = gl.maximum(m, tile_max)
             alpha = gl.exp(m - m_new)
             p = gl.exp(s - m_new[:, None])
-            total = total * alpha + gl.sum(p, axis=1)
             m = m_new
             p_head = p.to(gl.bfloat16)
-            p_smem.index(0).store(p_head)
-            p_smem.index(1).store((p - p_head.to(gl.float32)).to(gl.bfloat16))
+            p_head_smem.store(p_head)
+            p_rest_smem.store((p - p_head.to(gl.float32)).to(gl.bfloat16))
             fence_async_shared()
             _cta_barrier()
             o = o * gl.convert_layout(alpha, o_rows)[:, None]
-            o = warpgroup_mma(p_smem.index(0), rows, o, is_async=True)
-            o = warpgroup_mma(p_smem.index(1), rows, o, is_async=True)
+            total = total * gl.convert_layout(alpha, gl.SliceLayout(1, t_layout))[:, None]
+            o = warpgroup_mma(p_head_smem, rows, o, is_async=True)
+            o = warpgroup_mma(p_rest_smem, rows, o, is_async=True)
+            total = warpgroup_mma(p_head_smem, ones_smem, total, is_async=True)
+            total = warpgroup_mma(p_rest_smem, ones_smem, total, is_async=True)
             if tile + 1 < num_tiles:  # the next tile's rows while the tensor cores run
                 _load_tile(tile + 1, rows_smem.index(1 - slot), token, seq, position, floor,
                            window_index, window_ptr, pool_ptr, selection_ptr, block_table_ptr,
                            num_selected, ring_len, stride_window_seq, stride_window_row,
                            stride_pool_block, stride_pool_row, stride_sel, stride_table, RATIO,
                            WINDOW, WINDOW_IN_RING, D, BLOCK_N)  # fmt: skip
-            o = warpgroup_mma_wait(0, deps=(o,))
+            o, total = warpgroup_mma_wait(0, deps=(o, total))
 
         out_heads = first_head + gl.arange(0, _HEADS, layout=o_rows)
         is_head = out_heads < num_heads
@@ -405,7 +431,7 @@ if AVAILABLE:
         m_o = gl.convert_layout(m, o_rows)
         m_final = gl.maximum(m_o, sink)
         rescale = gl.exp(m_o - m_final)
-        total = gl.convert_layout(total, o_rows) * rescale + gl.exp(sink - m_final)
+        total = gl.convert_layout(gl.max(total, axis=1), o_rows) * rescale + gl.exp(sink - m_final)
         out = o * (rescale / total)[:, None]
         out_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         out_ptrs = out_ptr + token * stride_ot + out_heads[:, None] * stride_oh + out_d[None, :]

@@ -622,7 +622,8 @@ def test_gluon_attention_runs_the_products_its_docstring_names() -> None:
     """`sparse_mqa_gluon`, compiled for sm90 at the released decode layer: per tile one
     q · rowsᵀ over D in steps of 16 (N = block_n / 2 rows per warpgroup) and two P · rows
     (the probabilities' bf16 head and remainder; N = D / 2 columns per warpgroup), so each
-    row is decoded once per token and read by both products from shared memory."""
+    row is decoded once per token and read by both products from shared memory; and the
+    same two times ones (N = 8 per warpgroup): the probabilities' sums."""
     from kernels import sparse_mqa_gluon
 
     if not sparse_mqa_gluon.AVAILABLE:
@@ -631,4 +632,5 @@ def test_gluon_attention_runs_the_products_its_docstring_names() -> None:
         ptx = _decode_kernel_ptx(sparse_mqa_gluon._attention_kernel, {"BLOCK_N": block_n}, 8)
         shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
         expected = {f"m64n{block_n // 2}k16": 512 // 16, "m64n256k16": 2 * block_n // 16}
+        expected["m64n8k16"] = 2 * block_n // 16
         assert dict(collections.Counter(shapes)) == expected
