@@ -116,50 +116,98 @@ if AVAILABLE:
         low = (product & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
         return gl.join(low, (product >> 16).to(gl.uint16).to(gl.bfloat16, bitcast=True))
 
+    @gluon.constexpr_function
+    def _fp4_words_layout(block_n, width):
+        """[block_n, width / 8] words of codes over the 256 threads exactly once, each thread's
+        words contiguous (one vector load)."""
+        words = width // 8
+        per_thread = min(4, max(1, block_n * words // 256))
+        lanes = words // per_thread
+        return gl.BlockedLayout(
+            size_per_thread=[1, per_thread], threads_per_warp=[32 // lanes, lanes],
+            warps_per_cta=[8, 1], order=[1, 0],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _fp4_chunk_loads(row_ptrs, is_row, chunk, D: gl.constexpr, WIDTH: gl.constexpr,
+                         BLOCK_N: gl.constexpr):  # fmt: skip
+        """The words [rows, WIDTH / 8] of codes of columns chunk · WIDTH .. of FP4 rows
+        (`_fp4_words_layout`) and the e4m3 scale byte of each word's 16 columns (int32): a
+        thread holding both words of a scale loads it once and pairs it with both."""
+        layout: gl.constexpr = _fp4_words_layout(BLOCK_N, WIDTH)
+        per_thread: gl.constexpr = layout.size_per_thread[1]
+        word = chunk * (WIDTH // 8) + gl.arange(0, WIDTH // 8, layout=gl.SliceLayout(0, layout))
+        words = gl.load(row_ptrs.to(gl.pointer_type(gl.int32)) + word[None, :], mask=is_row,
+                        other=0)  # fmt: skip
+        scale_ptrs = row_ptrs + D // 2
+        if per_thread == 1:
+            scale_bytes = gl.load(scale_ptrs + (word // 2)[None, :], mask=is_row, other=0)
+        else:
+            pairs: gl.constexpr = gl.BlockedLayout(
+                size_per_thread=[1, per_thread // 2],
+                threads_per_warp=layout.threads_per_warp, warps_per_cta=[8, 1], order=[1, 0],
+            )  # fmt: skip
+            group = chunk * (WIDTH // 16) + gl.arange(
+                0, WIDTH // 16, layout=gl.SliceLayout(0, pairs)
+            )
+            rows_ptrs = gl.convert_layout(scale_ptrs, pairs)
+            row_mask = gl.convert_layout(is_row, pairs)
+            groups = gl.load(rows_ptrs + group[None, :], mask=row_mask, other=0)
+            both = gl.reshape(gl.join(groups, groups), [BLOCK_N, WIDTH // 8])  # word w: w // 2
+            scale_bytes = gl.convert_layout(both, layout)
+        return words, scale_bytes.to(gl.int32)
+
+    @gluon.jit
+    def _fp4_chunk_store(rows_smem, words, scale_bytes, chunk, BLOCK_N: gl.constexpr,
+                         WIDTH: gl.constexpr):  # fmt: skip
+        """A chunk's words and scales (`_fp4_chunk_loads`) as exact bf16 into columns
+        chunk · WIDTH .. of `rows_smem`: each word through the expert GEMM's unpack (e2m1 ·
+        2^-8), then one bf16x2 multiply by its scale · 2^8 (exact: at most 6 significant bits,
+        between 2^-10 and 2^12)."""
+        # e4m3 at fp16 bits reads as e4m3 · 2^-8; · 2^16 gives the multiplier e4m3 · 2^8
+        bits = ((scale_bytes & 0x80) << 8) | ((scale_bytes & 0x7F) << 7)
+        scales = bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * 65536.0
+        scales = scales.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        pairs = scales | (scales << 16)
+        args = [words, gl.full(words.shape, _PRESCALE, gl.int32, words.type.layout)]
+        out0 = gl.inline_asm_elementwise(UNPACK_0, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
+        out1 = gl.inline_asm_elementwise(UNPACK_1, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
+        out2 = gl.inline_asm_elementwise(UNPACK_2, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
+        out3 = gl.inline_asm_elementwise(UNPACK_3, "=r,r,r", args, gl.int32, is_pure=True, pack=1)
+        # out j holds values 8w + j (low half) and 8w + j + 4 (high half) of word w
+        values = gl.join(
+            gl.join(_scaled(out0, pairs), _scaled(out1, pairs)),
+            gl.join(_scaled(out2, pairs), _scaled(out3, pairs)),
+        )  # [N, W, h, j & 1, j >> 1]
+        values = gl.permute(values, [0, 1, 2, 4, 3])  # [N, W, h, j >> 1, j & 1]
+        values = gl.reshape(values, [BLOCK_N, WIDTH])  # column 8w + 4h + j
+        rows_smem.slice(chunk * WIDTH, WIDTH, dim=1).store(values)
+
     @gluon.jit
     def _store_fp4_rows(rows_smem, pool_ptr, row_offset, valid, D: gl.constexpr,
                         BLOCK_N: gl.constexpr):  # fmt: skip
         """FP4 pool rows (D/2 bytes of e2m1 pairs, then D/16 e4m3 scales) as exact bf16 into
-        `rows_smem` [BLOCK_N, D], CHUNK columns at a time: each 32-bit word of codes through
-        the expert GEMM's unpack (e2m1 · 2^-8), then one bf16x2 multiply by its 16 columns'
-        scale · 2^8 (exact: at most 6 significant bits, between 2^-10 and 2^12)."""
-        layout: gl.constexpr = _bytes_layout(4)
+        `rows_smem` [BLOCK_N, D] (`_fp4_chunk_store`), CHUNK columns at a time: every chunk's
+        loads issued first (up to four chunks: D <= 512), so their latencies overlap (the
+        stores of one buffer's slices are each behind a barrier)."""
         width: gl.constexpr = _CHUNK if D > _CHUNK else D
-        words_per_chunk: gl.constexpr = width // 8
+        layout: gl.constexpr = _fp4_words_layout(BLOCK_N, width)
+        chunks: gl.constexpr = D // width
         offsets = gl.convert_layout(row_offset, gl.SliceLayout(1, layout))
         is_row = gl.convert_layout(valid, gl.SliceLayout(1, layout))[:, None]
-        word = gl.arange(0, words_per_chunk, layout=gl.SliceLayout(0, layout))
         row_ptrs = pool_ptr + offsets[:, None]
-        prescale = gl.full([BLOCK_N, words_per_chunk], _PRESCALE, gl.int32, layout)
-        for chunk in gl.static_range(D // width):
-            first = chunk * words_per_chunk
-            word_ptrs = (row_ptrs + 4 * (first + word)[None, :]).to(gl.pointer_type(gl.int32))
-            words = gl.load(word_ptrs, mask=is_row, other=0)
-            scale_bytes = gl.load(
-                row_ptrs + (D // 2 + (first + word) // 2)[None, :], mask=is_row, other=0
-            ).to(gl.int32)
-            # e4m3 at fp16 bits reads as e4m3 · 2^-8; · 2^16 gives the multiplier e4m3 · 2^8
-            bits = ((scale_bytes & 0x80) << 8) | ((scale_bytes & 0x7F) << 7)
-            scales = bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * 65536.0
-            scales = scales.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-            pairs = scales | (scales << 16)
-            args = [words, prescale]
-            out0 = gl.inline_asm_elementwise(UNPACK_0, "=r,r,r", args, gl.int32, is_pure=True,
-                                             pack=1)  # fmt: skip
-            out1 = gl.inline_asm_elementwise(UNPACK_1, "=r,r,r", args, gl.int32, is_pure=True,
-                                             pack=1)  # fmt: skip
-            out2 = gl.inline_asm_elementwise(UNPACK_2, "=r,r,r", args, gl.int32, is_pure=True,
-                                             pack=1)  # fmt: skip
-            out3 = gl.inline_asm_elementwise(UNPACK_3, "=r,r,r", args, gl.int32, is_pure=True,
-                                             pack=1)  # fmt: skip
-            # out j holds values 8w + j (low half) and 8w + j + 4 (high half) of word w
-            values = gl.join(
-                gl.join(_scaled(out0, pairs), _scaled(out1, pairs)),
-                gl.join(_scaled(out2, pairs), _scaled(out3, pairs)),
-            )  # [N, W, h, j & 1, j >> 1]
-            values = gl.permute(values, [0, 1, 2, 4, 3])  # [N, W, h, j >> 1, j & 1]
-            values = gl.reshape(values, [BLOCK_N, width])  # column 8w + 4h + j
-            rows_smem.slice(chunk * width, width, dim=1).store(values)
+        words0, scales0 = _fp4_chunk_loads(row_ptrs, is_row, 0, D, width, BLOCK_N)
+        if chunks > 1:
+            words1, scales1 = _fp4_chunk_loads(row_ptrs, is_row, 1, D, width, BLOCK_N)
+        if chunks > 2:
+            words2, scales2 = _fp4_chunk_loads(row_ptrs, is_row, 2, D, width, BLOCK_N)
+            words3, scales3 = _fp4_chunk_loads(row_ptrs, is_row, 3, D, width, BLOCK_N)
+        _fp4_chunk_store(rows_smem, words0, scales0, 0, BLOCK_N, width)
+        if chunks > 1:
+            _fp4_chunk_store(rows_smem, words1, scales1, 1, BLOCK_N, width)
+        if chunks > 2:
+            _fp4_chunk_store(rows_smem, words2, scales2, 2, BLOCK_N, width)
+            _fp4_chunk_store(rows_smem, words3, scales3, 3, BLOCK_N, width)
 
     @gluon.jit
     def _store_ring_rows(rows_smem, ring_ptr, row_offset, valid, D: gl.constexpr,
