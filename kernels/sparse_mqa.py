@@ -192,8 +192,8 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     # 2 / 3 stages compile to 234 / 255 registers, no spills (not yet run; 2026-12-07)
     MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True, num_stages=2),
     MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True, num_stages=3),
-    # the Gluon kernel (sm90 compile, Triton 3.6: 255 registers without spills at D = 512;
-    # shared memory 208 KB at 64 rows per tile, 137 KB at 32; not yet run, 2026-12-07)
+    # the Gluon kernel (sm90 compile, Triton 3.6, D = 512: 247 / 231 registers at 64 / 32 rows
+    # per tile, no spills; shared memory 211 / 138 KB; not yet run, 2026-12-07)
     MqaTiles(64, 64, num_warps=8, gluon=True),
     MqaTiles(64, 32, num_warps=8, gluon=True),
 )

@@ -60,7 +60,7 @@ except (ImportError, AttributeError):  # a Triton without (this) Gluon
 
 HEADS = 64  # query heads per program: the wgmma's M
 NUM_WARPS = 8  # two warpgroups, each owning half of the output columns
-CHUNK = 128  # columns of a tile decoded in registers at once
+CHUNK = 256  # columns of a tile decoded in registers at once
 BLOCK_NS = (32, 64)  # rows per tile that fit shared memory beside q at D = 512
 SUM_COLUMNS = 16  # P · ones [BLOCK_N, SUM_COLUMNS]: the wgmma's narrowest N, 8 per warpgroup
 
