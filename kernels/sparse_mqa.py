@@ -110,8 +110,9 @@ class MqaTiles:
     (`_unpacked_global_rows`: 32-bit words, inline PTX, bf16x2 multiplies) instead of
     `_global_rows`'s per-value conversions; the same exact bf16 rows.
     gluon (sm90): the Gluon kernel instead (`kernels.sparse_mqa_gluon`: one pass, every head
-    and column of a token in one program of two warpgroups, block_n rows per tile; bf16
-    queries); the queries' and the output's RoPE as their own launches. Where the `TILES`
+    and column of a token in one program of two warpgroups, block_n rows per tile, the same
+    row splits and `_combine_kernel`; bf16 queries); the queries' RoPE as its own launch, the
+    output's too without row splits. Where the `TILES`
     choice has it and the launch cannot take it, `GLUON_FALLBACK` runs instead.
     """
 
@@ -196,6 +197,10 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     # per tile, no spills; shared memory 211 / 138 KB; not yet run, 2026-12-07)
     MqaTiles(64, 64, num_warps=8, gluon=True),
     MqaTiles(64, 32, num_warps=8, gluon=True),
+    # and with row splits for small decode steps (16 tokens: 16 programs without)
+    MqaTiles(64, 64, splits=2, num_warps=8, gluon=True),
+    MqaTiles(64, 32, splits=4, num_warps=8, gluon=True),
+    MqaTiles(64, 32, splits=8, num_warps=8, gluon=True),
 )
 # What a launch whose `TILES` choice is a Gluon shape runs where that kernel cannot (not sm90,
 # fp32 queries, a pool off 4-byte rows): the two-pass shape.
@@ -1097,13 +1102,10 @@ def sparse_mqa(
         tables.stride(0),
     )
     if tiles.gluon:
-        sparse_mqa_gluon.launch(
-            q, seq_of_token, positions, sources, sink, out, softmax_scale, ratio=ratio,
-            window=window, window_in_ring=ring is not None, has_floor=window_floor is not None,
-            block_n=tiles.block_n,
+        _gluon_attention(
+            q, seq_of_token, positions, sources, sink, out, softmax_scale, tiles, ratio,
+            window, ring is not None, window_floor is not None, rotate_back,
         )  # fmt: skip
-        if rotate_back is not None:  # out is rounded to q's dtype: `_rotated_back`'s result
-            apply_rope(out, positions, rotate_back, inverse=True, in_place=True)
         return out
     if tiles.two_pass:
         window_per_token = ring is None
@@ -1147,6 +1149,35 @@ def sparse_mqa(
             **rotating,
         )  # fmt: skip
     return out
+
+
+def _gluon_attention(
+    q, seq_of_token, positions, sources, sink, out, softmax_scale, tiles, ratio, window,
+    window_in_ring, has_floor, rotate_back,
+) -> None:  # fmt: skip
+    """`MqaTiles.gluon`: `sparse_mqa_gluon.launch` into out, with row splits through
+    `_combine_kernel` (which rotates back in its store), else the output's inverse RoPE as its
+    own launch on the rounded output (the same bits as `_rotated_back`)."""
+    num_tokens, num_heads, dim = q.shape
+    shape = {"ratio": ratio, "window": window, "window_in_ring": window_in_ring}
+    shape |= {"has_floor": has_floor, "block_n": tiles.block_n}
+    if tiles.splits == 1:
+        sparse_mqa_gluon.launch(q, seq_of_token, positions, sources, sink, out, softmax_scale,
+                                **shape)  # fmt: skip
+        if rotate_back is not None:
+            apply_rope(out, positions, rotate_back, inverse=True, in_place=True)
+        return
+    m_part = torch.empty(tiles.splits, num_tokens, num_heads, device=q.device)
+    total_part = torch.empty_like(m_part)
+    acc_part = torch.empty(tiles.splits, num_tokens, num_heads, dim, device=q.device)
+    sparse_mqa_gluon.launch(q, seq_of_token, positions, sources, sink, acc_part, softmax_scale,
+                            partials=(m_part, total_part), **shape)  # fmt: skip
+    freqs, pass_width, is_rotated = _rotation(rotate_back, dim, sink)
+    _combine_kernel[(num_tokens, num_heads)](
+        m_part, total_part, acc_part, sink, out, num_tokens, num_heads, out.stride(0),
+        out.stride(1), positions, freqs, pass_width, D=dim, SPLITS=tiles.splits, num_warps=4,
+        ROTATE=is_rotated, LIBDEVICE=_LIBDEVICE,
+    )  # fmt: skip
 
 
 def _rotation(freqs: Tensor | None, dim: int, placeholder: Tensor) -> tuple[Tensor, int, bool]:

@@ -14,7 +14,9 @@ Triton's `tl.dot` path spilled on):
         O[:, half w] = O · alpha + P_head · rows + P_rest · rows   wgmma, warpgroup w: D/2
                 columns of O (128 fp32 registers a thread at D = 512)
       the next tile's rows are loaded and decoded while the tensor cores run P · rows.
-    end: the sink folded in, O / sum stored (fp32, or rounded to q's dtype).
+    end: the sink folded in, O / sum stored (fp32, or rounded to q's dtype); with row splits
+    (SPLITS programs per token, tile i to split i % SPLITS, for decode steps of few tokens)
+    the partial max, sum and O for `sparse_mqa._combine_kernel`.
 
 Against the Triton two-pass kernels (`sparse_mqa._mqa_scores_kernel`, `_mqa_values_kernel`) a
 4,096-token chunk's scores make no round trip through memory (~2.7 GB per layer) and each row
@@ -329,7 +331,8 @@ if AVAILABLE:
 
     @gluon.jit(
         do_not_specialize=[
-            "num_selected", "ring_len", "stride_window_seq", "stride_sel", "stride_table",
+            "num_tokens", "num_selected", "ring_len", "stride_window_seq", "stride_sel",
+            "stride_table",
         ]
     )  # fmt: skip
     def _attention_kernel(
@@ -344,6 +347,9 @@ if AVAILABLE:
         block_table_ptr,
         sink_ptr,
         out_ptr,
+        m_part_ptr,
+        total_part_ptr,
+        num_tokens,
         num_heads,
         num_selected,
         ring_len,
@@ -364,6 +370,7 @@ if AVAILABLE:
         HAS_FLOOR: gl.constexpr,
         D: gl.constexpr,
         BLOCK_N: gl.constexpr,
+        SPLITS: gl.constexpr,
     ):
         s_layout: gl.constexpr = _product_layout(BLOCK_N)
         o_layout: gl.constexpr = _product_layout(D)
@@ -376,10 +383,17 @@ if AVAILABLE:
             [_HEADS, BLOCK_N], gl.bfloat16
         )
 
+        # token-major programs: a token's head blocks, each block's row splits fastest
         head_blocks = gl.cdiv(num_heads, _HEADS)
         program = gl.program_id(0)
-        token = (program // head_blocks).to(gl.int64)
-        first_head = (program % head_blocks) * _HEADS
+        if SPLITS == 1:
+            split = 0
+            block = program
+        else:
+            split = program % SPLITS
+            block = program // SPLITS
+        token = (block // head_blocks).to(gl.int64)
+        first_head = (block % head_blocks) * _HEADS
         seq = gl.load(seq_ptr + token)
         position = gl.load(position_ptr + token)
         floor = 0
@@ -420,8 +434,11 @@ if AVAILABLE:
         num_tiles = window_tiles
         if RATIO > 0:
             num_tiles += gl.cdiv(num_selected, BLOCK_N)
-        _load_tile(0, rows_smem.index(0), token, seq, position, floor, window_index, window_ptr,
-                   pool_ptr, selection_ptr, block_table_ptr, num_selected, ring_len,
+        # tile i of the token's rows is split i % SPLITS's (the `sparse_mqa` row splits' deal);
+        # a split without tiles loads the last one and never reads it
+        first_tile = gl.minimum(split, num_tiles - 1)
+        _load_tile(first_tile, rows_smem.index(0), token, seq, position, floor, window_index,
+                   window_ptr, pool_ptr, selection_ptr, block_table_ptr, num_selected, ring_len,
                    stride_window_seq, stride_window_row, stride_pool_block, stride_pool_row,
                    stride_sel, stride_table, RATIO, WINDOW, WINDOW_IN_RING, D,
                    BLOCK_N)  # fmt: skip
@@ -431,8 +448,8 @@ if AVAILABLE:
         total = gl.zeros([_HEADS, _SUM_COLUMNS], gl.float32, t_layout)  # every column the sum
         o = gl.zeros([_HEADS, D], gl.float32, o_layout)
         s_init = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
-        for tile in range(num_tiles):
-            slot = tile % 2
+        for tile in range(split, num_tiles, SPLITS):
+            slot = (tile // SPLITS) % 2
             rows = rows_smem.index(slot)
             # this tile's rows (every thread's copies and stores) and q are in shared memory
             async_copy.wait_group(0)
@@ -465,25 +482,34 @@ if AVAILABLE:
             o = warpgroup_mma(p_rest_smem, rows, o, is_async=True)
             total = warpgroup_mma(p_head_smem, ones_smem, total, is_async=True)
             total = warpgroup_mma(p_rest_smem, ones_smem, total, is_async=True)
-            if tile + 1 < num_tiles:  # the next tile's rows while the tensor cores run
-                _load_tile(tile + 1, rows_smem.index(1 - slot), token, seq, position, floor,
+            if tile + SPLITS < num_tiles:  # the next tile's rows while the tensor cores run
+                _load_tile(tile + SPLITS, rows_smem.index(1 - slot), token, seq, position, floor,
                            window_index, window_ptr, pool_ptr, selection_ptr, block_table_ptr,
                            num_selected, ring_len, stride_window_seq, stride_window_row,
                            stride_pool_block, stride_pool_row, stride_sel, stride_table, RATIO,
                            WINDOW, WINDOW_IN_RING, D, BLOCK_N)  # fmt: skip
             o, total = warpgroup_mma_wait(0, deps=(o, total))
 
+        async_copy.wait_group(0)  # a split without tiles: its copies never waited for
         out_heads = first_head + gl.arange(0, _HEADS, layout=o_rows)
         is_head = out_heads < num_heads
-        sink = gl.load(sink_ptr + out_heads, mask=is_head, other=0.0)
         m_o = gl.convert_layout(m, o_rows)
-        m_final = gl.maximum(m_o, sink)
-        rescale = gl.exp(m_o - m_final)
-        total = gl.convert_layout(gl.max(total, axis=1), o_rows) * rescale + gl.exp(sink - m_final)
-        out = o * (rescale / total)[:, None]
+        total = gl.convert_layout(gl.max(total, axis=1), o_rows)
         out_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        out_ptrs = out_ptr + token * stride_ot + out_heads[:, None] * stride_oh + out_d[None, :]
-        gl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
+        if SPLITS == 1:
+            sink = gl.load(sink_ptr + out_heads, mask=is_head, other=0.0)
+            m_final = gl.maximum(m_o, sink)
+            rescale = gl.exp(m_o - m_final)
+            total = total * rescale + gl.exp(sink - m_final)
+            out = o * (rescale / total)[:, None]
+            out_ptrs = out_ptr + token * stride_ot + out_heads[:, None] * stride_oh
+            gl.store(out_ptrs + out_d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=is_head[:, None])  # fmt: skip
+        else:  # the partials `sparse_mqa._combine_kernel` folds with the sink
+            part = (split * num_tokens + token) * num_heads + out_heads
+            gl.store(m_part_ptr + part, m_o, mask=is_head)
+            gl.store(total_part_ptr + part, total, mask=is_head)
+            gl.store(out_ptr + part[:, None] * D + out_d[None, :], o, mask=is_head[:, None])
 
 
 def runs_here(q: Tensor) -> bool:
@@ -524,15 +550,19 @@ def launch(
     window_in_ring: bool,
     has_floor: bool,
     block_n: int = 64,
+    partials: tuple[Tensor, Tensor] | None = None,
 ) -> None:
-    """`_attention_kernel` over the tokens of q, one program per token and 64 heads. sources:
-    (window rows, window index, floor, pool, selection, block tables) as `sparse_mqa` builds
-    them for its Triton kernels (without a KV source, ratio 0 and the last three unread).
-    out: [T, H, D] fp32 or q's dtype (rounded once).
+    """`_attention_kernel` over the tokens of q, one program per token and 64 heads (and row
+    split). sources: (window rows, window index, floor, pool, selection, block tables) as
+    `sparse_mqa` builds them for its Triton kernels (without a KV source, ratio 0 and the
+    last three unread). out: [T, H, D] fp32 or q's dtype (rounded once). partials: row splits
+    (flash-decoding): (m, sum) fp32 [splits, T, H], and out is then the accumulators fp32
+    [splits, T, H, D] that `sparse_mqa._combine_kernel` folds with the sink; tile i of a
+    token goes to split i % splits.
 
     Raises:
-        ValueError: what `takes` refuses, bf16 window rows off 16-byte boundaries, or
-            block_n not in BLOCK_NS.
+        ValueError: what `takes` refuses, bf16 window rows off 16-byte boundaries, block_n
+            not in BLOCK_NS, or partials of other shapes than out's.
     """
     rows, _, _, pool, selection, tables = sources
     if not takes(q, pool if ratio else None):
@@ -542,17 +572,27 @@ def launch(
     if block_n not in BLOCK_NS:
         raise ValueError(f"block_n = {block_n}: the Gluon attention takes {BLOCK_NS}")
     num_tokens, num_heads, dim = q.shape
+    splits = 1
+    m_part = total_part = out
+    if partials is not None:
+        m_part, total_part = partials
+        splits = m_part.shape[0]
+        shape = (splits, num_tokens, num_heads)
+        if m_part.shape != shape or total_part.shape != shape or out.shape != (*shape, dim):
+            raise ValueError(f"partials of {shape} and accumulators of {(*shape, dim)}")
+        if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (*partials, out)):
+            raise ValueError("the partials and accumulators must be contiguous fp32")
     if not num_tokens:
         return
     # bf16 rows' and q's strides in 16-byte units (`_copy_window_tile`); ring rows' in bytes
     unit = 1 if window_in_ring else 8
-    grid = (num_tokens * -(-num_heads // HEADS),)
+    grid = (num_tokens * -(-num_heads // HEADS) * splits,)
     _attention_kernel[grid](
-        q, seq_of_token, positions, *sources, sink, out, num_heads,
-        selection.shape[1] if ratio else 0, rows.shape[1], softmax_scale, q.stride(0) // 8,
-        q.stride(1) // 8, rows.stride(0) // unit, rows.stride(1) // unit, pool.stride(0),
-        pool.stride(1),
-        selection.stride(0), tables.stride(0), out.stride(0), out.stride(1), RATIO=ratio,
-        WINDOW=window, WINDOW_IN_RING=window_in_ring, HAS_FLOOR=has_floor, D=dim,
-        BLOCK_N=block_n, num_warps=NUM_WARPS,
+        q, seq_of_token, positions, *sources, sink, out, m_part, total_part, num_tokens,
+        num_heads, selection.shape[1] if ratio else 0, rows.shape[1], softmax_scale,
+        q.stride(0) // 8, q.stride(1) // 8, rows.stride(0) // unit, rows.stride(1) // unit,
+        pool.stride(0), pool.stride(1), selection.stride(0), tables.stride(0),
+        out.stride(-3), out.stride(-2), RATIO=ratio, WINDOW=window,
+        WINDOW_IN_RING=window_in_ring, HAS_FLOOR=has_floor, D=dim, BLOCK_N=block_n,
+        SPLITS=splits, num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -629,7 +629,8 @@ def test_gluon_attention_runs_the_products_its_docstring_names() -> None:
     if not sparse_mqa_gluon.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     for block_n in sparse_mqa_gluon.BLOCK_NS:
-        ptx = _decode_kernel_ptx(sparse_mqa_gluon._attention_kernel, {"BLOCK_N": block_n}, 8)
+        constexprs = {"BLOCK_N": block_n, "SPLITS": 1}
+        ptx = _decode_kernel_ptx(sparse_mqa_gluon._attention_kernel, constexprs, 8)
         shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
         expected = {f"m64n{block_n // 2}k16": 512 // 16, "m64n256k16": 2 * block_n // 16}
         expected["m64n8k16"] = 2 * block_n // 16
