@@ -329,6 +329,45 @@ if AVAILABLE:
             valid = j >= 0
         return valid
 
+    @gluon.jit
+    def _work_item(work, seq_ptr, position_ptr, window_index_ptr, window_floor_ptr, num_heads,
+                   HAS_FLOOR: gl.constexpr, WINDOW_IN_RING: gl.constexpr,
+                   SPLITS: gl.constexpr):  # fmt: skip
+        """(token int64, first head, row split, sequence, position, window floor, window index)
+        of work item `work`: token-major, a token's head blocks, each block's row splits
+        fastest."""
+        head_blocks = gl.cdiv(num_heads, _HEADS)
+        if SPLITS == 1:
+            split = 0
+            block = work
+        else:
+            split = work % SPLITS
+            block = work // SPLITS
+        token = (block // head_blocks).to(gl.int64)
+        first_head = (block % head_blocks) * _HEADS
+        seq = gl.load(seq_ptr + token)
+        position = gl.load(position_ptr + token)
+        floor = position * 0
+        if HAS_FLOOR:
+            floor = gl.load(window_floor_ptr + seq)
+        if WINDOW_IN_RING:  # the sequence's slot
+            window_index = gl.load(window_index_ptr + seq)
+        else:  # the token's first row in its sequence's rows
+            window_index = gl.load(window_index_ptr + token)
+        return token, first_head, split, seq, position, floor, window_index
+
+    @gluon.jit
+    def _copy_queries(q_smem, q_ptr, token, first_head, num_heads, stride_qt, stride_qh,
+                      D: gl.constexpr):  # fmt: skip
+        """q [64 heads, D] of a token into `q_smem` by cp.async (missing heads zero), one
+        commit group; q's strides come in 16-byte units (the copies' alignment known)."""
+        q_load: gl.constexpr = _bytes_layout(2)
+        heads = first_head + gl.arange(0, _HEADS, layout=gl.SliceLayout(1, q_load))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, q_load))
+        q_ptrs = q_ptr + token * (stride_qt * 8) + heads[:, None] * (stride_qh * 8) + d[None, :]
+        _async_load(q_smem, q_ptrs, mask=(heads < num_heads)[:, None])
+        async_copy.commit_group()
+
     @gluon.jit(
         do_not_specialize=[
             "num_tokens", "num_selected", "ring_len", "stride_window_seq", "stride_sel",
@@ -376,33 +415,16 @@ if AVAILABLE:
         o_layout: gl.constexpr = _product_layout(D)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q_load: gl.constexpr = _bytes_layout(2)
         q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, D], gl.bfloat16)
         rows_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
         p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [_HEADS, BLOCK_N], gl.bfloat16
         )
 
-        # token-major programs: a token's head blocks, each block's row splits fastest
-        head_blocks = gl.cdiv(num_heads, _HEADS)
-        program = gl.program_id(0)
-        if SPLITS == 1:
-            split = 0
-            block = program
-        else:
-            split = program % SPLITS
-            block = program // SPLITS
-        token = (block // head_blocks).to(gl.int64)
-        first_head = (block % head_blocks) * _HEADS
-        seq = gl.load(seq_ptr + token)
-        position = gl.load(position_ptr + token)
-        floor = 0
-        if HAS_FLOOR:
-            floor = gl.load(window_floor_ptr + seq)
-        if WINDOW_IN_RING:  # the sequence's slot
-            window_index = gl.load(window_index_ptr + seq)
-        else:  # the token's first row in its sequence's rows
-            window_index = gl.load(window_index_ptr + token)
+        token, first_head, split, seq, position, floor, window_index = _work_item(
+            gl.program_id(0), seq_ptr, position_ptr, window_index_ptr, window_floor_ptr,
+            num_heads, HAS_FLOOR, WINDOW_IN_RING, SPLITS,
+        )  # fmt: skip
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [_HEADS, D], q_shared)
         rows_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D], rows_shared)
@@ -423,12 +445,7 @@ if AVAILABLE:
             gl.full([BLOCK_N, _SUM_COLUMNS], 1.0, gl.bfloat16, ones_layout),
         )
 
-        heads = first_head + gl.arange(0, _HEADS, layout=gl.SliceLayout(1, q_load))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, q_load))
-        # q's strides come in 16-byte units: the copies' alignment is then known
-        q_ptrs = q_ptr + token * (stride_qt * 8) + heads[:, None] * (stride_qh * 8) + d[None, :]
-        _async_load(q_smem, q_ptrs, mask=(heads < num_heads)[:, None])
-        async_copy.commit_group()
+        _copy_queries(q_smem, q_ptr, token, first_head, num_heads, stride_qt, stride_qh, D)
 
         window_tiles: gl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
         num_tiles = window_tiles
