@@ -112,7 +112,9 @@ class MqaTiles:
     gluon (sm90): the Gluon kernel instead (`kernels.sparse_mqa_gluon`: one pass, every head
     and column of a token in one program of two warpgroups, block_n rows per tile, the same
     row splits and `_combine_kernel`; bf16 queries); the queries' RoPE as its own launch, the
-    output's too without row splits. Where the `TILES`
+    output's too without row splits. persistent (gluon, no row splits): one program per SM
+    over the tokens, the next token's queries and first rows loaded under the current one's
+    last products. Where the `TILES`
     choice has it and the launch cannot take it, `GLUON_FALLBACK` runs instead.
     """
 
@@ -126,6 +128,7 @@ class MqaTiles:
     rotates_q: bool = False
     unpack_rows: bool = False
     gluon: bool = False
+    persistent: bool = False
 
     def __str__(self) -> str:
         d = self.block_d or "D"
@@ -133,7 +136,7 @@ class MqaTiles:
         rotates = " rq" if self.rotates_q else ""
         stages = f" st{self.num_stages}" if self.num_stages != 1 else ""
         unpack = " up" if self.unpack_rows else ""
-        gluon = " gl" if self.gluon else ""
+        gluon = (" gl" if self.gluon else "") + (" ps" if self.persistent else "")
         return (
             f"h{self.block_h} n{self.block_n} s{self.splits} d{d} w{self.num_warps}{passes}"
             f"{rotates}{stages}{unpack}{gluon}"
@@ -201,6 +204,9 @@ CANDIDATES: tuple[MqaTiles, ...] = (
     MqaTiles(64, 64, splits=2, num_warps=8, gluon=True),
     MqaTiles(64, 32, splits=4, num_warps=8, gluon=True),
     MqaTiles(64, 32, splits=8, num_warps=8, gluon=True),
+    # and one program per SM over the tokens (prefill chunks, large decode steps)
+    MqaTiles(64, 64, num_warps=8, gluon=True, persistent=True),
+    MqaTiles(64, 32, num_warps=8, gluon=True, persistent=True),
 )
 # What a launch whose `TILES` choice is a Gluon shape runs where that kernel cannot (not sm90,
 # fp32 queries, a pool off 4-byte rows): the two-pass shape.
@@ -1036,6 +1042,8 @@ def sparse_mqa(
         raise ValueError(f"tiles {tiles} need 32 <= block_d | {dim} and power-of-two splits")
     if tiles.two_pass and tiles.splits != 1:
         raise ValueError(f"tiles {tiles}: two passes take no row splits")
+    if tiles.persistent and (not tiles.gluon or tiles.splits != 1):
+        raise ValueError(f"tiles {tiles}: persistent programs are the Gluon kernel's, unsplit")
     if tiles.unpack_rows and _INTERPRETING:
         raise ValueError(f"tiles {tiles}: the rows' inline-PTX unpack needs a GPU")
     for freqs in (rotate_back, rotate_q):
@@ -1160,7 +1168,7 @@ def _gluon_attention(
     own launch on the rounded output (the same bits as `_rotated_back`)."""
     num_tokens, num_heads, dim = q.shape
     shape = {"ratio": ratio, "window": window, "window_in_ring": window_in_ring}
-    shape |= {"has_floor": has_floor, "block_n": tiles.block_n}
+    shape |= {"has_floor": has_floor, "block_n": tiles.block_n, "persistent": tiles.persistent}
     if tiles.splits == 1:
         sparse_mqa_gluon.launch(q, seq_of_token, positions, sources, sink, out, softmax_scale,
                                 **shape)  # fmt: skip

@@ -368,6 +368,84 @@ if AVAILABLE:
         _async_load(q_smem, q_ptrs, mask=(heads < num_heads)[:, None])
         async_copy.commit_group()
 
+    @gluon.jit
+    def _fresh_state(D: gl.constexpr, BLOCK_N: gl.constexpr):
+        """A token's running max [64], sums [64, SUM_COLUMNS] (every column the sum: P · ones)
+        and output accumulator [64, D] before its first tile."""
+        m = gl.full([_HEADS], -1.0e30, gl.float32, gl.SliceLayout(1, _product_layout(BLOCK_N)))
+        total = gl.zeros([_HEADS, _SUM_COLUMNS], gl.float32, _product_layout(_SUM_COLUMNS))
+        return m, total, gl.zeros([_HEADS, D], gl.float32, _product_layout(D))
+
+    @gluon.jit
+    def _tile_products(tile, rows, q_smem, p_head_smem, p_rest_smem, max_smem, ones_smem, m,
+                       total, o, token, position, floor, selection_ptr, num_selected, stride_sel,
+                       softmax_scale, WINDOW: gl.constexpr, D: gl.constexpr,
+                       BLOCK_N: gl.constexpr):  # fmt: skip
+        """One tile of a token: wait for its rows (and q) in shared memory, S = q · rowsᵀ, the
+        online softmax, then O and the sums' products issued (asynchronous: the caller loads
+        the next rows, then waits). Returns (max, sums, O) as the products' accumulators."""
+        s_layout: gl.constexpr = _product_layout(BLOCK_N)
+        t_layout: gl.constexpr = _product_layout(_SUM_COLUMNS)
+        # this tile's rows (every thread's copies and stores) and q are in shared memory
+        async_copy.wait_group(0)
+        fence_async_shared()
+        _cta_barrier()
+        s_init = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q_smem, rows.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        valid = _tile_valid(tile, token, position, floor, selection_ptr, num_selected,
+                            stride_sel, WINDOW, BLOCK_N,
+                            gl.SliceLayout(0, s_layout))  # fmt: skip
+        s = warpgroup_mma_wait(0, deps=(s,))
+        s = gl.where(valid[None, :], s * softmax_scale, float("-inf"))
+        # each warpgroup's maxima over its half of the rows (its own columns of S), then both
+        # halves' through shared memory: one barrier
+        halves = gl.max(gl.reshape(s, [_HEADS, 2, BLOCK_N // 2]), axis=2)
+        max_smem.store(halves)
+        _cta_barrier()
+        m_new = gl.maximum(m, gl.max(max_smem.load(s_layout), axis=1))
+        alpha = gl.exp(m - m_new)
+        p = gl.exp(s - m_new[:, None])
+        p_head = p.to(gl.bfloat16)
+        p_head_smem.store(p_head)
+        p_rest_smem.store((p - p_head.to(gl.float32)).to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, _product_layout(D)))[:, None]
+        total = total * gl.convert_layout(alpha, gl.SliceLayout(1, t_layout))[:, None]
+        o = warpgroup_mma(p_head_smem, rows, o, is_async=True)
+        o = warpgroup_mma(p_rest_smem, rows, o, is_async=True)
+        total = warpgroup_mma(p_head_smem, ones_smem, total, is_async=True)
+        total = warpgroup_mma(p_rest_smem, ones_smem, total, is_async=True)
+        return m_new, total, o
+
+    @gluon.jit
+    def _store_output(o, m, total, out_ptr, m_part_ptr, total_part_ptr, sink_ptr, token,
+                      first_head, split, num_tokens, num_heads, stride_ot, stride_oh,
+                      D: gl.constexpr, SPLITS: gl.constexpr):  # fmt: skip
+        """A token's output: the sink folded in, O / sum (rounded to out's dtype); with row
+        splits, the partials `sparse_mqa._combine_kernel` folds with the sink."""
+        o_layout: gl.constexpr = _product_layout(D)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        out_heads = first_head + gl.arange(0, _HEADS, layout=o_rows)
+        is_head = out_heads < num_heads
+        m_o = gl.convert_layout(m, o_rows)
+        total = gl.convert_layout(gl.max(total, axis=1), o_rows)
+        out_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        if SPLITS == 1:
+            sink = gl.load(sink_ptr + out_heads, mask=is_head, other=0.0)
+            m_final = gl.maximum(m_o, sink)
+            rescale = gl.exp(m_o - m_final)
+            total = total * rescale + gl.exp(sink - m_final)
+            out = o * (rescale / total)[:, None]
+            out_ptrs = out_ptr + token * stride_ot + out_heads[:, None] * stride_oh
+            gl.store(out_ptrs + out_d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=is_head[:, None])  # fmt: skip
+        else:
+            part = (split * num_tokens + token) * num_heads + out_heads
+            gl.store(m_part_ptr + part, m_o, mask=is_head)
+            gl.store(total_part_ptr + part, total, mask=is_head)
+            gl.store(out_ptr + part[:, None] * D + out_d[None, :], o, mask=is_head[:, None])
+
     @gluon.jit(
         do_not_specialize=[
             "num_tokens", "num_selected", "ring_len", "stride_window_seq", "stride_sel",
@@ -410,11 +488,8 @@ if AVAILABLE:
         D: gl.constexpr,
         BLOCK_N: gl.constexpr,
         SPLITS: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
-        s_layout: gl.constexpr = _product_layout(BLOCK_N)
-        o_layout: gl.constexpr = _product_layout(D)
-        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, D], gl.bfloat16)
         rows_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
         p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
@@ -460,73 +535,71 @@ if AVAILABLE:
                    stride_sel, stride_table, RATIO, WINDOW, WINDOW_IN_RING, D,
                    BLOCK_N)  # fmt: skip
 
-        m = gl.full([_HEADS], -1.0e30, gl.float32, s_rows)
-        t_layout: gl.constexpr = _product_layout(_SUM_COLUMNS)
-        total = gl.zeros([_HEADS, _SUM_COLUMNS], gl.float32, t_layout)  # every column the sum
-        o = gl.zeros([_HEADS, D], gl.float32, o_layout)
-        s_init = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
-        for tile in range(split, num_tiles, SPLITS):
-            slot = (tile // SPLITS) % 2
-            rows = rows_smem.index(slot)
-            # this tile's rows (every thread's copies and stores) and q are in shared memory
-            async_copy.wait_group(0)
-            fence_async_shared()
-            _cta_barrier()
-            s = warpgroup_mma(q_smem, rows.permute((1, 0)), s_init, use_acc=False, is_async=True)
-            valid = _tile_valid(tile, token, position, floor, selection_ptr, num_selected,
-                                stride_sel, WINDOW, BLOCK_N,
-                                gl.SliceLayout(0, s_layout))  # fmt: skip
-            s = warpgroup_mma_wait(0, deps=(s,))
-            s = gl.where(valid[None, :], s * softmax_scale, float("-inf"))
-            # each warpgroup's maxima over its half of the rows (its own columns of S), then
-            # both halves' through shared memory: one barrier
-            halves = gl.max(gl.reshape(s, [_HEADS, 2, BLOCK_N // 2]), axis=2)
-            max_smem.store(halves)
-            _cta_barrier()
-            tile_max = gl.max(max_smem.load(s_layout), axis=1)
-            m_new = gl.maximum(m, tile_max)
-            alpha = gl.exp(m - m_new)
-            p = gl.exp(s - m_new[:, None])
-            m = m_new
-            p_head = p.to(gl.bfloat16)
-            p_head_smem.store(p_head)
-            p_rest_smem.store((p - p_head.to(gl.float32)).to(gl.bfloat16))
-            fence_async_shared()
-            _cta_barrier()
-            o = o * gl.convert_layout(alpha, o_rows)[:, None]
-            total = total * gl.convert_layout(alpha, gl.SliceLayout(1, t_layout))[:, None]
-            o = warpgroup_mma(p_head_smem, rows, o, is_async=True)
-            o = warpgroup_mma(p_rest_smem, rows, o, is_async=True)
-            total = warpgroup_mma(p_head_smem, ones_smem, total, is_async=True)
-            total = warpgroup_mma(p_rest_smem, ones_smem, total, is_async=True)
-            if tile + SPLITS < num_tiles:  # the next tile's rows while the tensor cores run
-                _load_tile(tile + SPLITS, rows_smem.index(1 - slot), token, seq, position, floor,
-                           window_index, window_ptr, pool_ptr, selection_ptr, block_table_ptr,
-                           num_selected, ring_len, stride_window_seq, stride_window_row,
-                           stride_pool_block, stride_pool_row, stride_sel, stride_table, RATIO,
-                           WINDOW, WINDOW_IN_RING, D, BLOCK_N)  # fmt: skip
-            o, total = warpgroup_mma_wait(0, deps=(o, total))
-
-        async_copy.wait_group(0)  # a split without tiles: its copies never waited for
-        out_heads = first_head + gl.arange(0, _HEADS, layout=o_rows)
-        is_head = out_heads < num_heads
-        m_o = gl.convert_layout(m, o_rows)
-        total = gl.convert_layout(gl.max(total, axis=1), o_rows)
-        out_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        if SPLITS == 1:
-            sink = gl.load(sink_ptr + out_heads, mask=is_head, other=0.0)
-            m_final = gl.maximum(m_o, sink)
-            rescale = gl.exp(m_o - m_final)
-            total = total * rescale + gl.exp(sink - m_final)
-            out = o * (rescale / total)[:, None]
-            out_ptrs = out_ptr + token * stride_ot + out_heads[:, None] * stride_oh
-            gl.store(out_ptrs + out_d[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=is_head[:, None])  # fmt: skip
-        else:  # the partials `sparse_mqa._combine_kernel` folds with the sink
-            part = (split * num_tokens + token) * num_heads + out_heads
-            gl.store(m_part_ptr + part, m_o, mask=is_head)
-            gl.store(total_part_ptr + part, total, mask=is_head)
-            gl.store(out_ptr + part[:, None] * D + out_d[None, :], o, mask=is_head[:, None])
+        m, total, o = _fresh_state(D, BLOCK_N)
+        if PERSISTENT:  # one program per SM over work items program, program + programs, ..
+            programs = gl.num_programs(0)
+            num_work = num_tokens * gl.cdiv(num_heads, _HEADS)
+            steps = gl.cdiv(num_work - gl.program_id(0), programs) * num_tiles
+            work = gl.program_id(0)
+            for step in range(steps):
+                tile = step % num_tiles
+                rows = rows_smem.index(step % 2)
+                # the next work item's token (the last one's again past the end)
+                next_token, next_head, _, next_seq, next_position, next_floor, next_index = (
+                    _work_item(gl.minimum(work + programs, num_work - 1), seq_ptr, position_ptr,
+                               window_index_ptr, window_floor_ptr, num_heads, HAS_FLOOR,
+                               WINDOW_IN_RING, SPLITS)
+                )  # fmt: skip
+                m, total, o = _tile_products(
+                    tile, rows, q_smem, p_head_smem, p_rest_smem, max_smem, ones_smem, m, total,
+                    o, token, position, floor, selection_ptr, num_selected, stride_sel,
+                    softmax_scale, WINDOW, D, BLOCK_N,
+                )  # fmt: skip
+                if tile + 1 < num_tiles:  # the next tile's rows while the tensor cores run
+                    _load_tile(tile + 1, rows_smem.index(1 - step % 2), token, seq, position,
+                               floor, window_index, window_ptr, pool_ptr, selection_ptr,
+                               block_table_ptr, num_selected, ring_len, stride_window_seq,
+                               stride_window_row, stride_pool_block, stride_pool_row, stride_sel,
+                               stride_table, RATIO, WINDOW, WINDOW_IN_RING, D,
+                               BLOCK_N)  # fmt: skip
+                elif step + 1 < steps:  # the next item's q (every S of this item is done) and tile
+                    _copy_queries(q_smem, q_ptr, next_token, next_head, num_heads, stride_qt,
+                                  stride_qh, D)  # fmt: skip
+                    _load_tile(0, rows_smem.index(1 - step % 2), next_token, next_seq,
+                               next_position, next_floor, next_index, window_ptr, pool_ptr,
+                               selection_ptr, block_table_ptr, num_selected, ring_len,
+                               stride_window_seq, stride_window_row, stride_pool_block,
+                               stride_pool_row, stride_sel, stride_table, RATIO, WINDOW,
+                               WINDOW_IN_RING, D, BLOCK_N)  # fmt: skip
+                o, total = warpgroup_mma_wait(0, deps=(o, total))
+                if tile == num_tiles - 1:
+                    _store_output(o, m, total, out_ptr, m_part_ptr, total_part_ptr, sink_ptr,
+                                  token, first_head, split, num_tokens, num_heads, stride_ot,
+                                  stride_oh, D, SPLITS)  # fmt: skip
+                    m, total, o = _fresh_state(D, BLOCK_N)
+                    work += programs
+                    token, first_head, seq = next_token, next_head, next_seq
+                    position, floor, window_index = next_position, next_floor, next_index
+        else:
+            for tile in range(split, num_tiles, SPLITS):
+                slot = (tile // SPLITS) % 2
+                m, total, o = _tile_products(
+                    tile, rows_smem.index(slot), q_smem, p_head_smem, p_rest_smem, max_smem,
+                    ones_smem, m, total, o, token, position, floor, selection_ptr, num_selected,
+                    stride_sel, softmax_scale, WINDOW, D, BLOCK_N,
+                )  # fmt: skip
+                if tile + SPLITS < num_tiles:  # the next tile's rows while the tensor cores run
+                    _load_tile(tile + SPLITS, rows_smem.index(1 - slot), token, seq, position,
+                               floor, window_index, window_ptr, pool_ptr, selection_ptr,
+                               block_table_ptr, num_selected, ring_len, stride_window_seq,
+                               stride_window_row, stride_pool_block, stride_pool_row, stride_sel,
+                               stride_table, RATIO, WINDOW, WINDOW_IN_RING, D,
+                               BLOCK_N)  # fmt: skip
+                o, total = warpgroup_mma_wait(0, deps=(o, total))
+            async_copy.wait_group(0)  # a split without tiles: its copies never waited for
+            _store_output(o, m, total, out_ptr, m_part_ptr, total_part_ptr, sink_ptr, token,
+                          first_head, split, num_tokens, num_heads, stride_ot, stride_oh, D,
+                          SPLITS)  # fmt: skip
 
 
 def runs_here(q: Tensor) -> bool:
@@ -539,6 +612,16 @@ def runs_here(q: Tensor) -> bool:
 @functools.cache
 def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def _sm_count(device: torch.device) -> int:
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _sm_counts(index)
+
+
+@functools.cache
+def _sm_counts(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def takes(q: Tensor, pool: Tensor | None) -> bool:
@@ -568,6 +651,7 @@ def launch(
     has_floor: bool,
     block_n: int = 64,
     partials: tuple[Tensor, Tensor] | None = None,
+    persistent: bool = False,
 ) -> None:
     """`_attention_kernel` over the tokens of q, one program per token and 64 heads (and row
     split). sources: (window rows, window index, floor, pool, selection, block tables) as
@@ -575,11 +659,13 @@ def launch(
     last three unread). out: [T, H, D] fp32 or q's dtype (rounded once). partials: row splits
     (flash-decoding): (m, sum) fp32 [splits, T, H], and out is then the accumulators fp32
     [splits, T, H, D] that `sparse_mqa._combine_kernel` folds with the sink; tile i of a
-    token goes to split i % splits.
+    token goes to split i % splits. persistent (without row splits): one program per SM,
+    each over every SM-count-th token, the next token's q and first rows loaded under the
+    current one's last products.
 
     Raises:
         ValueError: what `takes` refuses, bf16 window rows off 16-byte boundaries, block_n
-            not in BLOCK_NS, or partials of other shapes than out's.
+            not in BLOCK_NS, partials of other shapes than out's, or persistent with them.
     """
     rows, _, _, pool, selection, tables = sources
     if not takes(q, pool if ratio else None):
@@ -599,11 +685,15 @@ def launch(
             raise ValueError(f"partials of {shape} and accumulators of {(*shape, dim)}")
         if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (*partials, out)):
             raise ValueError("the partials and accumulators must be contiguous fp32")
+    if persistent and splits > 1:
+        raise ValueError("the persistent Gluon attention takes no row splits")
     if not num_tokens:
         return
     # bf16 rows' and q's strides in 16-byte units (`_copy_window_tile`); ring rows' in bytes
     unit = 1 if window_in_ring else 8
     grid = (num_tokens * -(-num_heads // HEADS) * splits,)
+    if persistent:
+        grid = (min(grid[0], _sm_count(q.device)),)
     _attention_kernel[grid](
         q, seq_of_token, positions, *sources, sink, out, m_part, total_part, num_tokens,
         num_heads, selection.shape[1] if ratio else 0, rows.shape[1], softmax_scale,
@@ -611,5 +701,5 @@ def launch(
         pool.stride(0), pool.stride(1), selection.stride(0), tables.stride(0),
         out.stride(-3), out.stride(-2), RATIO=ratio, WINDOW=window,
         WINDOW_IN_RING=window_in_ring, HAS_FLOOR=has_floor, D=dim, BLOCK_N=block_n,
-        SPLITS=splits, num_warps=NUM_WARPS,
+        SPLITS=splits, PERSISTENT=persistent, num_warps=NUM_WARPS,
     )  # fmt: skip

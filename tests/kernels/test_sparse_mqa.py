@@ -352,6 +352,9 @@ def test_launcher_rejects_layouts_it_cannot_take() -> None:
     with pytest.raises(ValueError, match="splits"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
                    tiles=MqaTiles(16, 16, splits=3))  # fmt: skip
+    with pytest.raises(ValueError, match="persistent programs"):
+        sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
+                   tiles=MqaTiles(16, 16, persistent=True))  # fmt: skip
     with pytest.raises(ValueError, match="do not fit"):
         sparse_mqa(q, seq_of_token, positions, sink, window, scale, ring=ring,
                    rotate_back=torch.ones(q.shape[-1]))  # fmt: skip
@@ -623,13 +626,15 @@ def test_gluon_attention_runs_the_products_its_docstring_names() -> None:
     q · rowsᵀ over D in steps of 16 (N = block_n / 2 rows per warpgroup) and two P · rows
     (the probabilities' bf16 head and remainder; N = D / 2 columns per warpgroup), so each
     row is decoded once per token and read by both products from shared memory; and the
-    same two times ones (N = 8 per warpgroup): the probabilities' sums."""
+    same two times ones (N = 8 per warpgroup): the probabilities' sums. The same with one
+    program per SM over the tokens (`persistent`)."""
     from kernels import sparse_mqa_gluon
 
     if not sparse_mqa_gluon.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    for block_n in sparse_mqa_gluon.BLOCK_NS:
-        constexprs = {"BLOCK_N": block_n, "SPLITS": 1}
+    shapes = [(block_n, False) for block_n in sparse_mqa_gluon.BLOCK_NS] + [(64, True)]
+    for block_n, persistent in shapes:
+        constexprs = {"BLOCK_N": block_n, "SPLITS": 1, "PERSISTENT": persistent}
         ptx = _decode_kernel_ptx(sparse_mqa_gluon._attention_kernel, constexprs, 8)
         shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
         expected = {f"m64n{block_n // 2}k16": 512 // 16, "m64n256k16": 2 * block_n // 16}
