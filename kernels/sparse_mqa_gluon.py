@@ -8,15 +8,18 @@ Triton's `tl.dot` path spilled on):
         rows -> shared memory [BLOCK_N, D] bf16 (bf16 window rows by cp.async; MXFP8 ring
                 rows and FP4 pool rows decoded in registers, stored)
         S = q · rowsᵀ                          wgmma, the two warpgroups half the rows each
-        online softmax over S (row max and sum across both warpgroups)
+        online softmax over S (each warpgroup's row maxima exchanged through shared memory)
         P = exp(S − max) as a bf16 head and remainder in shared memory (~16 bits, as the
             Triton kernels' `_split_dot`)
         O[:, half w] = O · alpha + P_head · rows + P_rest · rows   wgmma, warpgroup w: D/2
-                columns of O (128 fp32 registers a thread at D = 512)
+                columns of O (128 fp32 registers a thread at D = 512); the sums likewise as
+                P · ones (no cross-warpgroup sum per tile)
       the next tile's rows are loaded and decoded while the tensor cores run P · rows.
     end: the sink folded in, O / sum stored (fp32, or rounded to q's dtype); with row splits
     (SPLITS programs per token, tile i to split i % SPLITS, for decode steps of few tokens)
-    the partial max, sum and O for `sparse_mqa._combine_kernel`.
+    the partial max, sum and O for `sparse_mqa._combine_kernel`. PERSISTENT: one program per
+    SM over the tokens, the next token's q and first tile loaded while the current token's
+    last products run (its prologue otherwise waits on those copies alone).
 
 Against the Triton two-pass kernels (`sparse_mqa._mqa_scores_kernel`, `_mqa_values_kernel`) a
 4,096-token chunk's scores make no round trip through memory (~2.7 GB per layer) and each row
