@@ -192,27 +192,22 @@ if AVAILABLE:
     def _store_fp4_rows(rows_smem, pool_ptr, row_offset, valid, D: gl.constexpr,
                         BLOCK_N: gl.constexpr):  # fmt: skip
         """FP4 pool rows (D/2 bytes of e2m1 pairs, then D/16 e4m3 scales) as exact bf16 into
-        `rows_smem` [BLOCK_N, D] (`_fp4_chunk_store`), CHUNK columns at a time: every chunk's
-        loads issued first (up to four chunks: D <= 512), so their latencies overlap (the
-        stores of one buffer's slices are each behind a barrier)."""
+        `rows_smem` [BLOCK_N, D] (`_fp4_chunk_store`), CHUNK columns at a time: both chunks'
+        loads issued first (D <= 512: one or two chunks), so their latencies overlap (the
+        compiler puts a barrier between the stores of one buffer's slices)."""
         width: gl.constexpr = _CHUNK if D > _CHUNK else D
         layout: gl.constexpr = _fp4_words_layout(BLOCK_N, width)
         chunks: gl.constexpr = D // width
+        gl.static_assert(chunks <= 2, "D <= 2 * CHUNK")
         offsets = gl.convert_layout(row_offset, gl.SliceLayout(1, layout))
         is_row = gl.convert_layout(valid, gl.SliceLayout(1, layout))[:, None]
         row_ptrs = pool_ptr + offsets[:, None]
         words0, scales0 = _fp4_chunk_loads(row_ptrs, is_row, 0, D, width, BLOCK_N)
         if chunks > 1:
             words1, scales1 = _fp4_chunk_loads(row_ptrs, is_row, 1, D, width, BLOCK_N)
-        if chunks > 2:
-            words2, scales2 = _fp4_chunk_loads(row_ptrs, is_row, 2, D, width, BLOCK_N)
-            words3, scales3 = _fp4_chunk_loads(row_ptrs, is_row, 3, D, width, BLOCK_N)
         _fp4_chunk_store(rows_smem, words0, scales0, 0, BLOCK_N, width)
         if chunks > 1:
             _fp4_chunk_store(rows_smem, words1, scales1, 1, BLOCK_N, width)
-        if chunks > 2:
-            _fp4_chunk_store(rows_smem, words2, scales2, 2, BLOCK_N, width)
-            _fp4_chunk_store(rows_smem, words3, scales3, 3, BLOCK_N, width)
 
     @gluon.jit
     def _store_ring_rows(rows_smem, ring_ptr, row_offset, valid, D: gl.constexpr,
