@@ -209,16 +209,22 @@ if AVAILABLE:
         if chunks > 1:
             _fp4_chunk_store(rows_smem, words1, scales1, 1, BLOCK_N, width)
 
+    @gluon.constexpr_function
+    def _ring_layout():
+        """[rows, groups of 32 columns, 32] MXFP8 codes: 16 of one group per thread."""
+        return gl.BlockedLayout(
+            size_per_thread=[1, 1, 16], threads_per_warp=[4, 4, 2], warps_per_cta=[8, 1, 1],
+            order=[2, 1, 0],
+        )  # fmt: skip
+
     @gluon.jit
     def _store_ring_rows(rows_smem, ring_ptr, row_offset, valid, D: gl.constexpr,
                          BLOCK_N: gl.constexpr):  # fmt: skip
         """MXFP8 ring rows (D e4m3 codes, then D/32 ue8m0 scales) as exact bf16 into
-        `rows_smem` [BLOCK_N, D], CHUNK columns at a time, as [rows, groups of 32, 32]: each
-        thread holds 16 codes of one group and loads the group's scale once."""
-        layout: gl.constexpr = gl.BlockedLayout(
-            size_per_thread=[1, 1, 16], threads_per_warp=[4, 4, 2], warps_per_cta=[8, 1, 1],
-            order=[2, 1, 0],
-        )  # fmt: skip
+        `rows_smem` [BLOCK_N, D], CHUNK columns at a time, as [rows, groups of 32, 32]
+        (`_ring_layout`): each thread holds 16 codes of one group and loads the group's scale
+        once. row_offset and valid [BLOCK_N] in that layout's rows."""
+        layout: gl.constexpr = _ring_layout()
         groups: gl.constexpr = gl.SliceLayout(2, layout)
         width: gl.constexpr = _CHUNK if D > _CHUNK else D
         offsets = gl.convert_layout(row_offset, gl.SliceLayout(1, groups))
@@ -270,8 +276,8 @@ if AVAILABLE:
                         D: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
         """Window tile `tile` from the sequence's ring of MXFP8 rows (`_store_ring_rows`): key
         position q at row q % ring_len (ring_len >= WINDOW, 32-bit arithmetic per row)."""
-        layout: gl.constexpr = _bytes_layout(1)
-        offset = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _ring_layout()))
+        offset = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_layout)
         valid = _window_valid(offset, position, floor, WINDOW)
         start = (position - (WINDOW - 1)).to(gl.int32)
         base = gl.where(start >= 0, start % ring_len, start)
@@ -304,7 +310,8 @@ if AVAILABLE:
                             stride_sel, stride_table, RATIO: gl.constexpr, D: gl.constexpr,
                             BLOCK_N: gl.constexpr):  # fmt: skip
         """Selected tile `tile` (rows tile · BLOCK_N ..) from the FP4 pool (`_store_fp4_rows`)."""
-        layout: gl.constexpr = _bytes_layout(4)
+        width: gl.constexpr = _CHUNK if D > _CHUNK else D
+        layout: gl.constexpr = _fp4_words_layout(BLOCK_N, width)
         k = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         row_offset, valid = _selected_rows(
             selection_ptr, block_table_ptr, token, seq, k, num_selected, stride_sel,
