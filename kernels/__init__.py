@@ -8,6 +8,9 @@ environment.
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 from torch import Tensor
 
@@ -27,3 +30,27 @@ def check_runnable(tensor: Tensor, kernel: str) -> None:
     """Raise ValueError unless `tensor` is on CUDA or Triton's CPU interpreter is on."""
     if not tensor.is_cuda and not interpreting():
         raise ValueError(f"{kernel} runs on CUDA (or Triton's CPU interpreter)")
+
+
+def on_sm90(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (compute capability 9.0: the Gluon kernels' target)."""
+    return device.type == "cuda" and _capability(_device_index(device)) == (9, 0)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The number of SMs of the CUDA device `device`."""
+    return _multiprocessors(_device_index(device))
+
+
+def _device_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -40,7 +40,6 @@ values (the GPU's bf16 operands; the interpreter flushes float32 subnormals, so 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import check_runnable, interpreting
+from kernels import check_runnable, interpreting, multiprocessors
 from kernels.fp8_block_gemm import dequantize_weight_reference
 from kernels.rounding import round_to
 from kernels.tile_counters import tile_counters
@@ -253,11 +252,6 @@ def _weight_bytes(weight: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     return weight, scale
 
 
-@functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _splits(tiles: WeightGemmTiles, programs: int, steps: int, device: torch.device) -> int:
     """K splits: the tiles' own, or as many as give every multiprocessor two programs per
     tile of tokens (`programs`: weight-row tiles; a function of N alone, so the count, a
@@ -267,8 +261,7 @@ def _splits(tiles: WeightGemmTiles, programs: int, steps: int, device: torch.dev
         return max(1, min(tiles.splits, steps))
     if device.type != "cuda":
         return 1
-    index = torch.cuda.current_device() if device.index is None else device.index
-    wanted = triton.cdiv(2 * _multiprocessors(index), max(programs, 1))
+    wanted = triton.cdiv(2 * multiprocessors(device), max(programs, 1))
     return max(1, min(wanted, steps // 4))
 
 

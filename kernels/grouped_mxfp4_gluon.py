@@ -28,11 +28,10 @@ the calls used here, and the launcher then keeps the Triton kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
+from kernels import on_sm90
 from kernels.expert_alignment import ExpertBlocks
 from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
 
@@ -384,14 +383,7 @@ PREFILL_CANDIDATES: tuple[dict, ...] = (
 
 def runs_here(x: Tensor) -> bool:
     """Whether this kernel can run on x's device: Gluon present and a Hopper GPU (sm90)."""
-    if not (AVAILABLE and x.is_cuda):
-        return False
-    return _is_sm90(torch.cuda.current_device() if x.device.index is None else x.device.index)
-
-
-@functools.cache
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+    return AVAILABLE and on_sm90(x.device)
 
 
 def launch_decode(

@@ -38,11 +38,10 @@ off sm90; `sparse_mqa` then keeps its Triton shapes. The torch reference is
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
+from kernels import multiprocessors, on_sm90
 from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
 
 try:
@@ -609,24 +608,7 @@ if AVAILABLE:
 
 def runs_here(q: Tensor) -> bool:
     """Whether this kernel can run on q's device: Gluon present and a Hopper GPU (sm90)."""
-    if not (AVAILABLE and q.is_cuda):
-        return False
-    return _is_sm90(torch.cuda.current_device() if q.device.index is None else q.device.index)
-
-
-@functools.cache
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
-def _sm_count(device: torch.device) -> int:
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return _sm_counts(index)
-
-
-@functools.cache
-def _sm_counts(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return AVAILABLE and on_sm90(q.device)
 
 
 def takes(q: Tensor, pool: Tensor | None) -> bool:
@@ -698,7 +680,7 @@ def launch(
     unit = 1 if window_in_ring else 8
     grid = (num_tokens * -(-num_heads // HEADS) * splits,)
     if persistent:
-        grid = (min(grid[0], _sm_count(q.device)),)
+        grid = (min(grid[0], multiprocessors(q.device)),)
     _attention_kernel[grid](
         q, seq_of_token, positions, *sources, sink, out, m_part, total_part, num_tokens,
         num_heads, selection.shape[1] if ratio else 0, rows.shape[1], softmax_scale,
