@@ -112,10 +112,10 @@ class MqaTiles:
     gluon (sm90): the Gluon kernel instead (`kernels.sparse_mqa_gluon`: one pass, every head
     and column of a token in one program of two warpgroups, block_n rows per tile, the same
     row splits and `_combine_kernel`; bf16 queries); the queries' RoPE as its own launch, the
-    output's too without row splits. persistent (gluon, no row splits): one program per SM
-    over the tokens, the next token's queries and first rows loaded under the current one's
-    last products. Where the `TILES`
-    choice has it and the launch cannot take it, `GLUON_FALLBACK` runs instead.
+    output's too without row splits. Where the `TILES` choice has it and the launch cannot
+    take it, `GLUON_FALLBACK` runs instead.
+    persistent (gluon, no row splits): one program per SM over the tokens, the next token's
+    queries and first rows loaded under the current one's last products.
     """
 
     block_h: int
@@ -233,15 +233,12 @@ def _unpack_rows_runs(global_rows: tuple | None) -> bool:
     return not any(start % 4 for start in (pool.data_ptr(), pool.stride(0), pool.stride(1)))
 
 
-def _gluon_runs(q: Tensor, ring, window_rows, global_rows: tuple | None) -> bool:
+def _gluon_runs(q: Tensor, window_rows, global_rows: tuple | None) -> bool:
     """Whether `MqaTiles.gluon` can take this launch (`sparse_mqa_gluon.takes`)."""
     if _INTERPRETING or not sparse_mqa_gluon.runs_here(q):
         return False
-    if window_rows is not None:
-        rows = window_rows[0]
-        if rows.data_ptr() % 16 or any(stride % 8 for stride in rows.stride()[:2]):
-            return False
-    return sparse_mqa_gluon.takes(q, None if global_rows is None else global_rows[0])
+    pool = None if global_rows is None else global_rows[0]
+    return sparse_mqa_gluon.takes(q, pool, None if window_rows is None else window_rows[0])
 
 
 @triton.jit
@@ -1028,11 +1025,11 @@ def sparse_mqa(
         raise ValueError("window_floor must be int64 [sequences]")
     if tiles is None:
         tiles = FIXED_TILES if fixed_tiles else choose_tiles(num_tokens)
-        if tiles.gluon and not _gluon_runs(q, ring, window_rows, global_rows):
+        if tiles.gluon and not _gluon_runs(q, window_rows, global_rows):
             tiles = GLUON_FALLBACK
         if tiles.unpack_rows and not _unpack_rows_runs(global_rows):
             tiles = dataclasses.replace(tiles, unpack_rows=False)  # the same rows, bit for bit
-    elif tiles.gluon and not _gluon_runs(q, ring, window_rows, global_rows):
+    elif tiles.gluon and not _gluon_runs(q, window_rows, global_rows):
         raise ValueError(
             f"tiles {tiles}: the Gluon kernel needs sm90, bf16 queries of width 64..512 and "
             "16-byte window rows, 4-byte pool rows"

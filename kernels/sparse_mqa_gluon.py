@@ -611,13 +611,18 @@ def runs_here(q: Tensor) -> bool:
     return AVAILABLE and on_sm90(q.device)
 
 
-def takes(q: Tensor, pool: Tensor | None) -> bool:
-    """Whether `launch` takes this launch's queries and pool (module docstring's contract)."""
+def takes(q: Tensor, pool: Tensor | None, window_rows: Tensor | None = None) -> bool:
+    """Whether `launch` takes this launch's queries, pool and bf16 window rows (the module
+    docstring's contract: q and the window rows are copied in 16-byte pieces, the pool's rows
+    read as 32-bit words)."""
     dim = q.shape[-1]
     if q.dtype != torch.bfloat16 or dim & (dim - 1) or not 64 <= dim <= 512:
         return False
-    if q.stride(-1) != 1 or q.data_ptr() % 16 or any(s % 8 for s in q.stride()[:2]):
-        return False  # q's rows by 16-byte copies
+    for rows in (q, window_rows):
+        if rows is None:
+            continue
+        if rows.stride(-1) != 1 or rows.data_ptr() % 16 or any(s % 8 for s in rows.stride()[:2]):
+            return False
     if pool is None:
         return True
     return not any(start % 4 for start in (pool.data_ptr(), pool.stride(0), pool.stride(1)))
@@ -651,14 +656,15 @@ def launch(
     current one's last products.
 
     Raises:
-        ValueError: what `takes` refuses, bf16 window rows off 16-byte boundaries, block_n
-            not in BLOCK_NS, partials of other shapes than out's, or persistent with them.
+        ValueError: what `takes` refuses, block_n not in BLOCK_NS, partials of other shapes
+            than out's, or persistent with them.
     """
     rows, _, _, pool, selection, tables = sources
-    if not takes(q, pool if ratio else None):
-        raise ValueError("the Gluon attention takes bf16 q [T, H, 64..512] and 4-byte pool rows")
-    if not window_in_ring and (rows.data_ptr() % 16 or any(s % 8 for s in rows.stride()[:2])):
-        raise ValueError("the Gluon attention copies bf16 window rows in 16-byte pieces")
+    if not takes(q, pool if ratio else None, None if window_in_ring else rows):
+        raise ValueError(
+            "the Gluon attention takes bf16 q [T, H, 64..512] and bf16 window rows on 16-byte "
+            "boundaries, pool rows on 4-byte ones"
+        )
     if block_n not in BLOCK_NS:
         raise ValueError(f"block_n = {block_n}: the Gluon attention takes {BLOCK_NS}")
     num_tokens, num_heads, dim = q.shape
