@@ -640,3 +640,34 @@ def test_gluon_attention_runs_the_products_its_docstring_names() -> None:
         expected = {f"m64n{block_n // 2}k16": 512 // 16, "m64n256k16": 2 * block_n // 16}
         expected["m64n8k16"] = 2 * block_n // 16
         assert dict(collections.Counter(shapes)) == expected
+
+
+GLUON_TILES = [tiles for tiles in CUDA_TILES if tiles.gluon]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", GLUON_TILES, ids=str)
+def test_gluon_shapes_hide_the_window_below_replay_floors_on_cuda(tiles) -> None:
+    for case in (CASES[0], CASES[3], CASES[6]):
+        args, sources = _inputs(case, "cuda")
+        floor = _floors(args[2].cpu(), args[1].cpu(), args[4]).cuda()
+        bf16 = (args[0].bfloat16(), *args[1:])
+        ours = sparse_mqa(*bf16, **sources, window_floor=floor, tiles=tiles)
+        reference = sparse_mqa_reference(*bf16, **sources, window_floor=floor)
+        assert float((ours - reference).norm() / reference.norm()) < TOLERANCE, case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [64, 32])
+def test_persistent_programs_give_each_token_its_own_programs_bits_on_cuda(block_n) -> None:
+    """A chunk of more tokens than twice the SMs: each persistent program attends to several
+    tokens, loading the next one's queries and rows under the current one's last products;
+    every token's output is bit for bit that of its own program (`MqaTiles.persistent`
+    off), and both match the reference."""
+    args, sources = _inputs((3, 150, 64, 512, 128, 134, 4, 512), "cuda")
+    bf16 = (args[0].bfloat16(), *args[1:])
+    plain = MqaTiles(64, block_n, num_warps=8, gluon=True)
+    ours = sparse_mqa(*bf16, **sources, tiles=dataclasses.replace(plain, persistent=True))
+    assert torch.equal(ours, sparse_mqa(*bf16, **sources, tiles=plain))
+    reference = sparse_mqa_reference(*bf16, **sources)
+    assert float((ours - reference).norm() / reference.norm()) < TOLERANCE
