@@ -632,14 +632,14 @@ def test_gluon_attention_runs_the_products_its_docstring_names() -> None:
 
     if not sparse_mqa_gluon.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    shapes = [(block_n, False) for block_n in sparse_mqa_gluon.BLOCK_NS] + [(64, True)]
-    for block_n, persistent in shapes:
+    variants = [(block_n, False) for block_n in sparse_mqa_gluon.BLOCK_NS] + [(64, True)]
+    for block_n, persistent in variants:
         constexprs = {"BLOCK_N": block_n, "SPLITS": 1, "PERSISTENT": persistent}
         ptx = _decode_kernel_ptx(sparse_mqa_gluon._attention_kernel, constexprs, 8)
-        shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
+        products = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
         expected = {f"m64n{block_n // 2}k16": 512 // 16, "m64n256k16": 2 * block_n // 16}
         expected["m64n8k16"] = 2 * block_n // 16
-        assert dict(collections.Counter(shapes)) == expected
+        assert dict(collections.Counter(products)) == expected, (block_n, persistent)
 
 
 GLUON_TILES = [tiles for tiles in CUDA_TILES if tiles.gluon]
