@@ -112,8 +112,8 @@ class MqaTiles:
     gluon (sm90): the Gluon kernel instead (`kernels.sparse_mqa_gluon`: one pass, every head
     and column of a token in one program of two warpgroups, block_n rows per tile, the same
     row splits and `_combine_kernel`; bf16 queries); the queries' RoPE as its own launch, the
-    output's too without row splits. Where the `TILES` choice has it and the launch cannot
-    take it, `GLUON_FALLBACK` runs instead.
+    output's too without row splits (`rotates_q` changes nothing there). Where the `TILES`
+    choice has it and the launch cannot take it, `GLUON_FALLBACK` runs instead.
     persistent (gluon, no row splits): one program per SM over the tokens, the next token's
     queries and first rows loaded under the current one's last products.
     """
@@ -155,10 +155,14 @@ class MqaTiles:
 # (`unpack_rows`) at every shape: 16 tokens 76.8 -> 75.2 µs, 64: 135.3 -> 117.2, 256: 298.7 ->
 # 275.4, a 4,096-token chunk 3,677 -> 3,433; launches whose pool it cannot read take the plain
 # decode (the same bits).
+# 2026-12-07 seventh session (H100, `attention_passes.py`, `5c99b42`): the Gluon kernel
+# (`kernels.sparse_mqa_gluon`) against the shapes above: 16 tokens 49.2 -> 31.6 µs (32 rows per
+# tile, 8 row splits; 4 splits 33.3), 64: 119.3 -> 52.0 (64 rows, 2 splits), 256: 279.0 ->
+# 151.9 (64 rows; persistent 148.7), a 4,096-token chunk 3,432 -> 1,702 (persistent 1,724).
 TILES: tuple[tuple[int, MqaTiles], ...] = (
-    (16, MqaTiles(16, 64, splits=2, rotates_q=True, unpack_rows=True)),
-    (64, MqaTiles(64, 32, block_d=128, num_warps=4, unpack_rows=True)),
-    (1 << 62, MqaTiles(64, 32, block_d=128, num_warps=4, two_pass=True, unpack_rows=True)),
+    (16, MqaTiles(64, 32, splits=8, num_warps=8, gluon=True)),
+    (64, MqaTiles(64, 64, splits=2, num_warps=8, gluon=True)),
+    (1 << 62, MqaTiles(64, 64, num_warps=8, gluon=True)),
 )
 # Two-pass launches take at most this many tokens each: the scores' buffer (fp32 [tokens, H,
 # window + selected rows], ~164 KB per token at the released shape) stays under ~0.7 GB.
@@ -1047,7 +1051,9 @@ def sparse_mqa(
         if freqs is not None and 2 * freqs.numel() > dim:
             raise ValueError(f"{2 * freqs.numel()} rotated channels do not fit D = {dim}")
     check_runnable(q, "sparse_mqa")
-    if rotate_q is not None and not tiles.rotates_q:  # the rope launch first (`MqaTiles`)
+    # the rope launch first where the programs do not rotate q as they load it (`MqaTiles`;
+    # the Gluon kernel never does)
+    if rotate_q is not None and (not tiles.rotates_q or tiles.gluon):
         q, rotate_q = (
             apply_rope(q, positions, rotate_q, in_place=q_scratch and q.is_contiguous()),
             None,

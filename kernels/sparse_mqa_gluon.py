@@ -526,10 +526,9 @@ if AVAILABLE:
 
         _copy_queries(q_smem, q_ptr, token, first_head, num_heads, stride_qt, stride_qh, D)
 
-        window_tiles: gl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
-        num_tiles = window_tiles
-        if RATIO > 0:
-            num_tiles += gl.cdiv(num_selected, BLOCK_N)
+        # (num_selected is 0 without a KV source; a tile count known at compile time, one
+        # window tile and no selection, crashed Triton 3.6's lowering of the loop)
+        num_tiles = (WINDOW + BLOCK_N - 1) // BLOCK_N + gl.cdiv(num_selected, BLOCK_N)
         # tile i of the token's rows is split i % SPLITS's (the `sparse_mqa` row splits' deal);
         # a split without tiles loads the last one and never reads it
         first_tile = gl.minimum(split, num_tiles - 1)
