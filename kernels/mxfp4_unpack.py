@@ -9,6 +9,7 @@ model of their instructions."""
 from __future__ import annotations
 
 import triton.language as tl
+from torch import Tensor
 
 # In-register dequantisation. One 32-bit word of codes holds 8 values v0..v7 (byte i: v2i low
 # nibble, v2i+1 high). Masks and shifts place e2m1 magnitudes (e1 e0 m) at bf16 bits 8..6 and
@@ -37,3 +38,9 @@ _UNPACK = [
     )
 ]
 UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3 = _UNPACK
+
+
+def reads_as_words(pool: Tensor) -> bool:
+    """Whether a pool of FP4 rows (uint8 [blocks, rows, bytes]) has its start and its strides on
+    4-byte boundaries, so that a kernel can read each row's codes as 32-bit words."""
+    return not any(start % 4 for start in (pool.data_ptr(), pool.stride(0), pool.stride(1)))

@@ -68,7 +68,7 @@ from torch import Tensor
 
 from kernels import check_runnable, interpreting, sparse_mqa_gluon
 from kernels.element_codes import fp4_rows_to_float, mxfp8_rows_to_float
-from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
+from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3, reads_as_words
 from kernels.rope import apply_rope, apply_rope_reference, cos_sin, rotate
 from kernels.rounding import round_to
 
@@ -233,8 +233,7 @@ def _unpack_rows_runs(global_rows: tuple | None) -> bool:
         return False
     if global_rows is None:
         return True
-    pool = global_rows[0]
-    return not any(start % 4 for start in (pool.data_ptr(), pool.stride(0), pool.stride(1)))
+    return reads_as_words(global_rows[0])
 
 
 def _gluon_runs(q: Tensor, window_rows, global_rows: tuple | None) -> bool:

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from kernels import multiprocessors, on_sm90
-from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
+from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3, reads_as_words
 
 try:
     from triton.experimental import gluon
@@ -622,9 +622,7 @@ def takes(q: Tensor, pool: Tensor | None, window_rows: Tensor | None = None) -> 
             continue
         if rows.stride(-1) != 1 or rows.data_ptr() % 16 or any(s % 8 for s in rows.stride()[:2]):
             return False
-    if pool is None:
-        return True
-    return not any(start % 4 for start in (pool.data_ptr(), pool.stride(0), pool.stride(1)))
+    return pool is None or reads_as_words(pool)
 
 
 def launch(
