@@ -1114,7 +1114,7 @@ def sparse_mqa(
     if tiles.gluon:
         _gluon_attention(
             q, seq_of_token, positions, sources, sink, out, softmax_scale, tiles, ratio,
-            window, ring is not None, window_floor is not None, rotate_back,
+            window, ring is not None, window_floor is not None, rotate_back, rotation,
         )  # fmt: skip
         return out
     if tiles.two_pass:
@@ -1137,38 +1137,47 @@ def sparse_mqa(
             )  # fmt: skip
         return out
     splits = tiles.splits
-    if splits > 1:
-        m_part = torch.empty(splits, num_tokens, num_heads, device=q.device)
-        total_part = torch.empty_like(m_part)
-        acc_part = torch.empty(splits, num_tokens, num_heads, dim, device=q.device)
-    else:
-        m_part = total_part = acc_part = out
+    partials = _split_partials(splits, q) if splits > 1 else (out, out, out)
     freqs, pass_width, rotating = rotation
     grid = _token_major_grid(num_tokens, num_heads, tiles.block_h, splits * (dim // block_d))
     _sparse_mqa_kernel[grid](
-        q, seq_of_token, positions, *sources, sink, out, m_part, total_part, acc_part,
-        num_tokens, num_heads, num_selected, rows.shape[1], softmax_scale, q.stride(0),
-        q.stride(1), *row_strides, out.stride(0), out.stride(1), freqs, pass_width,
-        Q_SPLIT=q.dtype != torch.bfloat16, BLOCK_D=block_d, SPLITS=splits, **common,
-        **rotating, **q_rotation,
+        q, seq_of_token, positions, *sources, sink, out, *partials, num_tokens, num_heads,
+        num_selected, rows.shape[1], softmax_scale, q.stride(0), q.stride(1), *row_strides,
+        out.stride(0), out.stride(1), freqs, pass_width, Q_SPLIT=q.dtype != torch.bfloat16,
+        BLOCK_D=block_d, SPLITS=splits, **common, **rotating, **q_rotation,
     )  # fmt: skip
     if splits > 1:
-        _combine_kernel[(num_tokens, num_heads)](
-            m_part, total_part, acc_part, sink, out, num_tokens, num_heads, out.stride(0),
-            out.stride(1), positions, freqs, pass_width, D=dim, SPLITS=splits, num_warps=4,
-            **rotating,
-        )  # fmt: skip
+        _combine(partials, sink, out, positions, rotation)
     return out
+
+
+def _split_partials(splits: int, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The row splits' partial max and sum (fp32 [splits, T, H]) and accumulators (fp32
+    [splits, T, H, D]) of the launch of queries q."""
+    num_tokens, num_heads, dim = q.shape
+    m_part = torch.empty(splits, num_tokens, num_heads, device=q.device)
+    acc_part = torch.empty(splits, num_tokens, num_heads, dim, device=q.device)
+    return m_part, torch.empty_like(m_part), acc_part
+
+
+def _combine(partials: tuple[Tensor, Tensor, Tensor], sink, out, positions, rotation) -> None:
+    """`_combine_kernel`: out from the row splits' partials (`_split_partials`) and the sink,
+    rotated back in its store where `rotation` (`sparse_mqa`'s, of `rotate_back`) says."""
+    splits, num_tokens, num_heads, dim = partials[2].shape
+    freqs, pass_width, rotating = rotation
+    _combine_kernel[(num_tokens, num_heads)](
+        *partials, sink, out, num_tokens, num_heads, out.stride(0), out.stride(1), positions,
+        freqs, pass_width, D=dim, SPLITS=splits, num_warps=4, **rotating,
+    )  # fmt: skip
 
 
 def _gluon_attention(
     q, seq_of_token, positions, sources, sink, out, softmax_scale, tiles, ratio, window,
-    window_in_ring, has_floor, rotate_back,
+    window_in_ring, has_floor, rotate_back, rotation,
 ) -> None:  # fmt: skip
     """`MqaTiles.gluon`: `sparse_mqa_gluon.launch` into out, with row splits through
-    `_combine_kernel` (which rotates back in its store), else the output's inverse RoPE as its
-    own launch on the rounded output (the same bits as `_rotated_back`)."""
-    num_tokens, num_heads, dim = q.shape
+    `_combine` (which rotates back in its store), else the output's inverse RoPE as its own
+    launch on the rounded output (the same bits as `_rotated_back`)."""
     shape = {"ratio": ratio, "window": window, "window_in_ring": window_in_ring}
     shape |= {"has_floor": has_floor, "block_n": tiles.block_n, "persistent": tiles.persistent}
     if tiles.splits == 1:
@@ -1177,17 +1186,10 @@ def _gluon_attention(
         if rotate_back is not None:
             apply_rope(out, positions, rotate_back, inverse=True, in_place=True)
         return
-    m_part = torch.empty(tiles.splits, num_tokens, num_heads, device=q.device)
-    total_part = torch.empty_like(m_part)
-    acc_part = torch.empty(tiles.splits, num_tokens, num_heads, dim, device=q.device)
+    m_part, total_part, acc_part = partials = _split_partials(tiles.splits, q)
     sparse_mqa_gluon.launch(q, seq_of_token, positions, sources, sink, acc_part, softmax_scale,
                             partials=(m_part, total_part), **shape)  # fmt: skip
-    freqs, pass_width, is_rotated = _rotation(rotate_back, dim, sink)
-    _combine_kernel[(num_tokens, num_heads)](
-        m_part, total_part, acc_part, sink, out, num_tokens, num_heads, out.stride(0),
-        out.stride(1), positions, freqs, pass_width, D=dim, SPLITS=tiles.splits, num_warps=4,
-        ROTATE=is_rotated, LIBDEVICE=_LIBDEVICE,
-    )  # fmt: skip
+    _combine(partials, sink, out, positions, rotation)
 
 
 def _rotation(freqs: Tensor | None, dim: int, placeholder: Tensor) -> tuple[Tensor, int, bool]:
