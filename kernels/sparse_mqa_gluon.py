@@ -71,7 +71,6 @@ SUM_COLUMNS = 16  # P · ones [BLOCK_N, SUM_COLUMNS]: the wgmma's narrowest N, 8
 
 if AVAILABLE:
     _HEADS = gl.constexpr(HEADS)
-    _CHUNK = gl.constexpr(CHUNK)
     _SUM_COLUMNS = gl.constexpr(SUM_COLUMNS)
     # bf16 2^118 in both halves: the unpack's e2m1 · 2^-126 becomes e2m1 · 2^-8 (normal, exact)
     _PRESCALE = gl.constexpr(0x7A807A80)
@@ -85,13 +84,17 @@ if AVAILABLE:
         )
 
     @gluon.constexpr_function
-    def _bytes_layout(width):
-        """[rows, width] tiles of `width`-byte-aligned loads: 16 contiguous bytes per thread."""
-        per_thread = 16 // width
+    def _chunk_width(d):
+        """Columns of a tile decoded in registers at once: CHUNK, or all of a narrower D."""
+        return min(CHUNK, d)
+
+    @gluon.constexpr_function
+    def _bf16_rows_layout():
+        """[rows, columns] bf16 tiles (q, window rows, the ones): 8 contiguous values, 16 bytes,
+        per thread (one `cp.async` each)."""
         return gl.BlockedLayout(
-            size_per_thread=[1, per_thread], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
-            order=[1, 0],
-        )  # fmt: skip
+            size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[8, 1], order=[1, 0]
+        )
 
     @gluon.jit
     def _window_valid(offset, position, floor, WINDOW: gl.constexpr):
@@ -194,7 +197,7 @@ if AVAILABLE:
         `rows_smem` [BLOCK_N, D] (`_fp4_chunk_store`), CHUNK columns at a time: both chunks'
         loads issued first (D <= 512: one or two chunks), so their latencies overlap (the
         compiler puts a barrier between the stores of one buffer's slices)."""
-        width: gl.constexpr = _CHUNK if D > _CHUNK else D
+        width: gl.constexpr = _chunk_width(D)
         layout: gl.constexpr = _fp4_words_layout(BLOCK_N, width)
         chunks: gl.constexpr = D // width
         gl.static_assert(chunks <= 2, "D <= 2 * CHUNK")
@@ -225,7 +228,7 @@ if AVAILABLE:
         once. row_offset and valid [BLOCK_N] in that layout's rows."""
         layout: gl.constexpr = _ring_layout()
         groups: gl.constexpr = gl.SliceLayout(2, layout)
-        width: gl.constexpr = _CHUNK if D > _CHUNK else D
+        width: gl.constexpr = _chunk_width(D)
         offsets = gl.convert_layout(row_offset, gl.SliceLayout(1, groups))
         is_row = gl.convert_layout(valid, gl.SliceLayout(1, groups))[:, None]
         group = gl.arange(0, width // 32, layout=gl.SliceLayout(0, groups))
@@ -293,7 +296,7 @@ if AVAILABLE:
                           D: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
         """Window tile `tile` from the token's bf16 rows by cp.async, one commit group (rows
         that are not real are zero-filled)."""
-        layout: gl.constexpr = _bytes_layout(2)
+        layout: gl.constexpr = _bf16_rows_layout()
         offset = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         valid = _window_valid(offset, position, floor, WINDOW)
         d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
@@ -309,7 +312,7 @@ if AVAILABLE:
                             stride_sel, stride_table, RATIO: gl.constexpr, D: gl.constexpr,
                             BLOCK_N: gl.constexpr):  # fmt: skip
         """Selected tile `tile` (rows tile · BLOCK_N ..) from the FP4 pool (`_store_fp4_rows`)."""
-        width: gl.constexpr = _CHUNK if D > _CHUNK else D
+        width: gl.constexpr = _chunk_width(D)
         layout: gl.constexpr = _fp4_words_layout(BLOCK_N, width)
         k = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         row_offset, valid = _selected_rows(
@@ -365,7 +368,7 @@ if AVAILABLE:
                       D: gl.constexpr):  # fmt: skip
         """q [64 heads, D] of a token into `q_smem` by cp.async (missing heads zero), one
         commit group; q's strides come in 16-byte units (the copies' alignment known)."""
-        q_load: gl.constexpr = _bytes_layout(2)
+        q_load: gl.constexpr = _bf16_rows_layout()
         heads = first_head + gl.arange(0, _HEADS, layout=gl.SliceLayout(1, q_load))
         d = gl.arange(0, D, layout=gl.SliceLayout(0, q_load))
         q_ptrs = q_ptr + token * (stride_qt * 8) + heads[:, None] * (stride_qh * 8) + d[None, :]
@@ -516,7 +519,7 @@ if AVAILABLE:
         )
         # P · ones: the probabilities' row sums on the tensor cores, from the same bf16 head
         # and remainder as the values' product (no cross-warpgroup sum per tile)
-        ones_layout: gl.constexpr = _bytes_layout(2)
+        ones_layout: gl.constexpr = _bf16_rows_layout()
         ones_smem = gl.allocate_shared_memory(
             gl.bfloat16,
             [BLOCK_N, _SUM_COLUMNS],
