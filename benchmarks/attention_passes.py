@@ -96,7 +96,7 @@ def main() -> None:
     if args.rotate_q:
         rotate_q_rows(launches, device)
         return
-    two_pass = [tiles for tiles in CANDIDATES if tiles.two_pass or tiles.gluon]
+    every_launch = [tiles for tiles in CANDIDATES if tiles.two_pass or tiles.gluon]
 
     def variants_of(choice):  # the choice's shape with the candidates' other decode or stages
         def shape(tiles):
@@ -112,7 +112,7 @@ def main() -> None:
         num_tokens = num_seqs * new
         choice = choose_tiles(num_tokens)
         shapes = [choice, *variants_of(choice)]
-        for tiles in shapes + [t for t in two_pass if t not in shapes]:
+        for tiles in shapes + [t for t in every_launch if t not in shapes]:
             try:
                 error = _relative(sparse_mqa(*inputs, **sources, tiles=tiles), reference)
                 us = _bench_us(lambda t=tiles, a=inputs, s=sources: sparse_mqa(*a, **s, tiles=t))
