@@ -11,7 +11,7 @@ import re
 import torch
 
 from kernels.element_codes import e4m3_to_float, fp4_rows_to_float, mxfp4_to_float
-from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3
+from kernels.mxfp4_unpack import UNPACK_0, UNPACK_1, UNPACK_2, UNPACK_3, reads_as_words
 from kernels.sparse_mqa import _UNPACK_PRESCALE
 
 _MASK = 0xFFFFFFFF
@@ -112,3 +112,15 @@ def test_attention_row_unpack_is_the_fp4_row_codec_for_every_scale() -> None:
     words = _words(codes)
     prescale = torch.full_like(words, int(_UNPACK_PRESCALE.value))
     assert _same_bits(_unpacked(words, prescale, then=pairs), fp4_rows_to_float(packed))
+
+
+def test_a_pool_reads_as_words_only_on_four_byte_boundaries() -> None:
+    """The kernels read FP4 rows as 32-bit words only where the pool's start and strides allow
+    it (`reads_as_words`); a pool of the released row width (288 bytes) does, the same rows cut
+    from wider or offset storage do not."""
+    pool = torch.zeros(3, 64, 288, dtype=torch.uint8)
+    assert reads_as_words(pool)
+    wide = torch.zeros(3, 64, 289, dtype=torch.uint8)
+    assert not reads_as_words(wide[..., :288])  # row stride 289
+    offset = torch.zeros(3 * 64 * 288 + 1, dtype=torch.uint8)[1:].view(3, 64, 288)
+    assert not reads_as_words(offset)  # start one byte in
