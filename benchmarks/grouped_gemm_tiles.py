@@ -17,7 +17,9 @@ decode kernel's in-register unpack at each of `REGISTER_PREFILL_CANDIDATES` (BLO
 `--gluon`: decode blocks also run the Gluon decode kernel (`kernels.grouped_mxfp4_gluon`) at
 each of its `CANDIDATES` (warps, ring slots), and blocks of 128 rows (prefill, `--tokens 4096`)
 at its `PREFILL_CANDIDATES`, x reordered into the kernel's K order inside the timed call as the
-Triton kernel's launcher does.
+Triton kernel's launcher does; blocks of 128 also the warp-specialized TMA kernel
+(`kernels.grouped_mxfp4_ws`) at its `CANDIDATES`, the gate/up's x gathered into position
+order inside the timed call.
 
 `--split-gate-up`: instead of the sweep, gate/up as the table runs it (one fused launch per
 block size) against the split candidate at blocks of 32 and 64 rows: one ungated decode-kernel
@@ -41,6 +43,7 @@ import triton.testing
 
 from kernels import grouped_mxfp4_gemm as grouped
 from kernels import grouped_mxfp4_gluon as gluon_decode
+from kernels import grouped_mxfp4_ws
 
 EXPERTS, HIDDEN, WIDTH, TOP_K, LIMIT = 48, 5120, 2304, 6, 10.0
 DECODE_TILES = [(64, 4, 3), (64, 4, 3, 128), (64, 4, 4, 128), (64, 4, 2, 128), (64, 4, 3, 96),
@@ -104,6 +107,13 @@ def launch_tiles(x, blocks, codes, scales, gated, row_weight, tiles):
     out_rows = blocks.num_positions if gated else blocks.num_pairs
     out = torch.empty(out_rows, n, dtype=torch.bfloat16 if gated else torch.float32, device="cuda")
     gate_limit = LIMIT if gated else None
+    if isinstance(tiles, dict) and tiles.get("WS"):  # x gathered and reordered in the timed call
+        x = grouped._in_kernel_order(x)
+        x = grouped_mxfp4_ws.gather_positions(x, blocks) if gated else x
+        options = {key: value for key, value in tiles.items() if key != "WS"}
+        grouped_mxfp4_ws.launch_prefill(x, blocks, (codes, scales), out, gate_limit, row_weight,
+                                        **options)  # fmt: skip
+        return out
     if isinstance(tiles, dict) and tiles.get("GLUON"):
         options = {key: value for key, value in tiles.items() if key != "GLUON"}
         gluon_decode.launch_decode(grouped._in_kernel_order(x), blocks, (codes, scales), out,
@@ -277,6 +287,11 @@ def main() -> None:
                             {"GLUON": True, **t},
                         )
                         for t in tables
+                    ]
+                if args.gluon and block_m == 128:
+                    candidates += [
+                        (f"ws s{t['stages']} g{t['group_blocks']}", {"WS": True, **t})
+                        for t in grouped_mxfp4_ws.CANDIDATES
                     ]
                 if baseline is not None:
                     candidates.insert(0, ("baseline (autotuned)", None))

@@ -49,6 +49,7 @@ from kernels import (
     check_runnable,
     expert_alignment,
     grouped_mxfp4_gluon,
+    grouped_mxfp4_ws,
     interpreting,
     runs_kernels,
 )
@@ -591,6 +592,12 @@ def grouped_mxfp4_gemm(
         # NOTE: blocks of up to DECODE_MAX_BLOCK_M rows come only where the caller guarantees
         # `decode_tiles_exact(scales)` (`_block_m`); larger ones only with `register_unpack`.
         x = x if x_kernel_order else _in_kernel_order(x)
+        if PREFILL_KERNEL == "gluon-ws" and grouped_mxfp4_ws.runs(x, blocks, codes, n):
+            x = grouped_mxfp4_ws.gather_positions(x, blocks) if gated else x
+            grouped_mxfp4_ws.launch_prefill(x, blocks, weights, out, gate_limit, row_weight,
+                                            out_kernel_order=out_kernel_order,
+                                            **grouped_mxfp4_ws.PREFILL_TILES)  # fmt: skip
+            return out
         tiles = grouped_mxfp4_gluon.decode_tiles(n, k, blocks.block_m, gated)
         grouped_mxfp4_gluon.launch_decode(x, blocks, weights, out, gate_limit, row_weight,
                             out_kernel_order=out_kernel_order, **tiles)  # fmt: skip
@@ -611,7 +618,9 @@ def grouped_mxfp4_gemm(
 DECODE_KERNEL = "gluon"
 # THE CHOICE for blocks of 128 rows (prefill) where the Gluon kernel runs and the caller
 # guarantees its exactness (`register_unpack`): "gluon" (the same kernel, 128 tokens on the
-# wgmma's N) or "triton" (`_prefill_kernel`).
+# wgmma's N), "gluon-ws" (`kernels.grouped_mxfp4_ws`: the same products with TMA loads by a
+# producer warp, where its contract holds; the cp.async kernel elsewhere) or "triton"
+# (`_prefill_kernel`).
 PREFILL_KERNEL = "gluon"
 
 
@@ -621,7 +630,7 @@ def _gluon_runs(x: Tensor, k: int, block_m: int, *, exact_unpack: bool) -> bool:
     if block_m <= DECODE_MAX_BLOCK_M:
         chosen = DECODE_KERNEL == "gluon"
     else:
-        chosen = block_m == 128 and exact_unpack and PREFILL_KERNEL == "gluon"
+        chosen = block_m == 128 and exact_unpack and PREFILL_KERNEL in ("gluon", "gluon-ws")
     return chosen and grouped_mxfp4_gluon.runs_here(x)
 
 

@@ -174,6 +174,43 @@ if AVAILABLE:
         within = program % per_group
         return first + within % size, within // size
 
+    @gluon.jit
+    def _store_block(acc, acc_up, block, tile, out_ptr, pair_of_pos_ptr, row_weight_ptr, N,
+                     gate_limit, stride_om, GATED: gl.constexpr, TOKEN_ROWS: gl.constexpr,
+                     HAS_ROW_WEIGHT: gl.constexpr, STORE_KERNEL_ORDER: gl.constexpr):  # fmt: skip
+        """Store one program's outᵀ tile acc [weight rows, block rows] (gate/up: the clamped
+        SwiGLU of acc and acc_up) at the block's output rows: positions (gate/up) or pairs
+        (down), the routing weight multiplied in where given, padding positions and columns
+        past N not written."""
+        BLOCK_N: gl.constexpr = acc.shape[0]
+        BLOCK_M: gl.constexpr = acc.shape[1]
+        acc_layout: gl.constexpr = acc.type.layout
+        out_pos = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+        pair = gl.load(pair_of_pos_ptr + out_pos)
+        is_row = pair >= 0
+        if GATED:
+            gate = gl.minimum(acc, gate_limit)
+            up = gl.minimum(gl.maximum(acc_up, -gate_limit), gate_limit)
+            acc = gate / (1.0 + gl.exp(-gate)) * up
+        if HAS_ROW_WEIGHT:
+            weight = gl.load(row_weight_ptr + gl.where(is_row, pair, 0), mask=is_row, other=0.0)
+            acc = acc * weight[None, :]
+        out_row = out_pos if TOKEN_ROWS else pair
+        out_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        if STORE_KERNEL_ORDER:  # `grouped_mxfp4_gemm._kernel_order`
+            c = out_n & 127
+            word = c >> 3
+            within = c & 7
+            out_col = (out_n - c) + ((within >> 2) | ((word >> 2) << 1) | ((within & 3) << 3)
+                                     | ((word & 3) << 5))  # fmt: skip
+        else:
+            out_col = out_n
+        gl.store(
+            out_ptr + out_row.to(gl.int64)[None, :] * stride_om + out_col[:, None],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=is_row[None, :] & (out_n < N)[:, None],
+        )
+
     @gluon.jit(do_not_specialize=["num_blocks"])  # step-varying: one variant
     def _decode_kernel(
         x_ptr,
@@ -312,33 +349,12 @@ if AVAILABLE:
                 acc = warpgroup_mma(a_last, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
                 a_odd, a_last = warpgroup_mma_wait(0, deps=(a_odd, a_last))
             acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc_up = acc  # not read
         async_copy.wait_group(0)
 
-        out_pos = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
-        pair = gl.load(pair_of_pos_ptr + out_pos)
-        is_row = pair >= 0
-        if GATED:
-            gate = gl.minimum(acc, gate_limit)
-            up = gl.minimum(gl.maximum(acc_up, -gate_limit), gate_limit)
-            acc = gate / (1.0 + gl.exp(-gate)) * up
-        if HAS_ROW_WEIGHT:
-            weight = gl.load(row_weight_ptr + gl.where(is_row, pair, 0), mask=is_row, other=0.0)
-            acc = acc * weight[None, :]
-        out_row = out_pos if TOKEN_ROWS else pair
-        out_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        if STORE_KERNEL_ORDER:  # `grouped_mxfp4_gemm._kernel_order`
-            c = out_n & 127
-            word = c >> 3
-            within = c & 7
-            out_col = (out_n - c) + ((within >> 2) | ((word >> 2) << 1) | ((within & 3) << 3)
-                                     | ((word & 3) << 5))  # fmt: skip
-        else:
-            out_col = out_n
-        gl.store(
-            out_ptr + out_row.to(gl.int64)[None, :] * stride_om + out_col[:, None],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=is_row[None, :] & (out_n < N)[:, None],
-        )
+        _store_block(acc, acc_up, block, tile, out_ptr, pair_of_pos_ptr,
+                     row_weight_ptr, N, gate_limit, stride_om, GATED, TOKEN_ROWS, HAS_ROW_WEIGHT,
+                     STORE_KERNEL_ORDER)  # fmt: skip
 
 
 def decode_tiles(n: int, k: int, block_m: int, gated: bool) -> dict:
