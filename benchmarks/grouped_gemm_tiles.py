@@ -217,6 +217,7 @@ def main() -> None:
     parser.add_argument("--split-gate-up", action="store_true", help="see the docstring")
     parser.add_argument("--register-unpack", action="store_true", help="see the docstring")
     parser.add_argument("--gluon", action="store_true", help="see the docstring")
+    parser.add_argument("--block-m", type=int, nargs="*", default=[], help="only these block sizes")
     args = parser.parse_args()
     baseline = importlib.import_module(args.baseline) if args.baseline else None
     copy = copy_gbs()
@@ -233,7 +234,8 @@ def main() -> None:
         used = int(torch.unique(ids).numel())
         x = torch.randn(num_tokens, HIDDEN, generator=generator, device="cuda").bfloat16()
         pair_weight = torch.rand(num_tokens * TOP_K, generator=generator, device="cuda")
-        for block_m in sorted({*block_m_of(num_tokens), *args.decode_rows}):
+        chosen = args.block_m or {*block_m_of(num_tokens), *args.decode_rows}
+        for block_m in sorted(chosen):
             blocks = grouped.align_to_experts(ids, EXPERTS, block_m)
             is_pos = blocks.pair_of_pos >= 0
             codes, scales = w["gate_up"]
