@@ -371,6 +371,11 @@ def test_launcher_rejects_layouts_it_cannot_take() -> None:
 
 # Every launch shape the model can take or the benchmark times, on CUDA.
 CUDA_TILES = sorted({*CANDIDATES, FIXED_TILES, *(tiles for _, tiles in TILES)}, key=str)
+# The rotation tests' shapes: a Gluon shape rotates its queries in a `kernels.rope` launch
+# before the kernel, whatever its rows per tile or splits, so the table's Gluon shapes stand
+# for the other candidates there (each Gluon compile takes seconds; the reference test above
+# runs every candidate).
+ROTATION_TILES = [tiles for tiles in CUDA_TILES if not tiles.gluon or tiles in dict(TILES).values()]
 
 
 @pytest.mark.gpu
@@ -430,7 +435,7 @@ def test_unpacked_rows_give_the_same_bits_as_the_plain_decode_on_cuda(case, tile
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], CASES[6]], ids=str)
 def test_rotated_output_equals_output_then_inverse_rope_on_cuda(case) -> None:
-    result = rotation_mismatches((case,), [None, *CUDA_TILES], (torch.bfloat16,), "cuda")
+    result = rotation_mismatches((case,), [None, *ROTATION_TILES], (torch.bfloat16,), "cuda")
     assert result[:-1] == [] and result[-1] < 1e-2
 
 
@@ -446,7 +451,7 @@ def test_rotated_queries_equal_rope_then_attention_on_cuda(case) -> None:
     q_dtypes = (torch.bfloat16, torch.float32) if case == CASES[0] else (torch.bfloat16,)
     decode = case[1] == 1
     result = query_rotation_mismatches(
-        (case,), [None, *CUDA_TILES], q_dtypes, "cuda", tolerance=0.0 if decode else 1e-5
+        (case,), [None, *ROTATION_TILES], q_dtypes, "cuda", tolerance=0.0 if decode else 1e-5
     )
     assert result[:-1] == [] and result[-1] < 1e-3
 
