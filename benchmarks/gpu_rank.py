@@ -5,6 +5,7 @@
                                    [--dense-gemm {bf16,fp8,fp8-weights}]
                                    [--cuda-graph-mode {segments,step}]
                                    [--out DIR]
+                                   [--prefill-expert-kernel {gluon,gluon-ws,triton}]
     python3 benchmarks/gpu_rank.py --smoke            # the `tiny` preset on the CPU, seconds
     python3 benchmarks/gpu_rank.py --batch-invariant [--prefill ..] [--decode ..] [--smoke]
 
@@ -58,6 +59,7 @@ from engine.models import DeepseekV41Config, Numerics, preset_config
 from engine.models.deepseek_v41.config import config_with
 from engine.models.deepseek_v41.random_init import MXFP4_RANDOM_SCALE_EXPONENT, random_model
 from engine.models.deepseek_v41.warm_up import WarmUpStep, synthetic_batch
+from kernels import grouped_mxfp4_gemm
 
 RANK_EXPERTS = 48
 RANK_DSPARK_EXPERTS = 16
@@ -501,6 +503,13 @@ def main() -> None:
     )
     parser.add_argument("--dense-gemm", choices=["bf16", "fp8", "fp8-weights"], default="bf16")
     parser.add_argument(
+        "--prefill-expert-kernel",
+        choices=["gluon", "gluon-ws", "triton"],
+        default=None,
+        help="the expert GEMM's kernel for blocks of 128 rows (`grouped_mxfp4_gemm.PREFILL_KERNEL`;"
+        " default: the launcher's choice)",
+    )
+    parser.add_argument(
         "--engram-vocab",
         type=int,
         default=RANK_ENGRAM_VOCAB,
@@ -532,6 +541,9 @@ def main() -> None:
         dense_fp8=args.dense_gemm != "bf16", dense_fp8_activations=args.dense_gemm == "fp8"
     )
     results["dense_gemm"] = args.dense_gemm
+    if args.prefill_expert_kernel:  # a benchmark's A/B: the module's choice for this process
+        grouped_mxfp4_gemm.PREFILL_KERNEL = args.prefill_expert_kernel
+    results["prefill_expert_kernel"] = grouped_mxfp4_gemm.PREFILL_KERNEL
     model = random_model(cfg, device, dtype, quantized_experts=True, numerics=numerics)
     results["cuda_graphs"] = device.type == "cuda" and not args.eager
     step_graphs = results["cuda_graphs"] and args.cuda_graph_mode == "step"
