@@ -175,6 +175,17 @@ if AVAILABLE:
         return first + within % size, within // size
 
     @gluon.jit
+    def _block_and_tile(num_blocks, num_tiles, GROUP_BLOCKS: gl.constexpr):
+        """This program's (block, column tile): in groups of GROUP_BLOCKS blocks on a one-axis
+        grid (`_grouped_program`), or on a two-axis grid with the blocks fastest (0)."""
+        if GROUP_BLOCKS:
+            block, tile = _grouped_program(num_blocks, num_tiles, GROUP_BLOCKS)
+        else:
+            block = gl.program_id(0)
+            tile = gl.program_id(1)
+        return block, tile
+
+    @gluon.jit
     def _store_block(acc, acc_up, block, tile, out_ptr, pair_of_pos_ptr, row_weight_ptr, N,
                      gate_limit, stride_om, GATED: gl.constexpr, TOKEN_ROWS: gl.constexpr,
                      HAS_ROW_WEIGHT: gl.constexpr, STORE_KERNEL_ORDER: gl.constexpr):  # fmt: skip
@@ -253,11 +264,7 @@ if AVAILABLE:
             [BLOCK_M, _STEP_K], gl.bfloat16
         )
 
-        if GROUP_BLOCKS:
-            block, tile = _grouped_program(num_blocks, gl.cdiv(N, BLOCK_N), GROUP_BLOCKS)
-        else:  # a two-axis grid, blocks fastest
-            block = gl.program_id(0)
-            tile = gl.program_id(1)
+        block, tile = _block_and_tile(num_blocks, gl.cdiv(N, BLOCK_N), GROUP_BLOCKS)
         expert = gl.load(block_expert_ptr + block)
         if expert < 0:
             return

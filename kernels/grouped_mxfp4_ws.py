@@ -79,7 +79,7 @@ if AVAILABLE:
     _unpack = grouped_mxfp4_gluon._unpack
     _words_layout = grouped_mxfp4_gluon._words_layout
     _acc_layout = grouped_mxfp4_gluon._acc_layout
-    _grouped_program = grouped_mxfp4_gluon._grouped_program
+    _block_and_tile = grouped_mxfp4_gluon._block_and_tile
     _store_block = grouped_mxfp4_gluon._store_block
 
     @gluon.jit
@@ -222,11 +222,7 @@ if AVAILABLE:
     ):
         BLOCK_ROWS: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_W: gl.constexpr = codes_desc.block_type.shape[0]
-        if GROUP_BLOCKS:
-            block, tile = _grouped_program(num_blocks, gl.cdiv(N, BLOCK_W), GROUP_BLOCKS)
-        else:
-            block = gl.program_id(0)
-            tile = gl.program_id(1)
+        block, tile = _block_and_tile(num_blocks, gl.cdiv(N, BLOCK_W), GROUP_BLOCKS)
         expert = gl.load(block_expert_ptr + block)
         if expert < 0:
             return
