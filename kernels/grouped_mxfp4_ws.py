@@ -153,9 +153,11 @@ if AVAILABLE:
             words_up = words_up_smem.index(step % STAGES).load(_words_layout(gl.num_warps()))
             # the up of step - 1 done: its A registers and its slot's x are free
             acc_up, a_up = warpgroup_mma_wait(1, deps=(acc_up, a_up))
-            _release(empty, step - 1, step > 0)
             a_up = _unpack(words_up, scales_up, a_layout)
             acc_up = warpgroup_mma(a_up, x_tile, acc_up, is_async=True)
+            # released after the up's product is issued, not before: membar's barrier ahead of
+            # the arrive then also orders the wgmma (one 256-thread barrier fewer a step)
+            _release(empty, step - 1, step > 0)
             acc, a = warpgroup_mma_wait(1, deps=(acc, a))  # the gate of this step done
             scales = scales_next
             scales_up = scales_up_next
