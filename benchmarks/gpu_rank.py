@@ -6,6 +6,7 @@
                                    [--cuda-graph-mode {segments,step}]
                                    [--out DIR]
                                    [--prefill-expert-kernel {gluon,gluon-ws,triton}]
+                                   [--decode-expert-kernel {gluon,gluon-ws,triton}]
     python3 benchmarks/gpu_rank.py --smoke            # the `tiny` preset on the CPU, seconds
     python3 benchmarks/gpu_rank.py --batch-invariant [--prefill ..] [--decode ..] [--smoke]
 
@@ -502,13 +503,14 @@ def main() -> None:
         help="step: decode steps replay whole from one CUDA graph each (`step_graph.py`)",
     )
     parser.add_argument("--dense-gemm", choices=["bf16", "fp8", "fp8-weights"], default="bf16")
-    parser.add_argument(
-        "--prefill-expert-kernel",
-        choices=["gluon", "gluon-ws", "triton"],
-        default=None,
-        help="the expert GEMM's kernel for blocks of 128 rows (`grouped_mxfp4_gemm.PREFILL_KERNEL`;"
-        " default: the launcher's choice)",
-    )
+    for phase, blocks in (("prefill", "blocks of 128 rows"), ("decode", "decode blocks")):
+        parser.add_argument(
+            f"--{phase}-expert-kernel",
+            choices=["gluon", "gluon-ws", "triton"],
+            default=None,
+            help=f"the expert GEMM's kernel for {blocks} (`grouped_mxfp4_gemm."
+            f"{phase.upper()}_KERNEL`; default: the launcher's choice)",
+        )
     parser.add_argument(
         "--engram-vocab",
         type=int,
@@ -543,7 +545,10 @@ def main() -> None:
     results["dense_gemm"] = args.dense_gemm
     if args.prefill_expert_kernel:  # a benchmark's A/B: the module's choice for this process
         grouped_mxfp4_gemm.PREFILL_KERNEL = args.prefill_expert_kernel
+    if args.decode_expert_kernel:
+        grouped_mxfp4_gemm.DECODE_KERNEL = args.decode_expert_kernel
     results["prefill_expert_kernel"] = grouped_mxfp4_gemm.PREFILL_KERNEL
+    results["decode_expert_kernel"] = grouped_mxfp4_gemm.DECODE_KERNEL
     model = random_model(cfg, device, dtype, quantized_experts=True, numerics=numerics)
     results["cuda_graphs"] = device.type == "cuda" and not args.eager
     step_graphs = results["cuda_graphs"] and args.cuda_graph_mode == "step"

@@ -17,9 +17,9 @@ decode kernel's in-register unpack at each of `REGISTER_PREFILL_CANDIDATES` (BLO
 `--gluon`: decode blocks also run the Gluon decode kernel (`kernels.grouped_mxfp4_gluon`) at
 each of its `CANDIDATES` (warps, ring slots), and blocks of 128 rows (prefill, `--tokens 4096`)
 at its `PREFILL_CANDIDATES`, x reordered into the kernel's K order inside the timed call as the
-Triton kernel's launcher does; blocks of 128 also the warp-specialized TMA kernel
-(`kernels.grouped_mxfp4_ws`) at its `CANDIDATES`, the gate/up's x gathered into position
-order inside the timed call.
+Triton kernel's launcher does; also the warp-specialized TMA kernel (`kernels.grouped_mxfp4_ws`)
+at its `DECODE_CANDIDATES` (blocks of up to 64) or `PREFILL_CANDIDATES` (128), the gate/up's x
+gathered into position order inside the timed call.
 
 `--split-gate-up`: instead of the sweep, gate/up as the table runs it (one fused launch per
 block size) against the split candidate at blocks of 32 and 64 rows: one ungated decode-kernel
@@ -111,8 +111,8 @@ def launch_tiles(x, blocks, codes, scales, gated, row_weight, tiles):
         x = grouped._in_kernel_order(x)
         x = grouped_mxfp4_ws.gather_positions(x, blocks) if gated else x
         options = {key: value for key, value in tiles.items() if key != "WS"}
-        grouped_mxfp4_ws.launch_prefill(x, blocks, (codes, scales), out, gate_limit, row_weight,
-                                        **options)  # fmt: skip
+        grouped_mxfp4_ws.launch(x, blocks, (codes, scales), out, gate_limit, row_weight,
+                                **options)  # fmt: skip
         return out
     if isinstance(tiles, dict) and tiles.get("GLUON"):
         options = {key: value for key, value in tiles.items() if key != "GLUON"}
@@ -290,10 +290,19 @@ def main() -> None:
                         )
                         for t in tables
                     ]
-                if args.gluon and block_m == 128:
+                if args.gluon and (gluon_rows and block_m <= 64 or block_m == 128):
+                    ws_tables = (
+                        grouped_mxfp4_ws.PREFILL_CANDIDATES
+                        if block_m == 128
+                        else grouped_mxfp4_ws.DECODE_CANDIDATES
+                    )
                     candidates += [
-                        (f"ws s{t['stages']} g{t['group_blocks']}", {"WS": True, **t})
-                        for t in grouped_mxfp4_ws.CANDIDATES
+                        (
+                            f"ws w{t['num_warps']} s{t['stages']} g{t['group_blocks']} "
+                            f"r{t['max_registers']}",
+                            {"WS": True, **t},
+                        )
+                        for t in ws_tables
                     ]
                 if baseline is not None:
                     candidates.insert(0, ("baseline (autotuned)", None))

@@ -592,11 +592,13 @@ def grouped_mxfp4_gemm(
         # NOTE: blocks of up to DECODE_MAX_BLOCK_M rows come only where the caller guarantees
         # `decode_tiles_exact(scales)` (`_block_m`); larger ones only with `register_unpack`.
         x = x if x_kernel_order else _in_kernel_order(x)
-        if PREFILL_KERNEL == "gluon-ws" and grouped_mxfp4_ws.runs(x, blocks, codes, n):
+        choice = PREFILL_KERNEL if blocks.block_m > DECODE_MAX_BLOCK_M else DECODE_KERNEL
+        ws_tiles = grouped_mxfp4_ws.tiles(blocks.block_m, gated)
+        if choice == "gluon-ws" and grouped_mxfp4_ws.runs(x, blocks, codes, n,
+                                                          ws_tiles["num_warps"]):  # fmt: skip
             x = grouped_mxfp4_ws.gather_positions(x, blocks) if gated else x
-            grouped_mxfp4_ws.launch_prefill(x, blocks, weights, out, gate_limit, row_weight,
-                                            out_kernel_order=out_kernel_order,
-                                            **grouped_mxfp4_ws.PREFILL_TILES)  # fmt: skip
+            grouped_mxfp4_ws.launch(x, blocks, weights, out, gate_limit, row_weight,
+                                    out_kernel_order=out_kernel_order, **ws_tiles)  # fmt: skip
             return out
         tiles = grouped_mxfp4_gluon.decode_tiles(n, k, blocks.block_m, gated)
         grouped_mxfp4_gluon.launch_decode(x, blocks, weights, out, gate_limit, row_weight,
@@ -613,8 +615,10 @@ def grouped_mxfp4_gemm(
 
 
 # THE CHOICE of the decode kernel where both run (Hopper, K a multiple of 128): "gluon"
-# (`kernels.grouped_mxfp4_gluon`: cp.async ring, asynchronous wgmma) or "triton"
-# (`_decode_kernel`). Elsewhere the Triton kernel runs.
+# (`kernels.grouped_mxfp4_gluon`: cp.async ring, asynchronous wgmma), "gluon-ws"
+# (`kernels.grouped_mxfp4_ws`: the same products with TMA loads by a producer warp, where its
+# contract holds; the cp.async kernel elsewhere) or "triton" (`_decode_kernel`). Elsewhere the
+# Triton kernel runs.
 DECODE_KERNEL = "gluon"
 # THE CHOICE for blocks of 128 rows (prefill) where the Gluon kernel runs and the caller
 # guarantees its exactness (`register_unpack`): "gluon" (the same kernel, 128 tokens on the
@@ -628,7 +632,7 @@ def _gluon_runs(x: Tensor, k: int, block_m: int, *, exact_unpack: bool) -> bool:
     if k % grouped_mxfp4_gluon.STEP_K:
         return False
     if block_m <= DECODE_MAX_BLOCK_M:
-        chosen = DECODE_KERNEL == "gluon"
+        chosen = DECODE_KERNEL in ("gluon", "gluon-ws")
     else:
         chosen = block_m == 128 and exact_unpack and PREFILL_KERNEL in ("gluon", "gluon-ws")
     return chosen and grouped_mxfp4_gluon.runs_here(x)

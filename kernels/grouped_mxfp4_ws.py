@@ -1,6 +1,7 @@
-"""The grouped MXFP4 GEMM's prefill blocks (128 token rows) on Hopper, warp-specialized: the
-product of `grouped_mxfp4_gluon._decode_kernel` (outᵀ = W · xᵀ per expert block, the weights
-unpacked in registers as the wgmma's A operand) with the loads moved off the computing warps.
+"""The grouped MXFP4 GEMM on Hopper, warp-specialized: the product of
+`grouped_mxfp4_gluon._decode_kernel` (outᵀ = W · xᵀ per expert block, the weights unpacked in
+registers as the wgmma's A operand) with the loads moved off the computing warps, for prefill's
+blocks of 128 rows and decode's of 16 to 64 (`tiles`).
 
 What held the cp.async kernel at prefill (Nsight Compute, 2026-12-07, docs/performance.md "What
 holds the prefill gate/up now"): one 8-warp program per SM, each step's 13 cp.async per thread
@@ -10,22 +11,30 @@ idle 45 % of the time. Here:
 * one producer warp issues each step's TMA copies (the weight words of the gate and up rows,
   the block's 128 x rows) into a ring of STAGES slots; each slot's `ready` mbarrier counts the
   bytes in, its `empty` mbarrier is the consumers' release;
-* the two consumer warpgroups (the default partition, 8 warps) only wait for a slot, unpack the
-  words into the wgmma's A registers (`grouped_mxfp4_gluon._unpack`) and multiply; the scales
+* the consumer warps (the default partition: two warpgroups at prefill, 128 weight rows; one
+  at decode, 64 rows, three programs per SM) only wait for a slot, unpack the words into the
+  wgmma's A registers (`grouped_mxfp4_gluon._unpack`) and multiply; the scales
   (four bytes a row a step) come by plain loads one step ahead, because a TMA copy needs 16-byte
   global strides and the down's scale rows are 72 bytes;
 * TMA needs x as 2-D tiles: the down's x (the gate/up output at positions) is that already;
   the gate/up's x rows are the block's token rows, so the launcher gathers them into position
-  order first (`gather_positions`: one copy, folded into the K reordering copy the cp.async
-  kernel's launcher made anyway).
+  order first (`gather_positions`: one copy after the K reordering copy the cp.async kernel's
+  launcher makes anyway; at decode the cp.async kernel's path (`cp.async.mbarrier.arrive`
+  gathers by the producer) would avoid it, not built).
+
+At decode the cp.async kernel's consumers also load: 13 `cp.async` a step and two CTA barriers
+(Nsight Compute at 256 tokens, 2026-12-07: short scoreboard, wait, dispatch and barrier stalls
+at three 4-warp programs per SM, 0.5 instructions issued per scheduler cycle). Here three
+programs per SM keep the same twelve consumer warps, with only the unpack and the products.
 
 The same bits as `grouped_mxfp4_gluon` (same unpack, same products in the same K order, same
 epilogue): the `gpu` tests compare both with the torch reference
 `grouped_mxfp4_gemm.grouped_mxfp4_gemm_reference` and with each other.
 
-Contract (the launcher checks it): blocks of 128 rows, K a multiple of 128, N a multiple of
-128, x in the kernel's K order, codes and scales [E, N_w, ·] with each expert's rows contiguous
-(a TMA tile is a 2-D box of the [E · N_w, K / 8] word view), 16-byte aligned code rows.
+Contract (the launcher checks it, `runs`): blocks of 16, 32, 64 or 128 rows, K a multiple of
+128, N a multiple of the program's weight rows (16 · num_warps), x in the kernel's K order with
+16-byte aligned rows, codes and scales [E, N_w, ·] with each expert's rows contiguous (a TMA tile
+is a 2-D box of the [E · N_w, K / 8] word view), 16-byte aligned code rows.
 """
 
 from __future__ import annotations
@@ -55,21 +64,36 @@ try:
 except (ImportError, AttributeError):  # a Triton without (this) Gluon
     AVAILABLE = False
 
-BLOCK_M = 128  # token rows of a block: the wgmma's N
-BLOCK_N = 128  # weight rows of a program: two warpgroups of 64
 STEP_K = grouped_mxfp4_gluon.STEP_K
-NUM_WARPS = 8  # the consumers; the producer warp comes on top (a fourth warpgroup's first warp)
-# With the producer's warpgroup the kernel has 12 warps: 168 registers a thread at launch,
-# then the producer gives its registers up (24) and the consumers take 240.
-MAX_REGISTERS = 168
+BLOCK_SIZES = (16, 32, 64, 128)  # token rows of a block: the wgmma's N
 PRODUCER_REGISTERS = 24
-# The launch options `launch_prefill` takes by default (ring slots; programs in groups of this
-# many blocks, as `grouped_mxfp4_gluon._grouped_program`), and those the sweeps and `gpu` tests
-# run. Compiled for sm90 here (Triton 3.6): 240 registers in the consumers, no spills; shared
-# memory 197 KB (gate/up) and 164 KB (down) at 4 slots. Not yet run on a GPU.
-PREFILL_TILES = {"stages": 4, "group_blocks": 8}
-CANDIDATES: tuple[dict, ...] = tuple(
-    {"stages": stages, "group_blocks": group} for stages in (3, 4) for group in (0, 8)
+# The producer warp comes on top of the consumers' `num_warps` as the first warp of one more
+# warpgroup, so a program holds num_warps + 4 warps: `max_registers` is the launch's cap on each
+# (168 with 8 consumer warps: one program per SM, the consumers re-allocated to 240; 80 with 4:
+# three per SM, the consumers at 136), the producer then gives its registers up.
+
+
+def tiles(block_m: int, gated: bool) -> dict:
+    """The launch options for a block size (`launch`'s keywords). Compiled for sm90 here (Triton
+    3.6), no spills: prefill (blocks of 128) 8 consumer warps at 240 registers, 4 slots, 197 KB
+    (gate/up) and 164 KB (down) of shared memory, programs in groups of 8 blocks; decode 4
+    consumer warps at 136 registers, 4 slots (gate/up, 66 KB at blocks of 32) or 6 (down, 74
+    KB), three programs per SM. Not yet run on a GPU."""
+    if block_m == 128:
+        return {"num_warps": 8, "stages": 4, "group_blocks": 8, "max_registers": 168}
+    return {"num_warps": 4, "stages": 4 if gated else 6, "group_blocks": 0, "max_registers": 80}
+
+
+# What the sweeps (`benchmarks/grouped_gemm_tiles.py --gluon`) and the `gpu` tests run.
+PREFILL_CANDIDATES: tuple[dict, ...] = tuple(
+    {"num_warps": 8, "stages": stages, "group_blocks": group, "max_registers": 168}
+    for stages in (3, 4)
+    for group in (0, 8)
+)
+DECODE_CANDIDATES: tuple[dict, ...] = tuple(
+    {"num_warps": 4, "stages": stages, "group_blocks": 0, "max_registers": cap}
+    for stages in (4, 6)
+    for cap in (80, 128)
 )
 
 
@@ -201,7 +225,7 @@ if AVAILABLE:
         return acc, acc
 
     @gluon.jit(do_not_specialize=["num_blocks"])  # step-varying: one variant
-    def _prefill_ws_kernel(
+    def _ws_kernel(
         x_desc,
         codes_desc,
         scales_ptr,
@@ -288,10 +312,11 @@ if AVAILABLE:
                      STORE_KERNEL_ORDER)  # fmt: skip
 
 
-def runs(x: Tensor, blocks: ExpertBlocks, codes: Tensor, n: int) -> bool:
-    """Whether this kernel takes the launch: Gluon with warp specialization on an sm90 device,
-    x's rows 16-byte aligned, blocks of 128 rows, K and N multiples of 128, each expert's code
-    rows contiguous and 16-byte aligned (`launch_prefill`'s contract)."""
+def runs(x: Tensor, blocks: ExpertBlocks, codes: Tensor, n: int, num_warps: int = 8) -> bool:
+    """Whether this kernel takes the launch (the module docstring's contract) with `num_warps`
+    consumer warps: Gluon with warp specialization on an sm90 device, x's rows 16-byte aligned,
+    blocks of `BLOCK_SIZES` rows, K a multiple of 128 and N of the program's 16 · num_warps
+    weight rows, each expert's code rows contiguous and 16-byte aligned."""
     k = x.shape[1]
     return (
         AVAILABLE
@@ -299,9 +324,10 @@ def runs(x: Tensor, blocks: ExpertBlocks, codes: Tensor, n: int) -> bool:
         and x.stride(1) == 1
         and x.stride(0) % 8 == 0
         and x.data_ptr() % 16 == 0
-        and blocks.block_m == BLOCK_M
+        and blocks.block_m in BLOCK_SIZES
+        and num_warps in (4, 8)
         and k % STEP_K == 0
-        and n % BLOCK_N == 0
+        and n % (16 * num_warps) == 0
         and codes.stride(0) == codes.shape[1] * codes.stride(1)
         and codes.stride(2) == 1
         and codes.data_ptr() % 16 == 0
@@ -316,7 +342,7 @@ def gather_positions(x: Tensor, blocks: ExpertBlocks) -> Tensor:
     return x.index_select(0, token)
 
 
-def launch_prefill(
+def launch(
     x: Tensor,
     blocks: ExpertBlocks,
     weights: tuple[Tensor, Tensor],
@@ -324,35 +350,45 @@ def launch_prefill(
     gate_limit: float | None,
     row_weight: Tensor | None,
     *,
+    num_warps: int = 8,
     stages: int = 4,
     group_blocks: int = 8,
+    max_registers: int = 168,
     out_kernel_order: bool = False,
 ) -> None:
-    """`_prefill_ws_kernel` over `blocks`: x bf16 [num_positions, K] at the block positions
-    (gate/up: `gather_positions` of the token rows) in the kernel's K order, weights (codes
-    int8 [E, N_w, K/2], scales uint8 [E, N_w, K/32]), out [positions or pairs, N] written at
-    the block's rows. `runs` says whether the launch is this kernel's.
+    """`_ws_kernel` over `blocks`: x bf16 [num_positions, K] at the block positions (gate/up:
+    `gather_positions` of the token rows) in the kernel's K order, weights (codes int8
+    [E, N_w, K/2], scales uint8 [E, N_w, K/32]), out [positions or pairs, N] written at the
+    block's rows. num_warps consumer warps (16 · num_warps weight rows a program), `stages`
+    ring slots, programs in groups of `group_blocks` blocks (0: a two-axis grid), the launch's
+    register cap `max_registers` (`tiles` gives all four by block size). `runs` says whether
+    the launch is this kernel's.
 
     Raises:
-        ValueError: a shape this kernel does not take (`runs`), or fewer than two ring slots.
+        ValueError: a shape this kernel does not take (`runs`), fewer than two ring slots, or a
+            register cap the consumers cannot run under.
     """
     codes, scales = weights
     n = out.shape[1]
-    if not runs(x, blocks, codes, n) or x.shape[0] != blocks.num_positions or stages < 2:
-        raise ValueError(f"x {tuple(x.shape)}, blocks of {blocks.block_m}, N {n}, {stages} "
-                         "stages: not this kernel")  # fmt: skip
+    if not runs(x, blocks, codes, n, num_warps) or x.shape[0] != blocks.num_positions:
+        raise ValueError(f"x {tuple(x.shape)}, blocks of {blocks.block_m}, N {n}, "
+                         f"{num_warps} warps: not this kernel")  # fmt: skip
+    if stages < 2 or not 64 <= max_registers <= 255 or group_blocks < 0:
+        raise ValueError(f"{stages} stages, register cap {max_registers}, groups of "
+                         f"{group_blocks}: not launch options of this kernel")  # fmt: skip
     if scales.stride(1) % 4 or scales.stride(0) % 4 or scales.data_ptr() % 4:
         raise ValueError("scale rows must start on 4-byte boundaries")
+    block_n = 16 * num_warps
     words = codes.view(torch.int32).view(-1, codes.shape[2] // 4)
     words_shared = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    codes_desc = TensorDescriptor.from_tensor(words, [BLOCK_N, STEP_K // 8], words_shared)
-    x_shared = gl.NVMMASharedLayout.get_default_for([BLOCK_M, STEP_K], gl.bfloat16)
-    x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, STEP_K], x_shared)
+    codes_desc = TensorDescriptor.from_tensor(words, [block_n, STEP_K // 8], words_shared)
+    x_shared = gl.NVMMASharedLayout.get_default_for([blocks.block_m, STEP_K], gl.bfloat16)
+    x_desc = TensorDescriptor.from_tensor(x, [blocks.block_m, STEP_K], x_shared)
     num_blocks = blocks.block_expert.numel()
-    grid = (num_blocks, n // BLOCK_N)
+    grid = (num_blocks, n // block_n)
     if group_blocks:
         grid = (grid[0] * grid[1],)
-    _prefill_ws_kernel[grid](
+    _ws_kernel[grid](
         x_desc,
         codes_desc,
         scales.view(torch.uint8),
@@ -372,6 +408,6 @@ def launch_prefill(
         STAGES=stages,
         STORE_KERNEL_ORDER=out_kernel_order,
         GROUP_BLOCKS=group_blocks,
-        num_warps=NUM_WARPS,
-        maxnreg=MAX_REGISTERS,
+        num_warps=num_warps,
+        maxnreg=max_registers,
     )
