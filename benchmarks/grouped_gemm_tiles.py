@@ -108,8 +108,7 @@ def launch_tiles(x, blocks, codes, scales, gated, row_weight, tiles):
     out = torch.empty(out_rows, n, dtype=torch.bfloat16 if gated else torch.float32, device="cuda")
     gate_limit = LIMIT if gated else None
     if isinstance(tiles, dict) and tiles.get("WS"):  # x gathered and reordered in the timed call
-        x = grouped._in_kernel_order(x)
-        x = grouped_mxfp4_ws.gather_positions(x, blocks) if gated else x
+        x = grouped.rows_at_positions(x, blocks) if gated else grouped._in_kernel_order(x)
         options = {key: value for key, value in tiles.items() if key != "WS"}
         grouped_mxfp4_ws.launch(x, blocks, (codes, scales), out, gate_limit, row_weight,
                                 **options)  # fmt: skip

@@ -190,6 +190,48 @@ def _in_kernel_order(x: Tensor) -> Tensor:
     return x.view(x.shape[0], k // 128, 128)[:, :, _kernel_columns(x.device)].view(-1, k)
 
 
+@triton.jit
+def _rows_at_positions_kernel(
+    x_ptr, pair_of_pos_ptr, out_ptr, K, stride_x, stride_out, TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, KERNEL_ORDER: tl.constexpr,
+):  # fmt: skip
+    pos = tl.program_id(0)
+    pair = tl.load(pair_of_pos_ptr + pos)
+    token = tl.where(pair >= 0, pair // TOP_K, 0).to(tl.int64)
+    for k0 in range(0, K, BLOCK_K):
+        n = k0 + tl.arange(0, BLOCK_K)
+        values = tl.load(x_ptr + token * stride_x + n, mask=n < K)
+        column = _kernel_order(n) if KERNEL_ORDER else n
+        tl.store(out_ptr + pos.to(tl.int64) * stride_out + column, values, mask=n < K)
+
+
+def rows_at_positions(x: Tensor, blocks: ExpertBlocks, kernel_order: bool = True) -> Tensor:
+    """x's token rows at the blocks' positions ([num_positions, K]; padding positions take row
+    0, whose products are never stored), each 128 columns in the kernel's K order unless x is
+    in it already (`kernel_order` False): the gate/up's x as 2-D tiles for the warp-specialized
+    kernel's TMA copies (`grouped_mxfp4_ws`), in one launch. The torch reference is
+    `_in_kernel_order(x)[token]` (`rows_at_positions_reference`)."""
+    k = x.shape[1]
+    if x.stride(1) != 1 or (kernel_order and k % 128):
+        raise ValueError(f"x must be [rows, K] of unit column stride, K % 128 == 0 (K = {k})")
+    check_runnable(x, "rows_at_positions")
+    out = torch.empty(blocks.num_positions, k, dtype=x.dtype, device=x.device)
+    if blocks.num_positions and k:
+        _rows_at_positions_kernel[(blocks.num_positions,)](
+            x, blocks.pair_of_pos, out, k, x.stride(0), out.stride(0), TOP_K=blocks.top_k,
+            BLOCK_K=1024, KERNEL_ORDER=kernel_order,
+        )  # fmt: skip
+    return out
+
+
+def rows_at_positions_reference(
+    x: Tensor, blocks: ExpertBlocks, kernel_order: bool = True
+) -> Tensor:
+    """`rows_at_positions` in torch."""
+    token = torch.where(blocks.pair_of_pos >= 0, blocks.pair_of_pos // blocks.top_k, 0)
+    return (_in_kernel_order(x) if kernel_order else x)[token.long()]
+
+
 @functools.cache
 def _kernel_columns(device: torch.device) -> Tensor:
     """`_x_columns` as an index: x's columns in the kernel's K order, per 128."""
@@ -591,15 +633,18 @@ def grouped_mxfp4_gemm(
     elif _gluon_runs(x, k, blocks.block_m, exact_unpack=register_unpack):
         # NOTE: blocks of up to DECODE_MAX_BLOCK_M rows come only where the caller guarantees
         # `decode_tiles_exact(scales)` (`_block_m`); larger ones only with `register_unpack`.
-        x = x if x_kernel_order else _in_kernel_order(x)
         choice = PREFILL_KERNEL if blocks.block_m > DECODE_MAX_BLOCK_M else DECODE_KERNEL
         ws_tiles = grouped_mxfp4_ws.tiles(blocks.block_m, gated)
         if choice == "gluon-ws" and grouped_mxfp4_ws.runs(x, blocks, codes, n,
                                                           ws_tiles["num_warps"]):  # fmt: skip
-            x = grouped_mxfp4_ws.gather_positions(x, blocks) if gated else x
+            if gated:  # token rows into position order (and the K order) for the TMA tiles
+                x = rows_at_positions(x, blocks, kernel_order=not x_kernel_order)
+            elif not x_kernel_order:
+                x = _in_kernel_order(x)
             grouped_mxfp4_ws.launch(x, blocks, weights, out, gate_limit, row_weight,
                                     out_kernel_order=out_kernel_order, **ws_tiles)  # fmt: skip
             return out
+        x = x if x_kernel_order else _in_kernel_order(x)
         tiles = grouped_mxfp4_gluon.decode_tiles(n, k, blocks.block_m, gated)
         grouped_mxfp4_gluon.launch_decode(x, blocks, weights, out, gate_limit, row_weight,
                             out_kernel_order=out_kernel_order, **tiles)  # fmt: skip

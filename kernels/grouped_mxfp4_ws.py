@@ -18,9 +18,9 @@ idle 45 % of the time. Here:
   global strides and the down's scale rows are 72 bytes;
 * TMA needs x as 2-D tiles: the down's x (the gate/up output at positions) is that already;
   the gate/up's x rows are the block's token rows, so the launcher gathers them into position
-  order first (`gather_positions`: one copy after the K reordering copy the cp.async kernel's
-  launcher makes anyway; at decode the cp.async kernel's path (`cp.async.mbarrier.arrive`
-  gathers by the producer) would avoid it, not built).
+  order first (`grouped_mxfp4_gemm.rows_at_positions`: one launch that also writes the K order,
+  in place of the K reordering copy the cp.async kernel's launcher makes; a producer gathering
+  rows by `cp.async` with `cp.async.mbarrier.arrive` would avoid the copy, not built).
 
 At decode the cp.async kernel's consumers also load: 13 `cp.async` a step and two CTA barriers
 (Nsight Compute at 256 tokens, 2026-12-07: short scoreboard, wait, dispatch and barrier stalls
@@ -335,13 +335,6 @@ def runs(x: Tensor, blocks: ExpertBlocks, codes: Tensor, n: int, num_warps: int 
     )
 
 
-def gather_positions(x: Tensor, blocks: ExpertBlocks) -> Tensor:
-    """x's token rows at the blocks' positions ([num_positions, K]; padding positions take row
-    0, whose products are never stored): the gate/up's x as 2-D tiles for TMA."""
-    token = torch.where(blocks.pair_of_pos >= 0, blocks.pair_of_pos // blocks.top_k, 0)
-    return x.index_select(0, token)
-
-
 def launch(
     x: Tensor,
     blocks: ExpertBlocks,
@@ -357,12 +350,12 @@ def launch(
     out_kernel_order: bool = False,
 ) -> None:
     """`_ws_kernel` over `blocks`: x bf16 [num_positions, K] at the block positions (gate/up:
-    `gather_positions` of the token rows) in the kernel's K order, weights (codes int8
-    [E, N_w, K/2], scales uint8 [E, N_w, K/32]), out [positions or pairs, N] written at the
-    block's rows. num_warps consumer warps (16 · num_warps weight rows a program), `stages`
-    ring slots, programs in groups of `group_blocks` blocks (0: a two-axis grid), the launch's
-    register cap `max_registers` (`tiles` gives all four by block size). `runs` says whether
-    the launch is this kernel's.
+    `grouped_mxfp4_gemm.rows_at_positions` of the token rows) in the kernel's K order, weights
+    (codes int8 [E, N_w, K/2], scales uint8 [E, N_w, K/32]), out [positions or pairs, N]
+    written at the block's rows. num_warps consumer warps (16 · num_warps weight rows a
+    program), `stages` ring slots, programs in groups of `group_blocks` blocks (0: a two-axis
+    grid), the launch's register cap `max_registers` (`tiles` gives all four by block size).
+    `runs` says whether the launch is this kernel's.
 
     Raises:
         ValueError: a shape this kernel does not take (`runs`), fewer than two ring slots, or a

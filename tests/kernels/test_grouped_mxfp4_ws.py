@@ -14,7 +14,7 @@ from kernels import grouped_mxfp4_gemm as grouped
 from kernels import grouped_mxfp4_gluon as gluon_decode
 from kernels import grouped_mxfp4_ws as ws
 from kernels.grouped_mxfp4_gemm import align_to_experts, grouped_mxfp4_gemm_reference
-from tests.kernels.interpreted import compile_for_hopper
+from tests.kernels.interpreted import compile_for_hopper, run_interpreted
 from tests.kernels.test_grouped_mxfp4_gemm import _relative_error, _routing, decode_expert_weights
 from tests.kernels.test_grouped_mxfp4_gluon import _tiles_id
 
@@ -64,8 +64,8 @@ def test_every_candidate_gives_the_cp_async_kernels_bits(tiles: dict, shape: tup
     for launch in ("ws", "cp.async"):
         act = torch.full((blocks.num_positions, inter), float("nan"), device="cuda").bfloat16()
         if launch == "ws":
-            ws.launch(ws.gather_positions(x_ordered, blocks), blocks, (w13, s13), act, 7.0,
-                      None, out_kernel_order=True, **tiles)  # fmt: skip
+            ws.launch(grouped.rows_at_positions(x, blocks), blocks, (w13, s13), act, 7.0, None,
+                      out_kernel_order=True, **tiles)  # fmt: skip
         else:
             gluon_decode.launch_decode(x_ordered, blocks, (w13, s13), act, 7.0, None,
                                        out_kernel_order=True, **cp_async)  # fmt: skip
@@ -127,15 +127,27 @@ def test_contract_refused_off_hopper_and_off_its_shapes() -> None:
         ws.launch(x, blocks, (codes, scales), out, 7.0, None)
 
 
-def test_gather_positions_takes_each_positions_token_row() -> None:
-    routing = torch.tensor([[0, 1], [1, 2], [0, 2]])
-    blocks = align_to_experts(routing, 3, 128)
-    x = torch.arange(3 * 4, dtype=torch.float32).view(3, 4)
-    gathered = ws.gather_positions(x, blocks)
-    pair = blocks.pair_of_pos
-    assert gathered.shape == (blocks.num_positions, 4)
-    assert torch.equal(gathered[pair >= 0], x[pair[pair >= 0] // blocks.top_k])
-    assert torch.equal(gathered[pair < 0], x[0].expand(int((pair < 0).sum()), 4))
+def test_rows_at_positions_matches_its_reference_in_the_interpreter() -> None:
+    """One launch gathers each position's token row (padding positions: row 0) in the kernel's
+    K order, or as it is: the torch reference's rows bit for bit, at K of 384 (a tail under
+    the launch's 1,024 columns) and 2,304."""
+    result = run_interpreted(_ROWS_AT_POSITIONS)
+    assert result == [True, True, True, True]
+
+
+_ROWS_AT_POSITIONS = """
+import json, torch
+from kernels import grouped_mxfp4_gemm as grouped
+routing = torch.tensor([[0, 1], [1, 2], [0, 2], [2, 1], [1, 0]])
+blocks = grouped.align_to_experts(routing, 3, 16)
+same = []
+for k in (384, 2304):
+    x = torch.randn(5, k).bfloat16()
+    for order in (True, False):
+        ours = grouped.rows_at_positions(x, blocks, kernel_order=order)
+        same.append(torch.equal(ours, grouped.rows_at_positions_reference(x, blocks, order)))
+print(json.dumps(same))
+"""
 
 
 @pytest.mark.slow
